@@ -1,0 +1,246 @@
+"""Frozen configuration dataclasses: the single source of option defaults.
+
+The CLI reads its defaults from these classes, TOML files are checked against their fields, and
+the resolved configs are stored as JSON inside every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lmcli.errors import LmcliError
+
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi")
+MLPS = ("gelu", "relu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("pre", "post")
+TOKENIZER_KINDS = ("char", "byte", "bpe")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+C = TypeVar("C")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise LmcliError(f"invalid {name} {value!r}: choose one of {', '.join(allowed)}")
+
+
+def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
+        raise LmcliError(f"{name} must be positive, got {value}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if value < 0 or not math.isfinite(value):
+        raise LmcliError(f"{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder-only Transformer. Travels inside every checkpoint."""
+
+    vocab_size: int = 0  # 0 = take it from the tokenizer
+    block_size: int = 128  # context length in tokens
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    d_ff: int = 0  # feed-forward width; 0 = 4*n_embd (gelu/relu) or ~8/3*n_embd (swiglu)
+    dropout: float = 0.0
+    bias: bool = True
+    position: str = "learned"
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    norm_placement: str = "pre"
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            _positive(name.replace("_", "-"), getattr(self, name))
+        _non_negative("vocab-size", self.vocab_size)
+        _non_negative("d-ff", self.d_ff)
+        if not 0.0 <= self.dropout < 1.0:
+            raise LmcliError(f"dropout must be in [0, 1), got {self.dropout}")
+        _choice("position", self.position, POSITIONS)
+        _choice("mlp", self.mlp, MLPS)
+        _choice("norm", self.norm, NORMS)
+        _choice("norm-placement", self.norm_placement, NORM_PLACEMENTS)
+        if self.n_embd % self.n_head != 0:
+            raise LmcliError(
+                f"n-embd ({self.n_embd}) must be divisible by n-head ({self.n_head})"
+            )
+        if self.position == "rope" and self.head_dim % 2 != 0:
+            raise LmcliError(f"rope needs an even head size, got n-embd/n-head = {self.head_dim}")
+        _positive("norm-eps", self.norm_eps)
+        _positive("rope-base", self.rope_base)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        """Hidden width of the MLP; SwiGLU keeps the parameter count of a 4x GELU MLP."""
+        if self.d_ff:
+            return self.d_ff
+        if self.mlp == "swiglu":
+            return 8 * ((8 * self.n_embd // 3 + 7) // 8)
+        return 4 * self.n_embd
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything about a training run except the model's shape."""
+
+    corpus: tuple[str, ...] = ()  # files, folders, globs, .gz; empty = built-in corpus
+    dataset: str | None = None  # Hugging Face datasets name, NAME[:CONFIG]
+    text_column: str = "text"
+    split: str = "train"
+    val: str | None = None  # a validation corpus (path or glob); otherwise --val-fraction
+    val_fraction: float = 0.1
+    tokenizer: str = "char"  # char | byte | bpe | path/to/tokenizer.json
+    vocab_size: int = 8000  # for --tokenizer bpe
+    out: str | None = None  # run folder; default checkpoints/run-<time>
+    cache_dir: str | None = None  # tokenized-corpus cache; default ~/.cache/lmcli
+    init_from: str | None = None  # a local Hugging Face GPT-2 folder to fine-tune
+    batch_size: int = 12
+    grad_accum: int = 1
+    max_steps: int | None = None  # default 2000 when no other limit is given
+    epochs: float | None = None
+    max_time: float | None = None  # seconds
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decay floor, as a fraction of lr
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    eval_interval: int = 250
+    eval_batches: int = 20
+    save_interval: int = 0  # 0 = at every evaluation
+    keep_last: int = 0  # periodic step-N checkpoints to keep besides last/best
+    log_interval: int = 10
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+
+    DEFAULT_STEPS = 2000  # not a field: used when no stop condition is given
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise LmcliError(f"val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val is None and self.val_fraction == 0.0:
+            raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
+        _positive("vocab-size", self.vocab_size)
+        if self.tokenizer in TOKENIZER_KINDS and self.tokenizer == "bpe" and self.vocab_size < 300:
+            raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
+        for name in ("batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval"):
+            _positive(name.replace("_", "-"), getattr(self, name))
+        _positive("max-steps", self.max_steps, allow_none=True)
+        _positive("epochs", self.epochs, allow_none=True)
+        _positive("max-time", self.max_time, allow_none=True)
+        _positive("lr", self.lr)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise LmcliError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "save_interval", "keep_last"):
+            _non_negative(name.replace("_", "-"), getattr(self, name))
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise LmcliError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        _choice("device", self.device, DEVICES)
+        _choice("dtype", self.dtype, DTYPES)
+
+    @property
+    def stop_steps(self) -> int | None:
+        """Step limit; the default applies only when neither epochs nor max-time is given."""
+        if self.max_steps is None and self.epochs is None and self.max_time is None:
+            return self.DEFAULT_STEPS
+        return self.max_steps
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a config dataclass."""
+    out = dataclasses.asdict(cfg)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def from_dict(cls: type[C], data: dict[str, Any], *, source: str = "config") -> C:
+    """Build ``cls`` from a dict, with a one-line error for unknown keys or wrong types."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise LmcliError(f"{source}: unknown option(s) {', '.join(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise LmcliError(f"{source}: {exc}") from None
+
+
+def field_names(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default value of a dataclass field (used for CLI help so it never drifts)."""
+    for f in fields(cls):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (or JSON) config file into a flat ``{option: value}`` dict.
+
+    Keys may use dashes or underscores and may sit at the top level or under ``[model]`` /
+    ``[train]`` tables.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise LmcliError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(raw)
+        else:
+            import tomllib
+
+            data = tomllib.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LmcliError(f"cannot parse config file {path}: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in ("model", "train"):
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.replace("-", "_")] = value
+    return flat
+
+
+def split_options(
+    options: dict[str, Any], *, source: str = "options"
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a flat option dict into (model fields, train fields); unknown keys are an error.
+
+    ``vocab_size`` belongs to the train config (the tokenizer's target size); the model's
+    vocabulary always comes from the tokenizer.
+    """
+    model_names = field_names(ModelConfig) - {"vocab_size"}
+    train_names = field_names(TrainConfig)
+    unknown = sorted(set(options) - model_names - train_names)
+    if unknown:
+        raise LmcliError(f"{source}: unknown option(s) {', '.join(unknown)}")
+    model = {k: v for k, v in options.items() if k in model_names}
+    train = {k: v for k, v in options.items() if k in train_names}
+    return model, train

@@ -1,0 +1,160 @@
+"""Tokenizers (char, byte, byte-level BPE) built on Hugging Face ``tokenizers``.
+
+Every tokenizer lmcli trains has the special tokens ``<pad> <unk> <bos> <eos> <sep>`` at ids
+0-4. Tokenizers loaded from elsewhere (e.g. GPT-2's) are mapped by name with fallbacks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from lmcli.config import TOKENIZER_KINDS
+from lmcli.errors import LmcliError
+
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<sep>")
+
+# Names tried, in order, for each special role (lmcli's own first, then common conventions).
+_ROLE_NAMES = {
+    "pad": ("<pad>", "[PAD]"),
+    "unk": ("<unk>", "[UNK]"),
+    "bos": ("<bos>", "<s>", "<|endoftext|>"),
+    "eos": ("<eos>", "</s>", "<|endoftext|>"),
+    "sep": ("<sep>", "[SEP]"),
+}
+
+
+def _byte_alphabet() -> list[str]:
+    """The 256 printable characters byte-level BPE uses for bytes 0..255, in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _build(kind: str, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    if kind == "char":
+        tok = HFTokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        trainer = trainers.WordLevelTrainer(
+            vocab_size=1 << 30, min_frequency=1, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return tok
+    if kind == "byte":
+        vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+        vocab.update({c: len(SPECIAL_TOKENS) + i for i, c in enumerate(_byte_alphabet())})
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.add_special_tokens(list(SPECIAL_TOKENS))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+    # byte-level BPE, as GPT-2
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+class Tokenizer:
+    """A thin wrapper: encode/decode, special-token ids, save/load, a content fingerprint."""
+
+    def __init__(self, tok: HFTokenizer) -> None:
+        self.hf = tok
+        # Text that happens to contain "<eos>" is text, not a special token.
+        self.hf.encode_special_tokens = True
+        vocab = tok.get_vocab(with_added_tokens=True)
+        ids = {role: next((vocab[n] for n in names if n in vocab), None) for role, names in _ROLE_NAMES.items()}
+        if ids["eos"] is None:
+            raise LmcliError("tokenizer has no end-of-text token (<eos>, </s> or <|endoftext|>)")
+        self.eos_id: int = ids["eos"]
+        self.bos_id: int = ids["bos"] if ids["bos"] is not None else self.eos_id
+        self.pad_id: int = ids["pad"] if ids["pad"] is not None else self.eos_id
+        self.sep_id: int | None = ids["sep"]
+        self.unk_id: int | None = ids["unk"]
+
+    @classmethod
+    def train(cls, kind: str, texts: Iterable[str], vocab_size: int = 8000) -> Tokenizer:
+        """Train a ``char``, ``byte`` or ``bpe`` tokenizer on an iterator of texts."""
+        if kind not in TOKENIZER_KINDS:
+            raise LmcliError(f"invalid tokenizer {kind!r}: choose char, byte, bpe or a tokenizer.json path")
+        return cls(_build(kind, texts, vocab_size))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except LmcliError:
+            raise
+        except Exception as exc:  # tokenizers raises plain Exception on bad files
+            reason = "no such file" if not path.exists() else str(exc).splitlines()[0][:200]
+            raise LmcliError(f"cannot read tokenizer {path}: {reason}") from None
+
+    def save(self, path: str | Path) -> None:
+        self.hf.save(str(path))
+
+    def to_json(self) -> str:
+        return self.hf.to_str()
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the tokenizer's full definition (vocabulary, merges, normalization)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def kind(self) -> str:
+        """``char``, ``byte``, ``bpe`` or ``other``, read from the tokenizer's model."""
+        spec = json.loads(self.to_json())["model"]
+        if spec["type"] == "WordLevel":
+            return "char"
+        if spec["type"] == "BPE":
+            return "byte" if not spec.get("merges") else "bpe"
+        return "other"
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def count_unknown(self, ids: Iterable[int]) -> int:
+        """How many ids are ``<unk>`` (characters the tokenizer could not encode)."""
+        return 0 if self.unk_id is None else sum(1 for i in ids if i == self.unk_id)
+
+
+def tokenizer_for(spec: str, texts: Iterator[str] | None, vocab_size: int) -> Tokenizer:
+    """``spec`` is a kind to train on ``texts`` or a path to a ``tokenizer.json`` to load."""
+    if spec in TOKENIZER_KINDS:
+        return Tokenizer.train(spec, texts if texts is not None else iter(()), vocab_size)
+    if spec.endswith(".json") or Path(spec).exists():
+        return Tokenizer.load(spec)
+    raise LmcliError(f"invalid tokenizer {spec!r}: choose char, byte, bpe or a tokenizer.json path")
