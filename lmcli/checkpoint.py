@@ -245,7 +245,8 @@ def load_weights(model: Transformer, path: Path, device: torch.device | str = "c
     for key, value in state.items():
         if value.shape != expected[key].shape:
             raise LmcliError(
-                f"weights {path}: {key} has shape {tuple(value.shape)}, config expects {tuple(expected[key].shape)}"
+                f"weights {path}: {key} has shape {tuple(value.shape)}, "
+                f"config expects {tuple(expected[key].shape)}"
             )
     model.load_state_dict(state)
 
@@ -282,5 +283,7 @@ def load_checkpoint(
         try:
             state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
         except Exception as exc:  # unpickling refused or truncated file
-            raise LmcliError(f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}") from None
+            raise LmcliError(
+                f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
+            ) from None
     return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state)

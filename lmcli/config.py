@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -75,9 +76,7 @@ class ModelConfig:
         _choice("norm", self.norm, NORMS)
         _choice("norm-placement", self.norm_placement, NORM_PLACEMENTS)
         if self.n_embd % self.n_head != 0:
-            raise LmcliError(
-                f"n-embd ({self.n_embd}) must be divisible by n-head ({self.n_head})"
-            )
+            raise LmcliError(f"n-embd ({self.n_embd}) must be divisible by n-head ({self.n_head})")
         if self.position == "rope" and self.head_dim % 2 != 0:
             raise LmcliError(f"rope needs an even head size, got n-embd/n-head = {self.head_dim}")
         _positive("norm-eps", self.norm_eps)
@@ -143,7 +142,13 @@ class TrainConfig:
         if self.val is None and self.val_fraction == 0.0:
             raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
         _positive("vocab-size", self.vocab_size)
-        if self.tokenizer in TOKENIZER_KINDS and self.tokenizer == "bpe" and self.vocab_size < 300:
+        if self.tokenizer not in TOKENIZER_KINDS and not (
+            self.tokenizer.endswith(".json") or "/" in self.tokenizer or Path(self.tokenizer).exists()
+        ):
+            raise LmcliError(
+                f"invalid tokenizer {self.tokenizer!r}: choose char, byte, bpe or a tokenizer.json path"
+            )
+        if self.tokenizer == "bpe" and self.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
         for name in ("batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval"):
             _positive(name.replace("_", "-"), getattr(self, name))
@@ -167,6 +172,19 @@ class TrainConfig:
         if self.max_steps is None and self.epochs is None and self.max_time is None:
             return self.DEFAULT_STEPS
         return self.max_steps
+
+
+def parse_duration(value: str | float | int) -> float:
+    """Seconds from 5400, '90s', '30m', '2h' or '1h30m'."""
+    if isinstance(value, int | float):
+        return float(value)
+    text = value.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(a + b for a, b in parts) != text:
+        raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

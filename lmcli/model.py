@@ -196,12 +196,8 @@ class Transformer(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.position == "learned" else None
         if cfg.position == "sinusoidal":
-            self.register_buffer(
-                "sinusoid", sinusoidal_table(cfg.block_size, cfg.n_embd), persistent=False
-            )
-        self.rotary = (
-            Rotary(cfg.head_dim, cfg.block_size, cfg.rope_base) if cfg.position == "rope" else None
-        )
+            self.register_buffer("sinusoid", sinusoidal_table(cfg.block_size, cfg.n_embd), persistent=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.block_size, cfg.rope_base) if cfg.position == "rope" else None
         if cfg.position == "alibi":
             self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)
         self.drop = nn.Dropout(cfg.dropout)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
@@ -83,7 +83,9 @@ class Tokenizer:
         # Text that happens to contain "<eos>" is text, not a special token.
         self.hf.encode_special_tokens = True
         vocab = tok.get_vocab(with_added_tokens=True)
-        ids = {role: next((vocab[n] for n in names if n in vocab), None) for role, names in _ROLE_NAMES.items()}
+        ids = {
+            role: next((vocab[n] for n in names if n in vocab), None) for role, names in _ROLE_NAMES.items()
+        }
         if ids["eos"] is None:
             raise LmcliError("tokenizer has no end-of-text token (<eos>, </s> or <|endoftext|>)")
         self.eos_id: int = ids["eos"]
@@ -149,12 +151,3 @@ class Tokenizer:
     def count_unknown(self, ids: Iterable[int]) -> int:
         """How many ids are ``<unk>`` (characters the tokenizer could not encode)."""
         return 0 if self.unk_id is None else sum(1 for i in ids if i == self.unk_id)
-
-
-def tokenizer_for(spec: str, texts: Iterator[str] | None, vocab_size: int) -> Tokenizer:
-    """``spec`` is a kind to train on ``texts`` or a path to a ``tokenizer.json`` to load."""
-    if spec in TOKENIZER_KINDS:
-        return Tokenizer.train(spec, texts if texts is not None else iter(()), vocab_size)
-    if spec.endswith(".json") or Path(spec).exists():
-        return Tokenizer.load(spec)
-    raise LmcliError(f"invalid tokenizer {spec!r}: choose char, byte, bpe or a tokenizer.json path")

@@ -1,0 +1,67 @@
+"""The run's metrics log (``metrics.jsonl``) and its loss-curve plot (``loss.png``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Append-only JSONL of training and validation metrics, one object per line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        records = []
+        for line in self.path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line cut short by a crash
+                continue
+        return records
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past ``step`` (logged after the checkpoint a resume starts from)."""
+        kept = [r for r in self.read() if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+
+
+def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
+    """Write train/validation loss against step to ``out`` (PNG); a reason string if impossible."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'lmcli[plot]'), so no loss.png"
+    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if not train and not val:
+        return "no metrics to plot"
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train", linewidth=1)
+    if val:
+        ax.plot(*zip(*val, strict=True), label="validation", marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return None

@@ -1,0 +1,112 @@
+"""One screen of facts before training: size, data, memory and time estimates."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from lmcli.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Preflight:
+    params: int
+    params_non_embedding: int
+    tokens_per_step: int
+    train_tokens: int
+    val_tokens: int
+    max_steps: int | None
+    max_time: float | None
+    memory_bytes: int
+    available_bytes: int | None
+    step_seconds: float | None  # measured on one probe step; None when not measured
+
+    @property
+    def epochs(self) -> float | None:
+        if self.max_steps is None:
+            return None
+        return self.max_steps * self.tokens_per_step / max(self.train_tokens, 1)
+
+    @property
+    def eta_seconds(self) -> float | None:
+        times = []
+        if self.step_seconds is not None and self.max_steps is not None:
+            times.append(self.step_seconds * self.max_steps)
+        if self.max_time is not None:
+            times.append(self.max_time)
+        return min(times) if times else None
+
+
+def estimate_memory(cfg: ModelConfig, params: int, batch_size: int, autocast: bool) -> int:
+    """Bytes for weights, gradients, AdamW moments and activations of one micro-batch (rough).
+
+    Activations follow Korthikanti et al. (34·B·T·C + 5·H·B·T² values per layer, halved
+    under 16-bit autocast) plus logits and their gradient.
+    """
+    B, T, C, H = batch_size, cfg.block_size, cfg.n_embd, cfg.n_head
+    state = params * 4 * 4  # fp32 weights + grads + two Adam moments
+    act_bytes = 2 if autocast else 4
+    activations = cfg.n_layer * (34 * B * T * C + 5 * H * B * T * T) * act_bytes // 2
+    logits = B * T * cfg.vocab_size * 4 * 2
+    return state + activations + logits
+
+
+def available_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def fmt_count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def preflight_rows(p: Preflight, device: str, extra: dict[str, str]) -> list[tuple[str, str]]:
+    """(label, value) rows of the pre-flight screen."""
+    rows = [
+        ("parameters", f"{fmt_count(p.params)} ({fmt_count(p.params_non_embedding)} without embeddings)"),
+        ("corpus tokens", f"{fmt_count(p.train_tokens)} train, {fmt_count(p.val_tokens)} validation"),
+        ("tokens per step", f"{p.tokens_per_step:,}"),
+    ]
+    if p.max_steps is not None:
+        rows.append(("steps", f"{p.max_steps:,} (= {p.epochs:.2f} epochs)"))
+    if p.max_time is not None:
+        rows.append(("time limit", fmt_duration(p.max_time)))
+    mem = f"~{_fmt_bytes(p.memory_bytes)}"
+    if p.available_bytes is not None:
+        mem += f" of {_fmt_bytes(p.available_bytes)} free"
+        if p.memory_bytes > p.available_bytes:
+            mem += "  [!] may not fit: lower --batch-size (raise --grad-accum) or --block-size"
+    rows.append(("estimated memory", mem))
+    if p.step_seconds is not None:
+        rows.append(("step time", f"{p.step_seconds * 1000:.0f} ms (one probe step)"))
+    eta = p.eta_seconds
+    rows.append(
+        ("estimated time", fmt_duration(eta) if eta is not None else "measured after the first steps")
+    )
+    rows.append(("device", device))
+    rows.extend(extra.items())
+    return rows

@@ -1,0 +1,83 @@
+"""The Transformer: causal masking for every variant, tying, parameter counts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lmcli.config import ModelConfig
+from lmcli.errors import LmcliError
+from lmcli.model import Transformer
+
+VARIANTS = list(
+    itertools.product(("learned", "sinusoidal", "rope", "alibi"), ("layernorm", "rmsnorm"), ("pre", "post"))
+)
+
+
+def tiny(**kw) -> Transformer:
+    cfg = dict(vocab_size=13, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**cfg)).eval()
+
+
+@pytest.mark.parametrize("position,norm,placement", VARIANTS)
+def test_future_tokens_never_change_earlier_logits(position: str, norm: str, placement: str) -> None:
+    model = tiny(position=position, norm=norm, norm_placement=placement)
+    idx = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(1))
+    base = model(idx)
+    for t in range(16):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1) % 13
+        out = model(changed)
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[:, t], base[:, t]), "the changed token must matter"
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "relu", "swiglu"])
+def test_mlp_variants_run_and_differ(mlp: str) -> None:
+    model = tiny(mlp=mlp)
+    out = model(torch.zeros(1, 4, dtype=torch.long))
+    assert out.shape == (1, 4, 13) and torch.isfinite(out).all()
+
+
+def test_tied_head_shares_the_embedding_and_untied_does_not() -> None:
+    tied, untied = tiny(), tiny(tie_embeddings=False)
+    assert tied.lm_head.weight is tied.wte.weight
+    assert untied.lm_head.weight is not untied.wte.weight
+    assert untied.num_parameters() - tied.num_parameters() == 13 * 16
+
+
+def test_prefix_positions_attend_bidirectionally_only_within_the_prefix() -> None:
+    model = tiny()
+    idx = torch.randint(0, 13, (1, 10), generator=torch.Generator().manual_seed(2))
+    prefix = torch.tensor([4])
+    base = model(idx, prefix_len=prefix)
+    changed = idx.clone()
+    changed[0, 3] = (changed[0, 3] + 1) % 13  # inside the prefix: earlier prefix positions see it
+    assert not torch.allclose(model(changed, prefix_len=prefix)[0, 0], base[0, 0])
+    changed = idx.clone()
+    changed[0, 6] = (changed[0, 6] + 1) % 13  # after the prefix: still causal
+    torch.testing.assert_close(model(changed, prefix_len=prefix)[0, :6], base[0, :6])
+
+
+def test_sequence_longer_than_context_is_refused() -> None:
+    with pytest.raises(ValueError, match="exceeds the context"):
+        tiny()(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(n_embd=30, n_head=4), "divisible by n-head"),
+        (dict(position="absolute"), "invalid position"),
+        (dict(norm="batchnorm"), "invalid norm"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(n_layer=0), "n-layer must be positive"),
+    ],
+)
+def test_bad_model_configs_are_refused_with_a_clear_message(kw: dict, message: str) -> None:
+    with pytest.raises(LmcliError, match=message):
+        ModelConfig(**kw)

@@ -1,0 +1,183 @@
+"""Training: losses fall, runs are deterministic, resume equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_TEXT
+from safetensors.torch import load_file
+
+from lmcli.checkpoint import load_checkpoint, save_checkpoint
+from lmcli.config import ModelConfig, TrainConfig
+from lmcli.errors import LmcliError
+from lmcli.metrics import MetricsLog
+from lmcli.model import Transformer
+from lmcli.tokenizer import Tokenizer
+from lmcli.train import Reporter, lr_at, train
+
+MODEL = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def config(tmp_path: Path, name: str, **kw) -> TrainConfig:
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text(TINY_TEXT)
+    base = dict(
+        corpus=(str(corpus),),
+        out=str(tmp_path / name),
+        batch_size=8,
+        max_steps=40,
+        eval_interval=10,
+        log_interval=5,
+        warmup_steps=5,
+        eval_batches=2,
+        lr=3e-3,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def quiet() -> Reporter:
+    return Reporter(info=lambda msg: None)
+
+
+def weights(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
+    return load_file(str(run / which / "model.safetensors"))
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def test_loss_falls_and_the_run_folder_is_complete(tmp_path: Path) -> None:
+    result = train(MODEL, config(tmp_path, "run"), reporter=quiet(), progress=False)
+    run = result.run_dir
+    records = MetricsLog(run / "metrics.jsonl").read()
+    losses = [r["train_loss"] for r in records if "train_loss" in r]
+    assert losses[-1] < losses[0] - 0.8  # char model on repetitive text learns fast
+    unigram = math.log(Tokenizer.load(run / "last" / "tokenizer.json").vocab_size)
+    assert result.best_val_loss < unigram - 1.0
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt", "meta.json"):
+        assert (run / "last" / name).exists() and (run / "best" / name).exists()
+    assert (run / "config.json").exists() and (run / "loss.png").exists()
+    assert all("grad_norm" in r for r in records if "train_loss" in r)
+    ckpt = load_checkpoint(run)  # the run folder alone is enough
+    assert ckpt.path.name == "best" and ckpt.model_config.n_embd == 32
+
+
+def test_seeded_runs_are_identical_and_seeds_matter(tmp_path: Path) -> None:
+    a = train(MODEL, config(tmp_path, "a", max_steps=10), reporter=quiet(), progress=False)
+    b = train(MODEL, config(tmp_path, "b", max_steps=10), reporter=quiet(), progress=False)
+    c = train(MODEL, config(tmp_path, "c", max_steps=10, seed=7), reporter=quiet(), progress=False)
+    assert_same_weights(weights(a.run_dir), weights(b.run_dir))
+    assert not torch.equal(weights(a.run_dir)["wte.weight"], weights(c.run_dir)["wte.weight"])
+
+
+class CrashAt:
+    """A progress reporter that simulates a crash (or sends a signal) at a given step."""
+
+    def __init__(self, step: int, sig: int | None = None) -> None:
+        self.step, self.sig = step, sig
+
+    def start(self, total, step) -> None:
+        pass
+
+    def update(self, step: int, record: dict) -> None:
+        if step == self.step:
+            if self.sig is None:
+                raise RuntimeError("simulated crash")
+            os.kill(os.getpid(), self.sig)
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path: Path, dropout: float) -> None:
+    model = replace(MODEL, dropout=dropout)
+    full = train(model, config(tmp_path, "full", max_steps=30), reporter=quiet(), progress=False)
+    cfg = config(tmp_path, "crashed", max_steps=30)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(model, cfg, reporter=Reporter(info=lambda m: None, progress=CrashAt(15)), progress=False)
+    assert load_checkpoint(tmp_path / "crashed" / "last").meta["step"] == 10
+    resumed = train(model, cfg, resume=tmp_path / "crashed", reporter=quiet(), progress=False)
+    assert resumed.step == 30
+    assert_same_weights(weights(full.run_dir), weights(resumed.run_dir))
+    steps = [
+        r["step"] for r in MetricsLog(tmp_path / "crashed" / "metrics.jsonl").read() if "train_loss" in r
+    ]
+    assert steps == sorted(set(steps)), "metrics logged after the checkpoint are not duplicated"
+
+
+def test_sigint_saves_a_checkpoint_that_resumes_exactly(tmp_path: Path) -> None:
+    full = train(MODEL, config(tmp_path, "full", max_steps=30), reporter=quiet(), progress=False)
+    cfg = config(tmp_path, "stopped", max_steps=30)
+    first = train(
+        MODEL,
+        cfg,
+        reporter=Reporter(info=lambda m: None, progress=CrashAt(15, signal.SIGINT)),
+        progress=False,
+    )
+    assert first.stopped == "SIGINT" and first.step == 15
+    assert load_checkpoint(tmp_path / "stopped" / "last").meta["step"] == 15
+    resumed = train(MODEL, cfg, resume=tmp_path / "stopped", reporter=quiet(), progress=False)
+    assert_same_weights(weights(full.run_dir), weights(resumed.run_dir))
+
+
+def test_resume_may_extend_the_run_but_not_change_the_shape(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "run", max_steps=10)
+    train(MODEL, cfg, reporter=quiet(), progress=False)
+    longer = train(
+        MODEL, replace(cfg, max_steps=20), resume=tmp_path / "run", reporter=quiet(), progress=False
+    )
+    assert longer.step == 20
+    with pytest.raises(LmcliError, match="different model shape .*n-layer 2 -> 3"):
+        train(replace(MODEL, n_layer=3), cfg, resume=tmp_path / "run", reporter=quiet(), progress=False)
+
+
+def test_max_time_stops_with_a_checkpoint(tmp_path: Path) -> None:
+    result = train(
+        MODEL, config(tmp_path, "t", max_steps=None, max_time=1.0), reporter=quiet(), progress=False
+    )
+    assert result.stopped == "max_time" and result.step > 0
+    assert load_checkpoint(tmp_path / "t" / "last").meta["step"] == result.step
+
+
+def test_epochs_set_the_number_of_steps(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "e", max_steps=None, epochs=1.0, batch_size=4)
+    result = train(MODEL, cfg, reporter=quiet(), progress=False)
+    n_windows = (int(len(TINY_TEXT) * 0.9) + 1 - 1) // 16  # train tokens include the trailing <eos>
+    assert abs(result.step - math.ceil(n_windows / 4)) <= 1
+
+
+def test_keep_last_keeps_periodic_checkpoints(tmp_path: Path) -> None:
+    train(MODEL, config(tmp_path, "k", max_steps=40, keep_last=2), reporter=quiet(), progress=False)
+    assert sorted(p.name for p in (tmp_path / "k").glob("step-*")) == ["step-0000030", "step-0000040"]
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg, 100) for s in range(100)]
+    assert lrs[0] < lrs[5] < lrs[9] < 1.0
+    assert lrs[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lr_at(100, cfg, 100) == pytest.approx(0.1)
+
+
+def test_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path: Path) -> None:
+    tok = Tokenizer.train("char", iter([TINY_TEXT]))
+    model = Transformer(replace(MODEL, vocab_size=tok.vocab_size))
+    compiled = torch.compile(model)  # only wrapped: its state_dict has _orig_mod. names
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    save_checkpoint(tmp_path / "c", compiled, TrainConfig(), tok, meta={"step": 0})
+    loaded = load_checkpoint(tmp_path / "c").model
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(v, v2)
