@@ -382,10 +382,11 @@ def require_window(n_tokens: int, block_size: int, what: str = "corpus") -> None
 
 
 class WindowSampler:
-    """Training batches drawn without replacement from non-overlapping windows.
+    """Training batches drawn without replacement from the corpus's windows.
 
-    Each epoch takes a seeded random offset and a seeded permutation of the windows
-    ``tokens[offset + k*T : offset + (k+1)*T + 1]``. The stream of windows, epoch after epoch,
+    Each epoch visits every window index ``k`` once, in a seeded random order; window ``k`` starts
+    at ``k*T + jitter``, a seeded random shift in ``[0, T)`` that is new every epoch, so a token
+    meets many positions and contexts across epochs. The stream of windows, epoch after epoch,
     is cut into global batches; rank ``r`` of ``W`` takes its own slice of each, so ranks never
     share data. The position is one number, ``cursor`` (windows consumed), so resuming, even at
     another world size, continues the same stream.
@@ -398,23 +399,25 @@ class WindowSampler:
         self.block_size = block_size
         self.seed = seed
         self.n_windows = (n - 1) // block_size
-        self.spare = (n - 1) - self.n_windows * block_size  # room for a random offset
-        self._epoch: tuple[int, int, np.ndarray] | None = None
+        self.last_start = n - 1 - block_size  # the latest start with a full window and target
+        self._epoch: tuple[int, np.ndarray] | None = None
 
-    def _order(self, epoch: int) -> tuple[int, np.ndarray]:
+    def _starts(self, epoch: int) -> np.ndarray:
+        """Window starts of an epoch, in the order they are drawn."""
         if self._epoch is None or self._epoch[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            offset = int(rng.integers(0, self.spare + 1))
-            self._epoch = (epoch, offset, rng.permutation(self.n_windows))
-        return self._epoch[1], self._epoch[2]
+            order = rng.permutation(self.n_windows)
+            jitter = rng.integers(0, self.block_size, size=self.n_windows)
+            starts = np.minimum(order * self.block_size + jitter, self.last_start)
+            self._epoch = (epoch, starts)
+        return self._epoch[1]
 
     def window_starts(self, first: int, count: int) -> list[int]:
         """Token offsets of windows ``first .. first+count-1`` of the global stream."""
         starts = []
         for g in range(first, first + count):
             epoch, index = divmod(g, self.n_windows)
-            offset, perm = self._order(epoch)
-            starts.append(offset + int(perm[index]) * self.block_size)
+            starts.append(int(self._starts(epoch)[index]))
         return starts
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

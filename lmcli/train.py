@@ -383,12 +383,12 @@ def _train(
                 progress=progress and dist_info.is_main,
                 info=info,
             )
+    elif resumed:
+        model, model_config = resumed.model, resumed.model_config
     else:
         model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)
         seed_everything(cfg.seed)
         model = Transformer(model_config)
-    if resumed:
-        model.load_state_dict(resumed.model.state_dict())
     sampler = WindowSampler(data.train, model_config.block_size, cfg.seed)
     model.to(device)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
@@ -413,13 +413,16 @@ def _train(
         set_rng_state(rngs[dist_info.rank] if dist_info.rank < len(rngs) else rngs[0])
         info(f"resuming {run_dir} at step {step}")
 
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
+    raw_model = model  # what is saved and evaluated: no DDP or compile wrapper
+    ddp = None
     if dist_info.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if cfg.compile:
+        model = torch.compile(model)
 
     # --- pre-flight screen
     tokens_per_step = global_batch * cfg.grad_accum * model_config.block_size
@@ -539,8 +542,9 @@ def _train(
                     x, y = sampler.batch(cursor + dist_info.rank * cfg.batch_size, cfg.batch_size)
                     cursor += global_batch
                     x, y = _to_device(x, device), _to_device(y, device)
-                    sync = micro == cfg.grad_accum - 1 or not dist_info.enabled
-                    with contextlib.nullcontext() if sync else model.no_sync(), autocast(device, amp):
+                    # DDP all-reduces gradients only on the last micro-batch of a step
+                    sync = ddp is None or micro == cfg.grad_accum - 1
+                    with contextlib.nullcontext() if sync else ddp.no_sync(), autocast(device, amp):
                         logits = model(x)
                         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
                     scaler.scale(loss / cfg.grad_accum).backward()
