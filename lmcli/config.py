@@ -111,7 +111,7 @@ class TrainConfig:
     out: str | None = None  # run folder; default checkpoints/run-<time>
     cache_dir: str | None = None  # tokenized-corpus cache; default ~/.cache/lmcli
     init_from: str | None = None  # a local Hugging Face GPT-2 folder to fine-tune
-    batch_size: int = 12
+    batch_size: int = 8
     grad_accum: int = 1
     max_steps: int | None = None  # default 2000 when no other limit is given
     epochs: float | None = None
