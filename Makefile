@@ -10,7 +10,6 @@ TORCH_PIN ?= torch==2.13.0
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN) || $(BIN)/pip install -q "torch>=2.4,<3"
 	$(BIN)/pip install -q -e ".[dev]"
 	@echo "installed: activate with 'source $(VENV)/bin/activate', then run 'lmcli --help'"
