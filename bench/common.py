@@ -68,6 +68,7 @@ def report(suite: str, rows: list[Row]) -> Path:
         print(f"{r.name:<44} {r.lmcli:>12.4g} {r.peer:>12.4g} {r.unit:<10} {r.ratio:>7.2f} {goal:>6}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{suite}.json"
-    out.write_text(json.dumps({"suite": suite, "machine": machine(), "rows": [r.to_dict() for r in rows]}, indent=2))
+    payload = {"suite": suite, "machine": machine(), "rows": [r.to_dict() for r in rows]}
+    out.write_text(json.dumps(payload, indent=2))
     print(json.dumps([r.to_dict() for r in rows]))
     return out
