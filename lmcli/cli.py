@@ -94,6 +94,25 @@ def train(
         None, "--resume", help="Continue the run in this folder where it stopped."
     ),
     out: str | None = typer.Option(None, "--out", "-o", help="Run folder. [default: checkpoints/run-<time>]"),
+    task: str | None = typer.Option(
+        None, help=_help("lm (language modelling) or translation (source <sep> target).", _cfg(_T), "task")
+    ),
+    source: str | None = typer.Option(None, help="Translation: line-aligned source file (.gz allowed)."),
+    target: str | None = typer.Option(None, help="Translation: line-aligned target file (.gz allowed)."),
+    source_field: str | None = typer.Option(
+        None,
+        help=_help(
+            "Translation: TSV/JSONL/dataset column or language of the source.", _cfg(_T), "source_field"
+        ),
+    ),
+    target_field: str | None = typer.Option(
+        None, help=_help("Translation: column or language of the target.", _cfg(_T), "target_field")
+    ),
+    val_source: str | None = typer.Option(None, help="Translation: validation source file."),
+    val_target: str | None = typer.Option(None, help="Translation: validation target file."),
+    prefix_lm: bool | None = typer.Option(
+        None, "--prefix-lm/--no-prefix-lm", help="Translation: source tokens attend to each other both ways."
+    ),
     dataset: str | None = typer.Option(
         None, help="Hugging Face dataset NAME[:CONFIG] (or a local data file)."
     ),
@@ -193,13 +212,25 @@ def train(
     compile: bool | None = typer.Option(None, "--compile/--no-compile", help="torch.compile the model."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No pre-flight table or progress bar."),
 ) -> None:
-    """Train a decoder-only Transformer on a corpus (the built-in one when none is given)."""
+    """Train a decoder-only Transformer on a corpus (the built-in one when none is given).
+
+    With --task translation it trains on parallel text (--source/--target files, one TSV/JSONL
+    file, or --dataset), each pair as "<bos> source <sep> target <eos>" with the loss on the target.
+    """
     from lmcli.config import load_config_file
     from lmcli.display import rich_reporter
     from lmcli.train import resolve_configs
     from lmcli.train import train as run_training
 
     options = given(
+        task=task,
+        source=source,
+        target=target,
+        source_field=source_field,
+        target_field=target_field,
+        val_source=val_source,
+        val_target=val_target,
+        prefix_lm=prefix_lm,
         corpus=tuple(corpus or ()),
         dataset=dataset,
         text_column=text_column,

@@ -21,6 +21,7 @@ MLPS = ("gelu", "relu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 TOKENIZER_KINDS = ("char", "byte", "bpe")
+TASKS = ("lm", "translation")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -100,7 +101,15 @@ class ModelConfig:
 class TrainConfig:
     """Everything about a training run except the model's shape."""
 
+    task: str = "lm"  # lm | translation
     corpus: tuple[str, ...] = ()  # files, folders, globs, .gz; empty = built-in corpus
+    source: str | None = None  # translation: line-aligned source file
+    target: str | None = None  # translation: line-aligned target file
+    source_field: str = "source"  # translation: TSV/JSONL/dataset column, or language key
+    target_field: str = "target"
+    val_source: str | None = None  # translation: validation source file
+    val_target: str | None = None
+    prefix_lm: bool = False  # translation: source positions attend to each other both ways
     dataset: str | None = None  # Hugging Face datasets name, NAME[:CONFIG]
     text_column: str = "text"
     split: str = "train"
@@ -137,9 +146,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
+        _choice("task", self.task, TASKS)
+        if self.task == "lm" and (self.source or self.target or self.val_source or self.prefix_lm):
+            raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
+        if (self.source is None) != (self.target is None):
+            raise LmcliError("give both --source and --target")
+        if (self.val_source is None) != (self.val_target is None):
+            raise LmcliError("give both --val-source and --val-target")
+        if self.source and (self.corpus or self.dataset):
+            raise LmcliError("give --source/--target, or a corpus, or --dataset: only one")
         if not 0.0 <= self.val_fraction < 1.0:
             raise LmcliError(f"val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.val is None and self.val_fraction == 0.0:
+        if self.val is None and self.val_source is None and self.val_fraction == 0.0:
             raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
         _positive("vocab-size", self.vocab_size)
         if self.tokenizer not in TOKENIZER_KINDS and not (

@@ -371,6 +371,31 @@ def _progress_bar(enabled: bool, corpus: Corpus) -> Any:
 
 # ----------------------------------------------------------------------------- batches
 
+IGNORE = -100  # a target id the loss skips (F.cross_entropy's default ignore_index)
+
+
+@dataclass
+class Batch:
+    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    prefix_len: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return Batch(move(self.x), move(self.y), move(self.prefix_len))
+
+    @property
+    def n_targets(self) -> int:
+        return int((self.y != IGNORE).sum())
+
 
 def require_window(n_tokens: int, block_size: int, what: str = "corpus") -> None:
     """Training needs at least one full window of ``block_size + 1`` tokens."""
@@ -420,9 +445,9 @@ class WindowSampler:
             starts.append(int(self._starts(epoch)[index]))
         return starts
 
-    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, first: int, count: int) -> Batch:
         """Inputs and targets, each (count, T), for windows ``first .. first+count-1``."""
-        return windows_to_batch(self.tokens, self.window_starts(first, count), self.block_size)
+        return Batch(*windows_to_batch(self.tokens, self.window_starts(first, count), self.block_size))
 
     def epoch_of(self, cursor: int) -> float:
         return cursor / self.n_windows

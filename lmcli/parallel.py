@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmcli.data import IGNORE, Batch, load_hf_dataset
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
-IGNORE = -100  # target id that F.cross_entropy skips (its default ignore_index)
 PAIR_CACHE_VERSION = 1
 
 
@@ -138,8 +138,6 @@ class DatasetPairs(PairCorpus):
     """A ``datasets`` corpus: a ``translation`` column of {lang: text}, or two text columns."""
 
     def __init__(self, spec: str, split: str, source: str, target: str) -> None:
-        from lmcli.data import load_hf_dataset
-
         self.dataset = load_hf_dataset(spec, split)
         cols = self.dataset.column_names
         if "translation" in cols:
@@ -301,15 +299,6 @@ def _chunks(it: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[str
 
 
 # ----------------------------------------------------------------------------- batches
-
-
-@dataclass
-class Batch:
-    """Model inputs (B, T), targets (B, T) with IGNORE where no loss applies, prefix lengths (B,)."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    prefix_len: torch.Tensor | None = None
 
 
 def collate(pairs: PairSet, indices: list[int] | np.ndarray, pad_id: int) -> Batch:

@@ -16,12 +16,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,21 +32,12 @@ from lmcli.checkpoint import (
     save_checkpoint,
 )
 from lmcli.config import ModelConfig, TrainConfig, from_dict, parse_duration, split_options, to_dict
-from lmcli.data import (
-    Corpus,
-    FileCorpus,
-    WindowSampler,
-    default_cache_dir,
-    eval_windows,
-    open_corpus,
-    require_window,
-    tokenize_corpus,
-    windows_to_batch,
-)
+from lmcli.data import IGNORE
 from lmcli.errors import LmcliError
 from lmcli.metrics import MetricsLog, plot_loss_curve
 from lmcli.model import Transformer
 from lmcli.preflight import Preflight, available_memory, estimate_memory, fmt_count, fmt_duration
+from lmcli.prepare import TrainData, prepare_data
 from lmcli.runtime import (
     Dist,
     autocast,
@@ -59,7 +49,6 @@ from lmcli.runtime import (
     set_rng_state,
     shutdown_distributed,
 )
-from lmcli.tokenizer import Tokenizer
 
 SHAPE_FIELDS = (
     "block_size",
@@ -75,16 +64,6 @@ SHAPE_FIELDS = (
     "bias",
     "vocab_size",
 )
-
-
-@dataclass
-class DataSplit:
-    """Tokenized train and validation ids plus what reading the corpus found."""
-
-    tokenizer: Tokenizer
-    train: np.ndarray
-    val: np.ndarray
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,67 +84,6 @@ class Reporter:
     info: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
     preflight: Callable[[Preflight, dict[str, str]], None] | None = None
     progress: Any = None  # an object with start(total), update(step, fields), stop()
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def _tokenizer_for(cfg: TrainConfig, corpus: Corpus, cache_dir: Path) -> Tokenizer:
-    """Load ``--tokenizer PATH``, or train char/byte/BPE on the corpus (trained BPE is cached)."""
-    if cfg.tokenizer not in ("char", "byte", "bpe"):
-        return Tokenizer.load(cfg.tokenizer)
-    if cfg.tokenizer == "byte":
-        return Tokenizer.train("byte", iter(()))
-    size = cfg.vocab_size if cfg.tokenizer == "bpe" else 0
-    cached = cache_dir / f"tokenizer-{corpus.key}-{cfg.tokenizer}-{size}.json"
-    if cached.exists():
-        return Tokenizer.load(cached)
-    tok = Tokenizer.train(cfg.tokenizer, corpus.texts(), cfg.vocab_size)
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tok.save(tmp)
-        os.replace(tmp, cached)
-    except OSError as exc:
-        raise LmcliError(f"cannot write to cache folder {cache_dir}: {exc.strerror}") from None
-    return tok
-
-
-def prepare_data(
-    cfg: TrainConfig,
-    *,
-    block_size: int = 1,
-    tokenizer: Tokenizer | None = None,
-    progress: bool = True,
-    info: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
-) -> DataSplit:
-    """Read, tokenize (or reuse the cache) and split the corpus into train and validation ids."""
-    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-    corpus = open_corpus(cfg.corpus, cfg.dataset, cfg.split, cfg.text_column)
-    if corpus.is_empty():
-        raise LmcliError(f"corpus is empty: {corpus.description}")
-    if tokenizer is None:
-        tokenizer = _tokenizer_for(cfg, corpus, cache_dir)
-    tokens = tokenize_corpus(corpus, tokenizer, cache_dir, progress=progress)
-    meta = tokens.meta
-    if meta.get("replaced"):
-        info(f"warning: replaced {meta['replaced']} invalid UTF-8 sequence(s) in the corpus with U+FFFD")
-    if meta.get("unknown"):
-        info(f"warning: {meta['unknown']} character(s) unknown to the tokenizer became <unk>")
-    ids = tokens.array()
-    if cfg.val:
-        val_file = tokenize_corpus(FileCorpus((cfg.val,)), tokenizer, cache_dir, progress=progress)
-        train_ids, val_ids = ids, val_file.array()
-    else:
-        require_window(len(ids), block_size)
-        n_val = int(len(ids) * cfg.val_fraction)
-        train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
-    require_window(len(train_ids), block_size, "training split")
-    if len(val_ids) < 2:
-        raise LmcliError(
-            f"validation split has {len(val_ids)} tokens: give a larger --val-fraction or a --val file"
-        )
-    return DataSplit(tokenizer, train_ids, val_ids, {**meta, "cached": tokens.cached})
 
 
 # ----------------------------------------------------------------------------- optimization
@@ -203,27 +121,25 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int | None, time_fraction: flo
 @torch.no_grad()
 def evaluate_loss(
     model: torch.nn.Module,
-    ids: np.ndarray,
-    block_size: int,
+    data: TrainData,
     cfg: TrainConfig,
     device: torch.device,
     amp: torch.dtype | None,
     dist_info: Dist,
 ) -> float:
-    """Mean validation loss (nats/token) over a fixed set of windows, shared across ranks."""
-    context = min(block_size, len(ids) - 1)
-    starts = eval_windows(len(ids), context, cfg.eval_batches * cfg.batch_size)
-    starts = starts[dist_info.rank :: dist_info.world_size]
+    """Mean validation loss (nats per scored token) over a fixed validation set, across ranks."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, token count)
-    for i in range(0, len(starts), cfg.batch_size):
-        x, y = windows_to_batch(ids, starts[i : i + cfg.batch_size], context)
-        x, y = x.to(device), y.to(device)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, scored tokens)
+    limit = cfg.eval_batches * cfg.batch_size
+    for batch in data.val_batches(cfg.batch_size, limit, dist_info.rank, dist_info.world_size):
+        b = batch.to(device)
         with autocast(device, amp):
-            logits = model(x)
-        nll = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
-        total += torch.stack([nll.double(), torch.tensor(y.numel(), dtype=torch.float64, device=device)])
+            logits = model(b.x, prefix_len=b.prefix_len if cfg.prefix_lm else None)
+        nll = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), b.y.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        )
+        total += torch.stack([nll.double(), (b.y != IGNORE).sum().double()])
     if dist_info.enabled:
         torch.distributed.all_reduce(total)
     model.train(was_training)
@@ -274,6 +190,8 @@ def resolve_configs(
         m, t = split_options(options, source=source)
         model.update(m)
         train.update(t)
+    if train.get("task") == "translation" and "tokenizer" not in train:
+        train["tokenizer"] = "bpe"  # a joint subword vocabulary over both languages
     if "max_time" in train and train["max_time"] is not None:
         train["max_time"] = parse_duration(train["max_time"])
     return from_dict(ModelConfig, model, source="model config"), from_dict(
@@ -389,7 +307,7 @@ def _train(
         model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)
         seed_everything(cfg.seed)
         model = Transformer(model_config)
-    sampler = WindowSampler(data.train, model_config.block_size, cfg.seed)
+    sampler = data.sampler(cfg.batch_size, cfg.seed)
     model.to(device)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
 
@@ -425,15 +343,15 @@ def _train(
         model = torch.compile(model)
 
     # --- pre-flight screen
-    tokens_per_step = global_batch * cfg.grad_accum * model_config.block_size
+    tokens_per_step = round(global_batch * cfg.grad_accum * data.tokens_per_example())
     if dist_info.is_main:
         probe = None if cfg.compile else _probe_step_seconds(raw_model, sampler, cfg, device, amp)
         pre = Preflight(
             params=raw_model.num_parameters(),
             params_non_embedding=raw_model.num_parameters(non_embedding=True),
             tokens_per_step=tokens_per_step,
-            train_tokens=len(data.train),
-            val_tokens=len(data.val),
+            train_tokens=data.train_tokens,
+            val_tokens=data.val_tokens,
             max_steps=max_steps,
             max_time=cfg.max_time,
             memory_bytes=estimate_memory(
@@ -456,7 +374,7 @@ def _train(
         else:
             info(
                 f"{fmt_count(pre.params)} parameters, {tokens_per_step} tokens/step, "
-                f"{len(data.train)} train tokens"
+                f"{data.train_tokens} train tokens"
             )
 
     # --- the run folder exists from here on
@@ -501,7 +419,7 @@ def _train(
 
     def validate() -> tuple[float, bool]:
         nonlocal best_val
-        loss = evaluate_loss(raw_model, data.val, model_config.block_size, cfg, device, amp, dist_info)
+        loss = evaluate_loss(raw_model, data, cfg, device, amp, dist_info)
         improved = loss < best_val
         best_val = min(best_val, loss)
         if dist_info.is_main:
@@ -539,14 +457,13 @@ def _train(
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 for micro in range(cfg.grad_accum):
-                    x, y = sampler.batch(cursor + dist_info.rank * cfg.batch_size, cfg.batch_size)
+                    batch = sampler.batch(cursor + dist_info.rank * cfg.batch_size, cfg.batch_size).to(device)
                     cursor += global_batch
-                    x, y = _to_device(x, device), _to_device(y, device)
                     # DDP all-reduces gradients only on the last micro-batch of a step
                     sync = ddp is None or micro == cfg.grad_accum - 1
                     with contextlib.nullcontext() if sync else ddp.no_sync(), autocast(device, amp):
-                        logits = model(x)
-                        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                        logits = model(batch.x, prefix_len=batch.prefix_len if cfg.prefix_lm else None)
+                        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch.y.reshape(-1))
                     scaler.scale(loss / cfg.grad_accum).backward()
                     running += loss.detach() / cfg.grad_accum
                 scaler.unscale_(optimizer)
@@ -618,29 +535,18 @@ def _train(
     )
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _probe_step_seconds(
-    model: torch.nn.Module,
-    sampler: WindowSampler,
-    cfg: TrainConfig,
-    device: torch.device,
-    amp: torch.dtype | None,
+    model: torch.nn.Module, sampler: Any, cfg: TrainConfig, device: torch.device, amp: torch.dtype | None
 ) -> float:
     """Time one forward/backward micro-step without touching the RNG, weights or data position."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        x, y = sampler.batch(0, cfg.batch_size)
-        x, y = x.to(device), y.to(device)
+        b = sampler.batch(0, cfg.batch_size).to(device)
         times = []
         for _ in range(2):  # the first call warms up allocators and kernels
             t0 = time.perf_counter()
             with autocast(device, amp):
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                logits = model(b.x, prefix_len=b.prefix_len if cfg.prefix_lm else None)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), b.y.reshape(-1))
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize()

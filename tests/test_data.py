@@ -20,8 +20,8 @@ from lmcli.data import (
     tokenize_corpus,
 )
 from lmcli.errors import LmcliError
+from lmcli.prepare import prepare_data
 from lmcli.tokenizer import Tokenizer
-from lmcli.train import prepare_data
 
 
 def test_paths_files_folders_globs_and_gz(tmp_path: Path) -> None:
@@ -122,8 +122,8 @@ def test_sampler_draws_without_replacement_within_an_epoch() -> None:
     epoch1 = sampler.window_starts(100, 100)
     assert epoch1 != epoch0 and sorted(s // 10 for s in epoch1) == list(range(100))
     assert sampler.window_starts(0, 100) == epoch0  # a pure function of the position
-    x, y = sampler.batch(5, 4)
-    assert x.shape == (4, 10) and (y == x + 1).all()  # targets are inputs shifted by one
+    batch = sampler.batch(5, 4)
+    assert batch.x.shape == (4, 10) and (batch.y == batch.x + 1).all()  # targets: inputs shifted by one
 
 
 def test_ranks_read_disjoint_slices_of_the_same_stream() -> None:
@@ -151,7 +151,7 @@ def test_eval_windows_are_fixed_and_spread() -> None:
 def test_val_fraction_takes_the_tail_of_the_corpus(tmp_path: Path) -> None:
     (tmp_path / "c.txt").write_text("a" * 900 + "b" * 99)
     cfg = TrainConfig(corpus=(str(tmp_path / "c.txt"),), val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
-    data = prepare_data(cfg, progress=False)
+    data = prepare_data(cfg, block_size=1, progress=False)
     tok = data.tokenizer
     assert tok.decode(data.val.tolist()) == "b" * 99 + "" and len(data.train) == 900
 

@@ -1,0 +1,238 @@
+"""From a TrainConfig to training and validation batches, for either task.
+
+``prepare_data`` reads the corpus, trains or loads the tokenizer, tokenizes into the cache and
+splits off validation. It returns ``StreamData`` (language modelling: windows of one token
+stream) or ``PairData`` (translation: whole ``<bos> source <sep> target <eos>`` pairs); both
+offer the same two things the training loop needs: a ``sampler`` and ``val_batches``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmcli.config import TrainConfig
+from lmcli.data import (
+    Batch,
+    Corpus,
+    FileCorpus,
+    WindowSampler,
+    default_cache_dir,
+    eval_windows,
+    open_corpus,
+    require_window,
+    tokenize_corpus,
+    windows_to_batch,
+)
+from lmcli.errors import LmcliError
+from lmcli.parallel import (
+    AlignedFiles,
+    DatasetPairs,
+    PairCorpus,
+    PairSampler,
+    PairSet,
+    TableFile,
+    collate,
+    tokenize_pairs,
+)
+from lmcli.tokenizer import Tokenizer
+
+Info = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+@dataclass
+class StreamData:
+    """Language modelling: train and validation ids of one token stream."""
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+    block_size: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train)
+
+    @property
+    def val_tokens(self) -> int:
+        return len(self.val)
+
+    def sampler(self, batch_size: int, seed: int) -> WindowSampler:
+        return WindowSampler(self.train, self.block_size, seed)
+
+    def tokens_per_example(self) -> float:
+        return float(self.block_size)
+
+    def val_batches(self, batch_size: int, limit: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        """A fixed set of validation windows (this rank's share), ``batch_size`` at a time."""
+        context = min(self.block_size, len(self.val) - 1)
+        starts = eval_windows(len(self.val), context, limit)[rank::world]
+        for i in range(0, len(starts), batch_size):
+            yield Batch(*windows_to_batch(self.val, starts[i : i + batch_size], context))
+
+
+@dataclass
+class PairData:
+    """Translation: tokenized train and validation pairs."""
+
+    tokenizer: Tokenizer
+    train: PairSet
+    val: PairSet
+    block_size: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def train_tokens(self) -> int:
+        return int(self.train.length.sum())
+
+    @property
+    def val_tokens(self) -> int:
+        return int(self.val.length.sum())
+
+    def sampler(self, batch_size: int, seed: int) -> PairSampler:
+        return PairSampler(self.train, batch_size, seed, self.tokenizer.pad_id)
+
+    def tokens_per_example(self) -> float:
+        return float(self.train.length.mean())
+
+    def val_batches(self, batch_size: int, limit: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        """The first ``limit`` validation pairs (this rank's share), ``batch_size`` at a time."""
+        indices = np.arange(min(limit, len(self.val)))[rank::world]
+        for i in range(0, len(indices), batch_size):
+            yield collate(self.val, indices[i : i + batch_size], self.tokenizer.pad_id)
+
+
+TrainData = StreamData | PairData
+
+
+def cache_dir_of(cfg: TrainConfig) -> Path:
+    return Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+
+
+def tokenizer_for(cfg: TrainConfig, corpus: Corpus | PairCorpus, cache_dir: Path) -> Tokenizer:
+    """Load ``--tokenizer PATH``, or train char/byte/BPE on the corpus (trained ones are cached)."""
+    if cfg.tokenizer not in ("char", "byte", "bpe"):
+        return Tokenizer.load(cfg.tokenizer)
+    if cfg.tokenizer == "byte":
+        return Tokenizer.train("byte", iter(()))
+    size = cfg.vocab_size if cfg.tokenizer == "bpe" else 0
+    cached = cache_dir / f"tokenizer-{corpus.key}-{cfg.tokenizer}-{size}.json"
+    if cached.exists():
+        return Tokenizer.load(cached)
+    tok = Tokenizer.train(cfg.tokenizer, corpus.texts(), cfg.vocab_size)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tok.save(tmp)
+        os.replace(tmp, cached)
+    except OSError as exc:
+        raise LmcliError(f"cannot write to cache folder {cache_dir}: {exc.strerror}") from None
+    return tok
+
+
+def prepare_data(
+    cfg: TrainConfig,
+    *,
+    block_size: int,
+    tokenizer: Tokenizer | None = None,
+    progress: bool = True,
+    info: Info = _stderr,
+) -> TrainData:
+    """Read, tokenize (or reuse the cache) and split the corpus for ``cfg.task``."""
+    if cfg.task == "translation":
+        return _prepare_pairs(cfg, block_size, tokenizer, info)
+    return _prepare_stream(cfg, block_size, tokenizer, progress, info)
+
+
+def _prepare_stream(
+    cfg: TrainConfig, block_size: int, tokenizer: Tokenizer | None, progress: bool, info: Info
+) -> StreamData:
+    cache_dir = cache_dir_of(cfg)
+    corpus = open_corpus(cfg.corpus, cfg.dataset, cfg.split, cfg.text_column)
+    if corpus.is_empty():
+        raise LmcliError(f"corpus is empty: {corpus.description}")
+    if tokenizer is None:
+        tokenizer = tokenizer_for(cfg, corpus, cache_dir)
+    tokens = tokenize_corpus(corpus, tokenizer, cache_dir, progress=progress)
+    meta = tokens.meta
+    if meta.get("replaced"):
+        info(f"warning: replaced {meta['replaced']} invalid UTF-8 sequence(s) in the corpus with U+FFFD")
+    if meta.get("unknown"):
+        info(f"warning: {meta['unknown']} character(s) unknown to the tokenizer became <unk>")
+    ids = tokens.array()
+    if cfg.val:
+        val_file = tokenize_corpus(FileCorpus((cfg.val,)), tokenizer, cache_dir, progress=progress)
+        train_ids, val_ids = ids, val_file.array()
+    else:
+        require_window(len(ids), block_size)
+        n_val = int(len(ids) * cfg.val_fraction)
+        train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+    require_window(len(train_ids), block_size, "training split")
+    if len(val_ids) < 2:
+        raise LmcliError(
+            f"validation split has {len(val_ids)} tokens: give a larger --val-fraction or a --val file"
+        )
+    return StreamData(tokenizer, train_ids, val_ids, block_size, {**meta, "cached": tokens.cached})
+
+
+def open_pairs(cfg: TrainConfig, *, validation: bool = False) -> PairCorpus | None:
+    """The parallel corpus of ``cfg`` (or its validation corpus; None when it has none)."""
+    if validation:
+        if cfg.val_source:
+            return AlignedFiles(cfg.val_source, cfg.val_target or "")
+        if cfg.val:
+            return TableFile(cfg.val, cfg.source_field, cfg.target_field)
+        return None
+    if cfg.source:
+        return AlignedFiles(cfg.source, cfg.target or "")
+    if cfg.dataset:
+        return DatasetPairs(cfg.dataset, cfg.split, cfg.source_field, cfg.target_field)
+    if len(cfg.corpus) == 1:
+        return TableFile(cfg.corpus[0], cfg.source_field, cfg.target_field)
+    raise LmcliError(
+        "translation needs parallel text: --source FILE --target FILE, one TSV/JSONL file, or --dataset"
+    )
+
+
+def _prepare_pairs(cfg: TrainConfig, block_size: int, tokenizer: Tokenizer | None, info: Info) -> PairData:
+    cache_dir = cache_dir_of(cfg)
+    corpus = open_pairs(cfg)
+    assert corpus is not None
+    if tokenizer is None:
+        tokenizer = tokenizer_for(cfg, corpus, cache_dir)
+    pairs = tokenize_pairs(corpus, tokenizer, block_size + 1, cache_dir)
+    val_corpus = open_pairs(cfg, validation=True)
+    if val_corpus is not None:
+        train, val = pairs, tokenize_pairs(val_corpus, tokenizer, block_size + 1, cache_dir)
+    else:
+        n_val = int(len(pairs) * cfg.val_fraction)
+        if n_val < 1:
+            raise LmcliError("no validation pairs: give --val-source/--val-target or a larger --val-fraction")
+        order = np.arange(len(pairs))
+        train, val = pairs.subset(order[: len(pairs) - n_val]), pairs.subset(order[len(pairs) - n_val :])
+    stats = pairs.stats
+    if stats.empty:
+        info(f"warning: skipped {stats.empty} pair(s) with an empty side")
+    if stats.truncated:
+        info(
+            f"warning: truncated {stats.truncated} pair(s) longer than the context ({block_size + 1} tokens)"
+        )
+    facts = {
+        "corpus": corpus.description,
+        "cached": pairs.cached,
+        "pairs": len(train),
+        "empty": stats.empty,
+        "truncated": stats.truncated,
+    }
+    return PairData(tokenizer, train, val, block_size, facts)
