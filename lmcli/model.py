@@ -238,11 +238,14 @@ class Transformer(nn.Module):
         *,
         prefix_len: Tensor | None = None,
         last_only: bool = False,
+        output_mask: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, T, V) for token ids ``idx`` (B, T); (B, 1, V) with ``last_only``.
 
         With a ``cache``, ``idx`` continues the cached columns and the cache advances by T.
         ``prefix_len`` (B,) makes the first columns attend to each other bidirectionally.
+        ``output_mask`` (B, T) bool computes logits only where it is True, as (N, V): the
+        vocabulary projection is skipped for positions no loss reads (source, padding).
         """
         cfg = self.config
         B, T = idx.size()
@@ -279,6 +282,8 @@ class Transformer(nn.Module):
             cache.advance(T)
         if last_only:
             x = x[:, -1:, :]
+        elif output_mask is not None:
+            x = x[output_mask]  # (B, T, C) -> (N, C)
         return self.lm_head(self.ln_f(x))
 
     def _alibi_bias(self, T: int, n_cached: int, allowed: Tensor, dtype: torch.dtype) -> Tensor:

@@ -32,7 +32,7 @@ from lmcli.checkpoint import (
     save_checkpoint,
 )
 from lmcli.config import ModelConfig, TrainConfig, from_dict, parse_duration, split_options, to_dict
-from lmcli.data import IGNORE
+from lmcli.data import IGNORE, Batch
 from lmcli.errors import LmcliError
 from lmcli.metrics import MetricsLog, plot_loss_curve
 from lmcli.model import Transformer
@@ -118,6 +118,22 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int | None, time_fraction: flo
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - floor)
 
 
+def forward_scored(
+    model: torch.nn.Module, batch: Batch, cfg: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (N, V) and targets (N,) of the positions the loss reads.
+
+    Language modelling scores every position; translation only target tokens, so the vocabulary
+    projection skips source and padding positions.
+    """
+    prefix = batch.prefix_len if cfg.prefix_lm else None
+    if cfg.task == "translation":
+        mask = batch.y != IGNORE
+        return model(batch.x, prefix_len=prefix, output_mask=mask), batch.y[mask]
+    logits = model(batch.x, prefix_len=prefix)
+    return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
+
+
 @torch.no_grad()
 def evaluate_loss(
     model: torch.nn.Module,
@@ -133,13 +149,12 @@ def evaluate_loss(
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, scored tokens)
     limit = cfg.eval_batches * cfg.batch_size
     for batch in data.val_batches(cfg.batch_size, limit, dist_info.rank, dist_info.world_size):
-        b = batch.to(device)
         with autocast(device, amp):
-            logits = model(b.x, prefix_len=b.prefix_len if cfg.prefix_lm else None)
-        nll = F.cross_entropy(
-            logits.float().view(-1, logits.size(-1)), b.y.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            logits, targets = forward_scored(model, batch.to(device), cfg)
+        nll = F.cross_entropy(logits.float(), targets, reduction="sum")
+        total += torch.stack(
+            [nll.double(), torch.tensor(targets.numel(), dtype=torch.float64, device=device)]
         )
-        total += torch.stack([nll.double(), (b.y != IGNORE).sum().double()])
     if dist_info.enabled:
         torch.distributed.all_reduce(total)
     model.train(was_training)
@@ -462,8 +477,8 @@ def _train(
                     # DDP all-reduces gradients only on the last micro-batch of a step
                     sync = ddp is None or micro == cfg.grad_accum - 1
                     with contextlib.nullcontext() if sync else ddp.no_sync(), autocast(device, amp):
-                        logits = model(batch.x, prefix_len=batch.prefix_len if cfg.prefix_lm else None)
-                        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch.y.reshape(-1))
+                        logits, targets = forward_scored(model, batch, cfg)
+                        loss = F.cross_entropy(logits.float(), targets)
                     scaler.scale(loss / cfg.grad_accum).backward()
                     running += loss.detach() / cfg.grad_accum
                 scaler.unscale_(optimizer)
@@ -545,8 +560,8 @@ def _probe_step_seconds(
         for _ in range(2):  # the first call warms up allocators and kernels
             t0 = time.perf_counter()
             with autocast(device, amp):
-                logits = model(b.x, prefix_len=b.prefix_len if cfg.prefix_lm else None)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), b.y.reshape(-1))
+                logits, targets = forward_scored(model, b, cfg)
+                loss = F.cross_entropy(logits.float(), targets)
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize()

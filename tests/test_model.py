@@ -81,3 +81,10 @@ def test_sequence_longer_than_context_is_refused() -> None:
 def test_bad_model_configs_are_refused_with_a_clear_message(kw: dict, message: str) -> None:
     with pytest.raises(LmcliError, match=message):
         ModelConfig(**kw)
+
+
+def test_output_mask_computes_the_same_logits_at_fewer_positions() -> None:
+    model = tiny()
+    idx = torch.randint(0, 13, (3, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.rand(3, 9, generator=torch.Generator().manual_seed(4)) > 0.5
+    torch.testing.assert_close(model(idx, output_mask=mask), model(idx)[mask])
