@@ -23,8 +23,10 @@ class TrainProgress:
         self.console = console
         self.progress: Progress | None = None
         self.task: Any = None
+        self.max_time: float | None = None
 
-    def start(self, total: int | None, step: int) -> None:
+    def start(self, total: int | None, step: int, max_time: float | None = None) -> None:
+        self.max_time = max_time
         self.progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
@@ -44,10 +46,12 @@ class TrainProgress:
         total = self.progress.tasks[0].total
         tok_s = record["tokens_per_s"]
         stats = f"loss {record['train_loss']:.4f}  lr {record['lr']:.2e}  {tok_s / 1000:.1f}k tok/s"
-        eta = "?"
-        if total and tok_s > 0 and step:
-            per_step = record["elapsed"] / max(step, 1)
-            eta = fmt_duration(per_step * (total - step))
+        remaining = []
+        if total and step:
+            remaining.append(record["elapsed"] / step * (total - step))
+        if self.max_time is not None:
+            remaining.append(max(self.max_time - record["elapsed"], 0.0))
+        eta = fmt_duration(min(remaining)) if remaining else "?"
         self.progress.update(self.task, completed=step, stats=stats, eta=eta)
 
     def stop(self) -> None:

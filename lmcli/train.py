@@ -83,7 +83,7 @@ class Reporter:
 
     info: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
     preflight: Callable[[Preflight, dict[str, str]], None] | None = None
-    progress: Any = None  # an object with start(total), update(step, fields), stop()
+    progress: Any = None  # an object with start(total, step, max_time), update(step, record), stop()
 
 
 # ----------------------------------------------------------------------------- optimization
@@ -455,7 +455,7 @@ def _train(
     stopped = "max_steps"
     bar = rep.progress if dist_info.is_main else None
     if bar is not None:
-        bar.start(max_steps, step)
+        bar.start(max_steps, step, cfg.max_time)
     try:
         with _StopSignal() as stop:
             while True:

@@ -87,7 +87,7 @@ class CrashAt:
     def __init__(self, step: int, sig: int | None = None) -> None:
         self.step, self.sig = step, sig
 
-    def start(self, total, step) -> None:
+    def start(self, total, step, max_time=None) -> None:
         pass
 
     def update(self, step: int, record: dict) -> None:
