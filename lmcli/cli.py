@@ -290,6 +290,250 @@ def train(
 # --- commands are defined below; each is a few lines: options -> config -> library call ---
 
 
+def _read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None:
+    """Inputs from --prompt values, a file (one per line), or piped stdin; None if none given."""
+    if inline:
+        return list(inline)
+    if path is not None:
+        try:
+            return path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as exc:
+            raise LmcliError(f"cannot read {path}: {exc.strerror}") from None
+    if not sys.stdin.isatty():
+        data = sys.stdin.read()
+        return data.splitlines() if data else None
+    return None
+
+
+def _load(run_dir: Path | None, device: str) -> Any:
+    from lmcli.checkpoint import load_checkpoint
+    from lmcli.runtime import pick_device
+
+    return load_checkpoint(run_dir_or_latest(run_dir), pick_device(device))
+
+
+def _warn_prompts(prompts: list[Any]) -> None:
+    unknown = sum(p.unknown for p in prompts)
+    if unknown:
+        print(f"warning: {unknown} character(s) unknown to the tokenizer became <unk>", file=sys.stderr)
+    cut = sum(p.truncated for p in prompts)
+    if cut:
+        print(f"warning: {cut} input(s) longer than the context were cut to fit", file=sys.stderr)
+
+
+_S = "SampleConfig"
+_B = "BeamConfig"
+
+
+@app.command()
+def sample(
+    run_dir: Path | None = typer.Argument(
+        None, help="Run or checkpoint folder. [default: newest in checkpoints/]"
+    ),
+    prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
+    prompt_file: Path | None = typer.Option(None, help="Prompts, one per line, decoded as one batch."),
+    max_new_tokens: int | None = typer.Option(
+        None, help=_help("Tokens to generate.", _cfg(_S), "max_new_tokens")
+    ),
+    temperature: float | None = typer.Option(
+        None, help=_help("Softmax temperature; 0 = greedy.", _cfg(_S), "temperature")
+    ),
+    top_k: int | None = typer.Option(
+        None, help=_help("Keep the k most likely tokens (0 = off).", _cfg(_S), "top_k")
+    ),
+    top_p: float | None = typer.Option(
+        None, help=_help("Nucleus: smallest set with mass >= p.", _cfg(_S), "top_p")
+    ),
+    min_p: float | None = typer.Option(
+        None, help=_help("Drop tokens below min-p x the top one.", _cfg(_S), "min_p")
+    ),
+    repetition_penalty: float | None = typer.Option(
+        None, help=_help("> 1 discourages tokens already present.", _cfg(_S), "repetition_penalty")
+    ),
+    num_samples: int | None = typer.Option(None, help=_help("Samples per prompt.", _cfg(_S), "num_samples")),
+    seed: int | None = typer.Option(None, help=_help("Same seed, same text.", _cfg(_S), "seed")),
+    stop: list[str] | None = typer.Option(None, "--stop", help="Stop when this text appears (repeatable)."),
+    json_out: bool = typer.Option(
+        False, "--json", help="JSONL: prompt, text, per-token log-probs, settings."
+    ),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+) -> None:
+    """Generate text from a trained model (an empty prompt starts from <bos>)."""
+    import json
+
+    from lmcli.config import SampleConfig, from_dict, to_dict
+    from lmcli.sampling import sample_texts
+
+    cfg = from_dict(
+        SampleConfig,
+        given(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            num_samples=num_samples,
+            seed=seed,
+            stop=tuple(stop or ()),
+        ),
+        source="options",
+    )
+    ckpt = _load(run_dir, device)
+    translation = ckpt.train_config.task == "translation"
+    texts = _read_lines(prompt_file, prompt)
+    if texts is None:
+        if translation:
+            raise LmcliError(
+                "this is a translation model: give the source text with --prompt, --prompt-file or stdin"
+            )
+        texts = [""]
+    stream = not json_out and len(texts) * cfg.num_samples == 1
+    if stream and not translation:
+        typer.echo(texts[0], nl=False)
+    on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
+    out, prompts = sample_texts(
+        ckpt.model,
+        ckpt.tokenizer,
+        texts,
+        cfg,
+        translation=translation,
+        prefix_lm=ckpt.train_config.prefix_lm,
+        on_text=on_text,
+    )
+    _warn_prompts(prompts)
+    if stream:
+        typer.echo("")
+        return
+    for g in out:
+        if json_out:
+            record = {
+                "prompt": texts[g.prompt_index],
+                "prompt_index": g.prompt_index,
+                "sample": g.sample_index,
+                "text": g.text,
+                "tokens": g.ids,
+                "logprobs": [round(x, 6) for x in g.logprobs],
+                "finish_reason": g.finish_reason,
+                "settings": to_dict(cfg),
+            }
+            typer.echo(json.dumps(record, ensure_ascii=False))
+        else:
+            typer.echo(f"--- prompt {g.prompt_index}, sample {g.sample_index} ({g.finish_reason}) ---")
+            typer.echo(("" if translation else texts[g.prompt_index]) + g.text)
+
+
+@app.command()
+def beam(
+    run_dir: Path | None = typer.Argument(
+        None, help="Run or checkpoint folder. [default: newest in checkpoints/]"
+    ),
+    input: Path | None = typer.Option(None, "--input", "-i", help="Inputs, one per line. [default: stdin]"),
+    prompt: list[str] | None = typer.Option(
+        None, "--prompt", "-p", help="An input given inline (repeatable)."
+    ),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Write the best hypothesis of each input here, one line per input line."
+    ),
+    reference: Path | None = typer.Option(
+        None, help="Reference translations: report sacreBLEU BLEU and chrF."
+    ),
+    beam_size: int | None = typer.Option(None, help=_help("Beams per input.", _cfg(_B), "beam_size")),
+    length_penalty: float | None = typer.Option(
+        None, help=_help("alpha in score = logprob / length^alpha.", _cfg(_B), "length_penalty")
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, help=_help("New-token limit.", _cfg(_B), "max_new_tokens")
+    ),
+    max_len_a: float | None = typer.Option(
+        None, help="Limit new tokens to a * input_tokens + b (with --max-len-b)."
+    ),
+    max_len_b: int | None = typer.Option(None, help="See --max-len-a."),
+    min_new_tokens: int | None = typer.Option(
+        None, help=_help("No <eos> before this many tokens.", _cfg(_B), "min_new_tokens")
+    ),
+    nbest: int | None = typer.Option(None, help=_help("Hypotheses to print per input.", _cfg(_B), "nbest")),
+    no_repeat_ngram_size: int | None = typer.Option(
+        None, help=_help("Never repeat an n-gram of this size (0 = off).", _cfg(_B), "no_repeat_ngram_size")
+    ),
+    early_stopping: bool | None = typer.Option(
+        None, "--early-stopping/--no-early-stopping", help="Stop an input once beam-size hypotheses ended."
+    ),
+    batch_size: int | None = typer.Option(
+        None, help=_help("Inputs decoded together.", _cfg(_B), "batch_size")
+    ),
+    json_out: bool = typer.Option(False, "--json", help="JSONL: every hypothesis with score and log-prob."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+) -> None:
+    """Beam search: continue prompts, or translate with a model trained with --task translation.
+
+    Without --output, prints one line per hypothesis: input index, score, text.
+    """
+    import json
+
+    from lmcli.beam import beam_texts
+    from lmcli.config import BeamConfig, from_dict, to_dict
+
+    cfg = from_dict(
+        BeamConfig,
+        given(
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+            max_new_tokens=max_new_tokens,
+            max_len_a=max_len_a,
+            max_len_b=max_len_b,
+            min_new_tokens=min_new_tokens,
+            nbest=nbest,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            early_stopping=early_stopping,
+            batch_size=batch_size,
+        ),
+        source="options",
+    )
+    refs = _read_lines(reference, None) if reference is not None else None
+    ckpt = _load(run_dir, device)
+    texts = _read_lines(input, prompt)
+    if texts is None:
+        raise LmcliError("no input: give --input FILE, --prompt TEXT, or pipe lines to stdin")
+    if refs is not None and len(refs) != len(texts):
+        raise LmcliError(f"{reference} has {len(refs)} lines but there are {len(texts)} inputs")
+    translation = ckpt.train_config.task == "translation"
+    results, prompts = beam_texts(
+        ckpt.model, ckpt.tokenizer, texts, cfg, translation=translation, prefix_lm=ckpt.train_config.prefix_lm
+    )
+    _warn_prompts(prompts)
+    best = [r.texts[0] if r.texts else "" for r in results]
+    if output is not None:
+        tmp = output.with_name(f".{output.name}.tmp")
+        tmp.write_text("".join(b.replace("\n", " ") + "\n" for b in best), encoding="utf-8")
+        os.replace(tmp, output)
+    for i, r in enumerate(results):
+        if json_out:
+            hyps = [
+                {"text": t, "score": h.score, "logprob": h.logprob, "tokens": h.ids, "ended": h.ended}
+                for h, t in zip(r.hypotheses, r.texts, strict=False)
+            ]
+            typer.echo(
+                json.dumps(
+                    {"index": i, "input": r.input, "hypotheses": hyps, "settings": to_dict(cfg)},
+                    ensure_ascii=False,
+                )
+            )
+        elif output is None:
+            for h, t in zip(r.hypotheses, r.texts, strict=False):
+                typer.echo(f"{i}\t{h.score:.4f}\t{t}")
+            if not r.hypotheses:
+                typer.echo(f"{i}\t\t")
+    if refs is not None:
+        from lmcli.bleu import score_translations
+
+        metrics = score_translations(best, refs)
+        if json_out:
+            typer.echo(json.dumps(metrics))
+        else:
+            typer.echo(metrics["summary"], err=output is None)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point with one-line errors and conventional exit codes."""
     debug = os.environ.get("LMCLI_DEBUG") == "1"

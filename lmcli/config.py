@@ -280,3 +280,66 @@ def split_options(
     model = {k: v for k, v in options.items() if k in model_names}
     train = {k: v for k, v in options.items() if k in train_names}
     return model, train
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """Settings of `lmcli sample`: how the next token is chosen and when generation stops."""
+
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # nucleus: smallest set with probability mass >= top_p
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the text
+    num_samples: int = 1
+    seed: int = 1337
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _non_negative("max-new-tokens", self.max_new_tokens)
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise LmcliError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise LmcliError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise LmcliError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise LmcliError(f"min-p must be in [0, 1), got {self.min_p}")
+        _positive("repetition-penalty", self.repetition_penalty)
+        _positive("num-samples", self.num_samples)
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """Settings of `lmcli beam` (scores follow Hugging Face: sum of log-probs / length^alpha)."""
+
+    beam_size: int = 5
+    length_penalty: float = 1.0  # alpha
+    max_new_tokens: int = 200
+    max_len_a: float = 0.0  # with max-len-b: at most a * input_tokens + b new tokens
+    max_len_b: int = 0
+    min_new_tokens: int = 0
+    nbest: int = 1
+    no_repeat_ngram_size: int = 0
+    early_stopping: bool = True  # stop an input once beam-size hypotheses have ended
+    batch_size: int = 16  # inputs decoded together
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1:
+            raise LmcliError(f"beam-size must be >= 1, got {self.beam_size}")
+        if not 1 <= self.nbest <= self.beam_size:
+            raise LmcliError(f"nbest must be between 1 and beam-size ({self.beam_size}), got {self.nbest}")
+        _positive("max-new-tokens", self.max_new_tokens)
+        _non_negative("max-len-a", self.max_len_a)
+        _non_negative("max-len-b", self.max_len_b)
+        _non_negative("min-new-tokens", self.min_new_tokens)
+        _non_negative("no-repeat-ngram-size", self.no_repeat_ngram_size)
+        _positive("batch-size", self.batch_size)
+
+    def max_new_for(self, input_len: int) -> int:
+        """New-token limit for an input: a * input_len + b (fairseq), capped by max-new-tokens."""
+        if self.max_len_a or self.max_len_b:
+            return max(1, min(self.max_new_tokens, int(self.max_len_a * input_len + self.max_len_b)))
+        return self.max_new_tokens

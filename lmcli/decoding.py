@@ -1,0 +1,85 @@
+"""Pieces shared by sampling and beam search: prompts, prefill, one cached step, sliding window.
+
+Every decoder goes through ``prefill`` (left-padded prompts into a fresh KV cache) and then
+``step`` (one token per row through the cached model); when a row's context is full,
+``slide`` re-prefills the last part of it. All of it is the model's one ``forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lmcli.kv_cache import KVCache
+from lmcli.model import Transformer
+from lmcli.parallel import source_prompt
+from lmcli.tokenizer import Tokenizer
+
+
+@dataclass
+class Prompt:
+    """A prompt's token ids and what encoding it found."""
+
+    text: str
+    ids: list[int]
+    unknown: int = 0  # characters mapped to <unk>
+    truncated: bool = False  # longer than the context: only its end was kept
+
+
+def make_prompt(text: str, tokenizer: Tokenizer, block_size: int, translation: bool = False) -> Prompt:
+    """``<bos> text`` (language model) or ``<bos> source <sep>`` (translation model) as ids.
+
+    A language-model prompt longer than the context keeps its last ``block_size - 1`` tokens; a
+    source keeps at most half the context, as in training.
+    """
+    body = tokenizer.encode(text)
+    unknown = tokenizer.count_unknown(body)
+    if translation:
+        ids = source_prompt(body, tokenizer, block_size + 1)
+        return Prompt(text, ids, unknown, len(ids) < len(body) + 2)
+    ids = [tokenizer.bos_id, *body]
+    truncated = len(ids) > block_size - 1
+    return Prompt(text, ids[-(block_size - 1) :] if truncated else ids, unknown, truncated)
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Token ids (B, T) padded on the left, and each row's first real column (B,)."""
+    width = max(len(r) for r in rows)
+    idx = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        idx[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+    start = torch.tensor([width - len(r) for r in rows], dtype=torch.long)
+    return idx.to(device), start.to(device)
+
+
+def prefill(
+    model: Transformer, rows: list[list[int]], pad_id: int, *, prefix_lm: bool = False
+) -> tuple[KVCache, Tensor]:
+    """Run the prompts through a new cache; return it and the next-token logits (B, V).
+
+    With ``prefix_lm`` the whole prompt (a translation source) attends to itself both ways, as
+    in training.
+    """
+    device = next(model.parameters()).device
+    idx, start = left_pad(rows, pad_id, device)
+    cache = KVCache.for_model(model, len(rows), start=start)
+    prefix = torch.full((len(rows),), idx.size(1), device=device) if prefix_lm else None
+    logits = model(idx, cache, prefix_len=prefix, last_only=True)
+    return cache, logits[:, -1].float()
+
+
+def step(model: Transformer, cache: KVCache, tokens: Tensor) -> Tensor:
+    """Feed one token per row (B,); return the next-token logits (B, V)."""
+    return model(tokens[:, None], cache, last_only=True)[:, -1].float()
+
+
+def slide(model: Transformer, rows: list[list[int]], pad_id: int) -> tuple[KVCache, Tensor]:
+    """The context is full: re-prefill each row's last half-context of tokens into a new cache."""
+    keep = max(model.config.block_size // 2, 1)
+    return prefill(model, [r[-keep:] for r in rows], pad_id)
+
+
+def needs_slide(cache: KVCache) -> bool:
+    return cache.length >= cache.max_len

@@ -1,0 +1,196 @@
+"""Sampling: the next-token rule (temperature, top-k, top-p, min-p, repetition penalty) and a
+streaming ``generate`` on the KV cache.
+
+Reproducibility: sample ``j`` of every prompt draws from its own ``torch.Generator`` seeded with
+``seed + j``, so the same seed gives the same text whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lmcli.config import SampleConfig
+from lmcli.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
+from lmcli.model import Transformer
+from lmcli.tokenizer import Tokenizer
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
+    """Set to -inf every token outside top-k, the top-p nucleus, or below min-p; logits (B, V).
+
+    Top-k keeps exactly ``k`` tokens, ties included. Top-p keeps the smallest set of most likely
+    tokens whose probability mass reaches ``p``. Min-p keeps tokens with probability at least
+    ``min_p`` times that of the most likely one.
+    """
+    if top_k and top_k < logits.size(-1):
+        kept = torch.topk(logits, top_k, dim=-1).indices
+        mask = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, kept, False)
+        logits = logits.masked_fill(mask, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p  # the first token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def apply_repetition_penalty(logits: Tensor, history: list[list[int]], penalty: float) -> Tensor:
+    """Make tokens already in each row's text less likely (CTRL: divide positive logits, multiply
+    negative ones by ``penalty``)."""
+    if penalty == 1.0:
+        return logits
+    logits = logits.clone()
+    for row, tokens in enumerate(history):
+        if not tokens:
+            continue
+        idx = torch.tensor(sorted(set(tokens)), device=logits.device)
+        seen = logits[row, idx]
+        logits[row, idx] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def sample_next(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generators: list[torch.Generator] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Choose one token per row from logits (B, V); return (tokens (B,), their log-probs (B,)).
+
+    Log-probs are the model's own (temperature 1, before filtering), so they mean the same
+    whatever the settings. Temperature 0 is greedy.
+    """
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = filter_logits(logits.float() / temperature, top_k, top_p, min_p).softmax(dim=-1)
+        if generators is None:
+            tokens = torch.multinomial(probs, 1).squeeze(-1)
+        else:
+            tokens = torch.cat(
+                [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)]
+            )
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@dataclass
+class Generated:
+    """One generated continuation."""
+
+    prompt_index: int
+    sample_index: int
+    ids: list[int] = field(default_factory=list)  # generated tokens (no <eos>)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"  # "eos", "stop" (a stop string) or "length"
+
+
+def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
+    hits = [text.index(s) for s in stops if s and s in text]
+    return text[: min(hits)] if hits else None
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    cfg: SampleConfig,
+    *,
+    prefix_lm: bool = False,
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[Generated]:
+    """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch.
+
+    ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
+    ``prompt * num_samples + sample``).
+    """
+    n = cfg.num_samples
+    device = next(model.parameters()).device
+    out = [Generated(p, j) for p in range(len(prompts)) for j in range(n)]
+    if cfg.max_new_tokens == 0 or not prompts:
+        return out
+    cache, logits = prefill(model, prompts, tokenizer.pad_id, prefix_lm=prefix_lm)
+    if n > 1:
+        cache.expand(n)
+        logits = logits.repeat_interleave(n, dim=0)
+    rows = [list(prompts[g.prompt_index]) for g in out]  # every row's full token sequence
+    gens = None
+    if cfg.temperature > 0:
+        gens = [torch.Generator(device=device).manual_seed(cfg.seed + g.sample_index) for g in out]
+    done = [False] * len(out)
+    streamed = [""] * len(out)
+    for _ in range(cfg.max_new_tokens):
+        logits = apply_repetition_penalty(logits, rows, cfg.repetition_penalty)
+        tokens, logprobs = sample_next(
+            logits,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            min_p=cfg.min_p,
+            generators=gens,
+        )
+        for r, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
+            if done[r]:
+                continue
+            g = out[r]
+            rows[r].append(tok)
+            if tok == tokenizer.eos_id:
+                done[r], g.finish_reason = True, "eos"
+                continue
+            g.ids.append(tok)
+            g.logprobs.append(lp)
+            if cfg.stop or on_text is not None:
+                text = tokenizer.decode(g.ids)
+                cut = _cut_at_stop(text, cfg.stop)
+                if cut is not None:
+                    done[r], g.finish_reason, text = True, "stop", cut
+                if on_text is not None and not text.endswith("\ufffd") and len(text) > len(streamed[r]):
+                    on_text(r, text[len(streamed[r]) :])
+                    streamed[r] = text
+        if all(done):
+            break
+        if needs_slide(cache):
+            cache, logits = slide(model, rows, tokenizer.pad_id)
+        else:
+            logits = step(model, cache, tokens)
+    for g in out:
+        text = tokenizer.decode(g.ids)
+        cut = _cut_at_stop(text, cfg.stop)
+        g.text = cut if cut is not None else text
+        if on_text is not None:
+            r = g.prompt_index * n + g.sample_index
+            if len(g.text) > len(streamed[r]):
+                on_text(r, g.text[len(streamed[r]) :])
+    return out
+
+
+def sample_texts(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    cfg: SampleConfig,
+    *,
+    translation: bool = False,
+    prefix_lm: bool = False,
+    on_text: Callable[[int, str], None] | None = None,
+) -> tuple[list[Generated], list[Prompt]]:
+    """Encode prompt texts (``<bos> text``, or ``<bos> source <sep>`` for a translation model)
+    and sample continuations of all of them as one batch."""
+    prompts = [make_prompt(t, tokenizer, model.config.block_size, translation) for t in texts]
+    out = generate(model, tokenizer, [p.ids for p in prompts], cfg, prefix_lm=prefix_lm, on_text=on_text)
+    return out, prompts
