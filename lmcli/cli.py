@@ -306,10 +306,10 @@ def _read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None
 
 
 def _load(run_dir: Path | None, device: str) -> Any:
-    from lmcli.checkpoint import load_checkpoint
+    from lmcli.hf import load_any
     from lmcli.runtime import pick_device
 
-    return load_checkpoint(run_dir_or_latest(run_dir), pick_device(device))
+    return load_any(run_dir_or_latest(run_dir), pick_device(device))
 
 
 def _warn_prompts(prompts: list[Any]) -> None:
@@ -532,6 +532,105 @@ def beam(
             typer.echo(json.dumps(metrics))
         else:
             typer.echo(metrics["summary"], err=output is None)
+
+
+_E = "EvalConfig"
+
+
+@app.command("eval")
+def eval_command(
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder (or a Hugging Face GPT-2 folder)."),
+    paths: list[str] | None = typer.Argument(
+        None, help="Text files, folders, globs, .gz. [default: the run's validation split]"
+    ),
+    dataset: str | None = typer.Option(
+        None, help="Hugging Face dataset NAME[:CONFIG] (or a local data file)."
+    ),
+    text_column: str = typer.Option("text", help="Dataset column holding the text."),
+    split: str = typer.Option("test", help="Dataset split."),
+    source: str | None = typer.Option(None, help="Translation model: source file (with --target)."),
+    target: str | None = typer.Option(None, help="Translation model: target file (with --source)."),
+    context: int | None = typer.Option(None, help="Tokens per window. [default: the model's block size]"),
+    stride: int | None = typer.Option(
+        None,
+        help="Tokens between window starts; below the context, windows overlap and each token is "
+        "still scored once, with more left context. [default: the context]",
+    ),
+    batch_size: int | None = typer.Option(
+        None, help=_help("Windows per forward pass.", _cfg(_E), "batch_size")
+    ),
+    per_line: bool = typer.Option(
+        False, "--per-line", help="Score each line on its own as <bos> line <eos>."
+    ),
+    output: Path | None = typer.Option(None, "--output", "-o", help="With --per-line: write the JSONL here."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+) -> None:
+    """Perplexity and bits per byte of a model on held-out text."""
+    import json
+
+    from lmcli.config import EvalConfig, from_dict
+    from lmcli.evaluate import evaluate_run
+
+    cfg = from_dict(
+        EvalConfig,
+        given(context=context, stride=stride, batch_size=batch_size, per_line=per_line or None),
+        source="options",
+    )
+    ckpt = _load(run_dir, device)
+    score, what = evaluate_run(
+        ckpt,
+        cfg,
+        tuple(paths or ()),
+        dataset=dataset,
+        text_column=text_column,
+        split=split,
+        source=source,
+        target=target,
+        progress=not json_out,
+    )
+    if score.unknown:
+        print(f"warning: {score.unknown} character(s) unknown to the tokenizer became <unk>", file=sys.stderr)
+    if per_line:
+        lines = "".join(json.dumps(rec) + "\n" for rec in score.lines)
+        if output is not None:
+            output.write_text(lines)
+        elif not json_out:
+            sys.stdout.write(lines)
+    report = {"evaluated": what, **score.report()}
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"lmcli eval: {what}", show_header=False, title_justify="left")
+    rows = [
+        ("tokens scored", f"{score.tokens:,}"),
+        ("bytes scored", f"{score.bytes:,}"),
+        ("mean NLL", f"{score.mean_nll:.4f} nats/token"),
+        ("perplexity", f"{score.perplexity:.3f}"),
+        ("bits per token", f"{score.bits_per_token:.4f}"),
+        ("bits per byte", f"{score.bits_per_byte:.4f}"),
+        ("unknown tokens", f"{score.unknown:,}"),
+    ]
+    for label, value in rows:
+        table.add_row(label, value)
+    Console(stderr=per_line and output is None).print(table)
+
+
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder."),
+    out_dir: Path = typer.Argument(..., help="Folder to write (must be new or empty)."),
+    format: str = typer.Option("hf", "--format", help="hf: a Hugging Face GPT-2 folder (safetensors)."),
+) -> None:
+    """Export a checkpoint, e.g. as a Hugging Face GPT-2 folder that from_pretrained loads."""
+    from lmcli.hf import export_hf
+
+    if format != "hf":
+        raise LmcliError(f"invalid format {format!r}: choose hf")
+    typer.echo(f"wrote {export_hf(run_dir, out_dir)}")
 
 
 def main(argv: list[str] | None = None) -> None:

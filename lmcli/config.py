@@ -343,3 +343,21 @@ class BeamConfig:
         if self.max_len_a or self.max_len_b:
             return max(1, min(self.max_new_tokens, int(self.max_len_a * input_len + self.max_len_b)))
         return self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of `lmcli eval`."""
+
+    context: int = 0  # tokens per window; 0 = the model's block size
+    stride: int = 0  # tokens between window starts; 0 = the context (non-overlapping blocks)
+    batch_size: int = 8
+    per_line: bool = False
+
+    def __post_init__(self) -> None:
+        _non_negative("context", self.context)
+        if self.stride < 0:
+            raise LmcliError(f"stride must be >= 1, got {self.stride}")
+        if self.context and self.stride > self.context:
+            raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
+        _positive("batch-size", self.batch_size)

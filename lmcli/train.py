@@ -8,6 +8,7 @@ rank 0 alone logs and writes checkpoints.
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
 import shutil
@@ -182,6 +183,36 @@ def check_writable(path: Path) -> None:
         raise LmcliError(f"cannot write to output folder {path}: {exc.strerror}") from None
 
 
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """Local paths made absolute, so the stored config works from any folder (resume, eval)."""
+
+    def fix(p: str | None) -> str | None:
+        if p is None or os.path.isabs(p):
+            return p
+        if Path(p).exists() or glob.has_magic(p):
+            return str(Path.cwd() / p)
+        return p
+
+    return replace(
+        cfg,
+        corpus=tuple(fix(c) or c for c in cfg.corpus),
+        **{
+            k: fix(getattr(cfg, k))
+            for k in (
+                "dataset",
+                "source",
+                "target",
+                "val",
+                "val_source",
+                "val_target",
+                "cache_dir",
+                "init_from",
+            )
+        },
+        tokenizer=fix(cfg.tokenizer) if cfg.tokenizer not in ("char", "byte", "bpe") else cfg.tokenizer,
+    )
+
+
 def check_resumable(saved: ModelConfig, requested: ModelConfig) -> None:
     """Resuming may change run length and the like, never the model's shape."""
     changed = [f for f in SHAPE_FIELDS if f != "vocab_size" and getattr(saved, f) != getattr(requested, f)]
@@ -293,7 +324,7 @@ def _train(
                 f"{run_dir} already holds files: resume with --resume {run_dir} or pick another --out"
             )
         check_writable(run_dir)
-    cfg = replace(cfg, out=str(run_dir))
+    cfg = replace(absolute_paths(cfg), out=str(run_dir))
 
     # --- data and model
     data = prepare_data(
