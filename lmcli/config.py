@@ -349,15 +349,15 @@ class BeamConfig:
 class EvalConfig:
     """Settings of `lmcli eval`."""
 
-    context: int = 0  # tokens per window; 0 = the model's block size
-    stride: int = 0  # tokens between window starts; 0 = the context (non-overlapping blocks)
+    context: int | None = None  # tokens per window; None = the model's block size
+    stride: int | None = None  # tokens between window starts; None = the context (plain blocks)
     batch_size: int = 8
     per_line: bool = False
 
     def __post_init__(self) -> None:
-        _non_negative("context", self.context)
-        if self.stride < 0:
+        _positive("context", self.context, allow_none=True)
+        if self.stride is not None and self.stride < 1:
             raise LmcliError(f"stride must be >= 1, got {self.stride}")
-        if self.context and self.stride > self.context:
+        if self.context and self.stride and self.stride > self.context:
             raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
         _positive("batch-size", self.batch_size)

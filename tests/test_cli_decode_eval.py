@@ -1,0 +1,230 @@
+"""`lmcli sample`, `beam`, `eval` and `export` end to end, and their one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import make_run
+
+from lmcli.cli import main
+
+
+def run(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    if stdin is not None:
+        import io
+
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+def assert_error(code: int, err: str, message: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return make_run(tmp_path / "run")
+
+
+def test_sample_streams_one_prompt_and_writes_jsonl(run_dir: Path, capsys) -> None:
+    code, out, _ = run(
+        ["sample", str(run_dir), "-p", "the cat", "--max-new-tokens", "12", "--seed", "1"], capsys
+    )
+    assert code == 0 and out.startswith("the cat") and len(out.rstrip("\n")) > len("the cat")
+    code, out, _ = run(
+        [
+            "sample",
+            str(run_dir),
+            "-p",
+            "the",
+            "-p",
+            "a",
+            "--num-samples",
+            "2",
+            "--json",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "5",
+        ],
+        capsys,
+    )
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and len(records) == 4
+    assert {(r["prompt"], r["sample"]) for r in records} == {("the", 0), ("the", 1), ("a", 0), ("a", 1)}
+    assert all(len(r["logprobs"]) == len(r["tokens"]) and r["settings"]["top_k"] == 5 for r in records)
+
+
+def test_sample_defaults_to_the_newest_run_and_empty_prompt(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    make_run(tmp_path / "checkpoints" / "run-a")
+    import os
+    import time
+
+    old = tmp_path / "checkpoints" / "run-a" / "last" / "meta.json"
+    os.utime(old, (time.time() - 100, time.time() - 100))
+    make_run(tmp_path / "checkpoints" / "run-b", text="xyz zyx\n" * 20)
+    code, out, err = run(
+        ["sample", "--max-new-tokens", "30", "--temperature", "1"], capsys, stdin="", monkeypatch=monkeypatch
+    )
+    assert code == 0, err
+    assert set(out) <= set("xyz \n") and out.strip()  # only run-b's characters
+
+
+def test_unknown_characters_warn(run_dir: Path, capsys) -> None:
+    code, _, err = run(["sample", str(run_dir), "-p", "the ☃", "--max-new-tokens", "3"], capsys)
+    assert code == 0 and "1 character(s) unknown to the tokenizer" in err
+
+
+def test_beam_writes_one_line_per_input_in_order(run_dir: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "in.txt").write_text("the cat\n\na bird sang\nthe\n")
+    out_file = tmp_path / "out.txt"
+    code, _, err = run(
+        [
+            "beam",
+            str(run_dir),
+            "-i",
+            str(tmp_path / "in.txt"),
+            "-o",
+            str(out_file),
+            "--beam-size",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert len(out_file.read_text().splitlines()) == 4
+    code, out, _ = run(
+        [
+            "beam",
+            str(run_dir),
+            "-i",
+            str(tmp_path / "in.txt"),
+            "--nbest",
+            "2",
+            "--beam-size",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        capsys,
+    )
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2, 3] and records[2]["input"] == "a bird sang"
+    assert all(
+        len(r["hypotheses"]) == 2 and r["hypotheses"][0]["score"] >= r["hypotheses"][1]["score"]
+        for r in records
+    )
+
+
+def test_beam_reads_stdin_and_scores_bleu(run_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    (tmp_path / "ref.txt").write_text("x\ny\n")
+    code, out, err = run(
+        ["beam", str(run_dir), "--reference", str(tmp_path / "ref.txt"), "--max-new-tokens", "4"],
+        capsys,
+        stdin="the\na\n",
+        monkeypatch=monkeypatch,
+    )
+    assert code == 0 and len(out.splitlines()) == 2 and "BLEU" in err and "chrF" in err
+
+
+def test_eval_reports_and_per_line_jsonl(run_dir: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "t.txt").write_text("the cat sat on the mat.\nthe dog sat.\n")
+    code, out, _ = run(["eval", str(run_dir), str(tmp_path / "t.txt"), "--json", "--stride", "8"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["tokens"] == len("the cat sat on the mat.\nthe dog sat.\n")
+    assert report["bits_per_byte"] > 0 and report["perplexity"] > 1
+    code, out, _ = run(
+        ["eval", str(run_dir), str(tmp_path / "t.txt"), "--per-line", "-o", str(tmp_path / "l.jsonl")], capsys
+    )
+    assert code == 0 and len((tmp_path / "l.jsonl").read_text().splitlines()) == 2
+
+
+def test_export_then_eval_the_hf_folder(run_dir: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "t.txt").write_text("the cat sat on the mat.\n")
+    assert run(["export", str(run_dir), str(tmp_path / "hf"), "--format", "hf"], capsys)[0] == 0
+    _, ours, _ = run(["eval", str(run_dir), str(tmp_path / "t.txt"), "--json"], capsys)
+    _, theirs, _ = run(["eval", str(tmp_path / "hf"), str(tmp_path / "t.txt"), "--json"], capsys)
+    assert json.loads(ours)["perplexity"] == pytest.approx(json.loads(theirs)["perplexity"], rel=1e-6)
+
+
+def _corrupt(run_dir: Path, how: str) -> None:
+    weights = run_dir / "best" / "model.safetensors"
+    if how == "truncate":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif how == "truncate-unverified":
+        weights.write_bytes(weights.read_bytes()[:100])
+        for name in ("best", "last"):
+            meta = json.loads((run_dir / name / "meta.json").read_text())
+            meta.pop("sha256")
+            (run_dir / name / "meta.json").write_text(json.dumps(meta))
+    elif how == "vocab":
+        other = make_run(run_dir.parent / "other", text="xyz only three letters\n" * 5)
+        (run_dir / "best" / "tokenizer.json").write_bytes((other / "best" / "tokenizer.json").read_bytes())
+        meta = json.loads((run_dir / "best" / "meta.json").read_text())
+        meta.pop("sha256")
+        (run_dir / "best" / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["sample", "{run}", "--temperature", "-1"], "temperature must be >= 0"),
+        (["sample", "{run}", "--top-k", "-2"], "top-k must be >= 0"),
+        (["sample", "{run}", "--top-p", "0"], "top-p must be in (0, 1]"),
+        (["sample", "{run}", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+        (["beam", "{run}", "-p", "x", "--beam-size", "0"], "beam-size must be >= 1"),
+        (
+            ["beam", "{run}", "-p", "x", "--beam-size", "2", "--nbest", "3"],
+            "nbest must be between 1 and beam-size",
+        ),
+        (["sample", "{tmp}/missing"], "no such run or checkpoint folder"),
+        (["beam", "{tmp}/missing", "-p", "x"], "no such run or checkpoint folder"),
+        (["eval", "{tmp}/missing", "{tmp}/t.txt"], "no such run or checkpoint folder"),
+        (["eval", "{run}", "{tmp}/empty.txt"], "empty"),
+        (["eval", "{run}", "{tmp}/t.txt", "--stride", "0"], "stride must be >= 1"),
+        (["eval", "{run}", "{tmp}/t.txt", "--stride", "99"], "stride must be between 1 and the context"),
+        (["beam", "{run}", "-p", "x", "--reference", "{tmp}/t.txt"], "has 2 lines but there are 1 inputs"),
+        (["export", "{run}", "{tmp}/x", "--format", "onnx"], "invalid format 'onnx'"),
+    ],
+)
+def test_bad_input_gives_one_line_and_exit_2(run_dir: Path, tmp_path: Path, capsys, argv, message) -> None:
+    (tmp_path / "t.txt").write_text("the cat\nthe dog\n")
+    (tmp_path / "empty.txt").write_text("")
+    argv = [a.format(run=run_dir, tmp=tmp_path) for a in argv]
+    code, _, err = run(argv, capsys)
+    assert_error(code, err, message)
+
+
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("truncate", "is corrupt (checksum mismatch)"),
+        ("truncate-unverified", "cannot read weights"),
+        ("vocab", "has 18 tokens but the model expects 25"),
+    ],
+)
+def test_broken_checkpoints_give_one_line(run_dir: Path, capsys, how: str, message: str) -> None:
+    _corrupt(run_dir, how)
+    code, _, err = run(["sample", str(run_dir), "-p", "x"], capsys)
+    assert_error(code, err, message)
+
+
+def test_no_run_under_checkpoints(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(["sample"], capsys)
+    assert_error(code, err, "no run found under checkpoints/")

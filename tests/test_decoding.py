@@ -1,0 +1,96 @@
+"""KV-cache decoding: cached equals uncached, batching and padding change nothing, sliding window."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lmcli.config import ModelConfig, SampleConfig
+from lmcli.decoding import prefill, step
+from lmcli.kv_cache import KVCache
+from lmcli.model import Transformer
+from lmcli.sampling import generate
+from lmcli.tokenizer import Tokenizer
+
+VARIANTS = list(itertools.product(("learned", "sinusoidal", "rope", "alibi"), ("pre", "post")))
+
+
+def tiny(**kw) -> Transformer:
+    cfg = dict(vocab_size=23, block_size=24, n_layer=2, n_head=2, n_embd=32)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**cfg)).eval()
+
+
+def greedy_uncached(model: Transformer, ids: list[int], n: int) -> list[int]:
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids
+
+
+@pytest.mark.parametrize("position,placement", VARIANTS)
+def test_cached_step_logits_equal_full_forward(position: str, placement: str) -> None:
+    model = tiny(position=position, norm_placement=placement)
+    idx = torch.randint(0, 23, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache.for_model(model, 3)
+        parts = [model(idx[:, :7], cache)] + [model(idx[:, t : t + 1], cache) for t in range(7, 20)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["learned", "rope", "alibi"])
+def test_greedy_tokens_with_and_without_cache_are_identical(position: str) -> None:
+    model = tiny(position=position)
+    tok = Tokenizer.train("char", iter(["abcdefghijklmnopqr"]))
+    prompt = [tok.bos_id, 7, 8, 9]
+    out = generate(model, tok, [prompt], SampleConfig(temperature=0, max_new_tokens=15))[0]
+    expected = greedy_uncached(model, prompt, 15)[len(prompt) :]
+    if tok.eos_id in expected:
+        expected = expected[: expected.index(tok.eos_id)]
+    assert out.ids == expected
+
+
+def test_left_padded_batch_equals_one_prompt_at_a_time() -> None:
+    model = tiny()
+    prompts = [[2, 5, 6, 7, 8, 9], [2, 11], [2, 12, 13, 14]]
+    cache, logits = prefill(model, prompts, pad_id=0)
+    batched = [logits]
+    nxt = logits.argmax(-1)
+    for _ in range(4):
+        logits = step(model, cache, nxt)
+        batched.append(logits)
+        nxt = logits.argmax(-1)
+    for row, p in enumerate(prompts):
+        c1, l1 = prefill(model, [p], pad_id=0)
+        single = [l1]
+        n1 = l1.argmax(-1)
+        for _ in range(4):
+            l1 = step(model, c1, n1)
+            single.append(l1)
+            n1 = l1.argmax(-1)
+        for a, b in zip(batched, single, strict=True):
+            torch.testing.assert_close(a[row], b[0], rtol=1e-5, atol=1e-5)
+
+
+def test_reorder_and_expand_move_cache_rows() -> None:
+    cache = KVCache(1, 2, 1, 4, 2)
+    cache.k[0, 0].fill_(1.0)
+    cache.k[0, 1].fill_(2.0)
+    cache.expand(3)
+    assert cache.batch_size == 6 and cache.k[0, :, 0, 0, 0].tolist() == [1, 1, 1, 2, 2, 2]
+    cache.reorder(torch.tensor([5, 0]))
+    assert cache.k[0, :, 0, 0, 0].tolist() == [2, 1]
+
+
+def test_generation_continues_past_the_context_with_a_sliding_window() -> None:
+    model = tiny(block_size=12)
+    tok = Tokenizer.train("char", iter(["abcdefghijklmnopqr"]))
+    out = generate(model, tok, [[tok.bos_id, 7]], SampleConfig(temperature=1.0, max_new_tokens=40, seed=0))[0]
+    assert out.finish_reason in ("length", "eos")
+    long = generate(model, tok, [[tok.bos_id, 7]], SampleConfig(temperature=0, max_new_tokens=40))[0]
+    assert len(long.ids) == 40 or long.finish_reason == "eos"

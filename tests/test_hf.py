@@ -1,0 +1,103 @@
+"""Hugging Face interop: GPT-2 logits and perplexity parity, export loads in transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import make_run  # noqa: E402
+
+from lmcli.checkpoint import load_checkpoint  # noqa: E402
+from lmcli.errors import LmcliError  # noqa: E402
+from lmcli.evaluate import score_ids  # noqa: E402
+from lmcli.hf import export_hf, from_hf_gpt2, load_any  # noqa: E402
+
+
+def hf_gpt2(tmp: Path) -> Path:
+    """A tiny random GPT-2 saved as a local Hugging Face folder, with a byte-level BPE tokenizer."""
+    from lmcli.tokenizer import Tokenizer
+
+    tok = Tokenizer.train("bpe", iter(["the cat sat on the mat " * 50]), vocab_size=300)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=tok.vocab_size,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+    )
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(tmp / "gpt2")
+    tok.save(tmp / "gpt2" / "tokenizer.json")
+    return tmp / "gpt2"
+
+
+def test_imported_gpt2_gives_the_same_logits(tmp_path: Path) -> None:
+    folder = hf_gpt2(tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    ours, _ = from_hf_gpt2(folder)
+    idx = torch.randint(0, hf.config.vocab_size, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stride", [31, 8])
+def test_perplexity_equals_hugging_face(tmp_path: Path, stride: int) -> None:
+    """The HF perplexity-guide loop (max_length = context + 1) on the same ids."""
+    folder = hf_gpt2(tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    ckpt = load_any(folder)
+    ids = [
+        ckpt.tokenizer.bos_id,
+        *ckpt.tokenizer.encode("the cat sat on the mat, the mat sat on the cat. " * 6),
+    ]
+    context = 31
+    count, nll = score_ids(ckpt.model, ids, context, stride)
+    seq = torch.tensor([ids])
+    total, n_scored, prev_end = 0.0, 0, 0
+    with torch.no_grad():
+        for begin in range(0, seq.size(1), stride):
+            end = min(begin + context + 1, seq.size(1))
+            trg_len = end - prev_end
+            x = seq[:, begin:end]
+            y = x.clone()
+            y[:, :-trg_len] = -100
+            logits = hf(x).logits[:, :-1]
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), y[:, 1:].reshape(-1), reduction="sum"
+            ).item()
+            n_scored += int((y[:, 1:] != -100).sum())
+            prev_end = end
+            if end == seq.size(1):
+                break
+    assert count == n_scored
+    assert nll / count == pytest.approx(total / n_scored, rel=1e-5)
+
+
+def test_exported_run_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", kind="bpe")
+    out = export_hf(run, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    ckpt = load_checkpoint(run)
+    text = "the dog sat on the log."
+    ids = ckpt.tokenizer.encode(text)
+    assert hf_tok(text)["input_ids"] == ids
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ckpt.model(torch.tensor([ids])), model(torch.tensor([ids])).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_configs_gpt2_cannot_express_are_refused(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", position="rope", norm="rmsnorm")
+    with pytest.raises(LmcliError, match="GPT-2 cannot express this model .*rope positions, rmsnorm"):
+        export_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
