@@ -101,3 +101,19 @@ def test_configs_gpt2_cannot_express_are_refused(tmp_path: Path) -> None:
     with pytest.raises(LmcliError, match="GPT-2 cannot express this model .*rope positions, rmsnorm"):
         export_hf(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_train_init_from_a_local_gpt2_folder(tmp_path: Path) -> None:
+    from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.train import Reporter, train
+
+    folder = hf_gpt2(tmp_path)
+    (tmp_path / "c.txt").write_text("the cat sat on the mat. " * 200)
+    cfg = TrainConfig(corpus=(str(tmp_path / "c.txt"),), init_from=str(folder), out=str(tmp_path / "ft"),
+                      max_steps=3, eval_interval=3, batch_size=2, lr=1e-6, warmup_steps=0, eval_batches=1)
+    train(ModelConfig(), cfg, reporter=Reporter(info=lambda m: None), progress=False)
+    tuned = load_checkpoint(tmp_path / "ft" / "last")
+    base, _ = from_hf_gpt2(folder)
+    assert tuned.model_config.n_embd == 32 and tuned.model_config.block_size == 32
+    delta = (tuned.model.wte.weight - base.wte.weight).abs().max().item()
+    assert 0 < delta < 1e-4  # started from the GPT-2 weights and moved a little
