@@ -637,7 +637,9 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point with one-line errors and conventional exit codes."""
     debug = os.environ.get("LMCLI_DEBUG") == "1"
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # an exit code when a command exits early
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except _EXIT as exc:
         sys.exit(exc.exit_code)
     except _ABORT:
