@@ -109,8 +109,17 @@ def test_train_init_from_a_local_gpt2_folder(tmp_path: Path) -> None:
 
     folder = hf_gpt2(tmp_path)
     (tmp_path / "c.txt").write_text("the cat sat on the mat. " * 200)
-    cfg = TrainConfig(corpus=(str(tmp_path / "c.txt"),), init_from=str(folder), out=str(tmp_path / "ft"),
-                      max_steps=3, eval_interval=3, batch_size=2, lr=1e-6, warmup_steps=0, eval_batches=1)
+    cfg = TrainConfig(
+        corpus=(str(tmp_path / "c.txt"),),
+        init_from=str(folder),
+        out=str(tmp_path / "ft"),
+        max_steps=3,
+        eval_interval=3,
+        batch_size=2,
+        lr=1e-6,
+        warmup_steps=0,
+        eval_batches=1,
+    )
     train(ModelConfig(), cfg, reporter=Reporter(info=lambda m: None), progress=False)
     tuned = load_checkpoint(tmp_path / "ft" / "last")
     base, _ = from_hf_gpt2(folder)
