@@ -5,13 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from lmcli.errors import LmcliError
+
+T = TypeVar("T")
+STOP_REASONS = ("max_time", "SIGINT", "SIGTERM")  # weakest first: agree_to_stop keeps the strongest
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -62,6 +66,9 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    # a gloo group for small CPU-side collectives (stop flags, errors, objects); None: the default
+    # group, which is gloo already when training on the CPU
+    control: Any = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -88,7 +95,86 @@ def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
         device = pick_device("cpu" if device_name == "auto" else device_name)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return Dist(rank, local, world), device
+    # under nccl, a CPU group keeps per-step agreement from forcing a GPU sync
+    control = dist.new_group(backend="gloo") if use_cuda else None
+    return Dist(rank, local, world, control), device
+
+
+def _failure(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def on_main(fn: Callable[[], T], dist_info: Dist) -> T:
+    """``fn()`` run on rank 0 alone and its result given to every rank; its error fails every rank.
+
+    For decisions one process must make (a run folder's name and whether it may be used): other
+    ranks never race rank 0 to the file system.
+    """
+    if not dist_info.enabled:
+        return fn()
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    try:
+        if dist_info.is_main:
+            box = [(True, fn())]
+    except BaseException as exc:
+        box = [(False, _failure(exc))]
+        raise
+    finally:
+        dist.broadcast_object_list(box, src=0, group=dist_info.control)
+    ok, value = box[0]
+    if not ok:
+        raise LmcliError(value)
+    return value
+
+
+def in_turn(fn: Callable[[], T], dist_info: Dist) -> T:
+    """``fn()`` on every rank: rank 0 first, then the first process of each other node, then the rest.
+
+    For work that fills a cache (tokenizing a corpus, training a tokenizer): the first process
+    writes it, the others read it instead of racing to write the same files. An error on any
+    rank is raised on every rank, so no rank is left waiting.
+    """
+    if not dist_info.enabled:
+        return fn()
+    import torch.distributed as dist
+
+    my_turn = 0 if dist_info.is_main else 1 if dist_info.local_rank == 0 else 2
+    result: Any = None
+    for turn in range(3):
+        error: BaseException | None = None
+        if turn == my_turn:
+            try:
+                result = fn()
+            except BaseException as exc:
+                error = exc
+        failures: list[Any] = [None] * dist_info.world_size
+        dist.all_gather_object(failures, error and _failure(error), group=dist_info.control)
+        if error is not None:
+            raise error
+        for message in failures:
+            if message is not None:
+                raise LmcliError(message)
+    return result
+
+
+def agree_to_stop(elapsed: float, reason: str | None, dist_info: Dist) -> tuple[float, str | None]:
+    """The latest clock and the strongest stop reason over all ranks, the same on every rank.
+
+    Ranks see a signal or the time limit at slightly different moments; deciding together keeps
+    them at the same step (a rank stopping alone would leave the others waiting in a collective),
+    and one clock gives every rank the same learning rate under ``--max-time``.
+    """
+    if not dist_info.enabled:
+        return elapsed, reason
+    import torch.distributed as dist
+
+    code = 0 if reason is None else 1 + STOP_REASONS.index(reason)
+    both = torch.tensor([elapsed, float(code)], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dist_info.control)
+    code = int(both[1].item())
+    return float(both[0].item()), STOP_REASONS[code - 1] if code else None
 
 
 def shutdown_distributed() -> None:

@@ -41,10 +41,13 @@ from lmcli.preflight import Preflight, available_memory, estimate_memory, fmt_co
 from lmcli.prepare import TrainData, prepare_data
 from lmcli.runtime import (
     Dist,
+    agree_to_stop,
     autocast,
     autocast_dtype,
     configure_backend,
+    in_turn,
     init_distributed,
+    on_main,
     rng_state,
     seed_everything,
     set_rng_state,
@@ -148,7 +151,7 @@ def evaluate_loss(
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, scored tokens)
-    limit = cfg.eval_batches * cfg.batch_size
+    limit = cfg.eval_batches * cfg.batch_size * dist_info.world_size  # the same windows at any world size
     for batch in data.val_batches(cfg.batch_size, limit, dist_info.rank, dist_info.world_size):
         with autocast(device, amp):
             logits, targets = forward_scored(model, batch.to(device), cfg)
@@ -181,6 +184,17 @@ def check_writable(path: Path) -> None:
             pass
     except OSError as exc:
         raise LmcliError(f"cannot write to output folder {path}: {exc.strerror}") from None
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    """The folder a new run writes to: ``--out`` or a timestamped default, empty and writable."""
+    run_dir = Path(cfg.out) if cfg.out else default_run_dir()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise LmcliError(
+            f"{run_dir} already holds files: resume with --resume {run_dir} or pick another --out"
+        )
+    check_writable(run_dir)
+    return run_dir
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
@@ -318,21 +332,19 @@ def _train(
         check_resumable(resumed.model_config, model_config)
         state = resumed.state
     else:
-        run_dir = Path(cfg.out) if cfg.out else default_run_dir()
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise LmcliError(
-                f"{run_dir} already holds files: resume with --resume {run_dir} or pick another --out"
-            )
-        check_writable(run_dir)
+        run_dir = on_main(lambda: new_run_dir(cfg), dist_info)  # rank 0's name; no rank races its mkdir
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
 
     # --- data and model
-    data = prepare_data(
-        cfg,
-        block_size=model_config.block_size,
-        tokenizer=resumed.tokenizer if resumed else None,
-        progress=progress and dist_info.is_main,
-        info=info,
+    data = in_turn(  # rank 0 fills the token cache first, the other ranks read it
+        lambda: prepare_data(
+            cfg,
+            block_size=model_config.block_size,
+            tokenizer=resumed.tokenizer if resumed else None,
+            progress=progress and dist_info.is_main,
+            info=info,
+        ),
+        dist_info,
     )
     if cfg.init_from and not resumed:
         from lmcli.hf import from_hf_gpt2
@@ -340,12 +352,15 @@ def _train(
         model, tokenizer = from_hf_gpt2(cfg.init_from)
         model_config = model.config
         if tokenizer.fingerprint != data.tokenizer.fingerprint:
-            data = prepare_data(
-                cfg,
-                block_size=model_config.block_size,
-                tokenizer=tokenizer,
-                progress=progress and dist_info.is_main,
-                info=info,
+            data = in_turn(
+                lambda: prepare_data(
+                    cfg,
+                    block_size=model_config.block_size,
+                    tokenizer=tokenizer,
+                    progress=progress and dist_info.is_main,
+                    info=info,
+                ),
+                dist_info,
             )
     elif resumed:
         model, model_config = resumed.model, resumed.model_config
@@ -374,7 +389,8 @@ def _train(
         best_val = float(state.get("best_val", math.inf))
         elapsed_before = float(state.get("elapsed", 0.0))
         rngs = state["rng"]
-        set_rng_state(rngs[dist_info.rank] if dist_info.rank < len(rngs) else rngs[0])
+        if dist_info.rank < len(rngs):  # a rank the saved run did not have keeps its own seed
+            set_rng_state(rngs[dist_info.rank])
         info(f"resuming {run_dir} at step {step}")
 
     raw_model = model  # what is saved and evaluated: no DDP or compile wrapper
@@ -441,7 +457,7 @@ def _train(
         rngs = [rng_state()]
         if dist_info.enabled:  # every rank takes part in the gather; rank 0 writes
             gathered: list[Any] = [None] * dist_info.world_size
-            torch.distributed.all_gather_object(gathered, rngs[0])
+            torch.distributed.all_gather_object(gathered, rngs[0], group=dist_info.control)
             rngs = gathered
         if not dist_info.is_main:
             return
@@ -493,11 +509,13 @@ def _train(
                 elapsed = elapsed_before + (time.time() - t_start)
                 if max_steps is not None and step >= max_steps:
                     break
-                if cfg.max_time is not None and elapsed >= cfg.max_time:
-                    stopped = "max_time"
-                    break
-                if stop.received:
-                    stopped = stop.received
+                timed_out = cfg.max_time is not None and elapsed >= cfg.max_time
+                # every rank stops at the same step, and shares one clock (the lr under --max-time)
+                elapsed, reason = agree_to_stop(
+                    elapsed, "max_time" if timed_out else stop.received, dist_info
+                )
+                if reason is not None:
+                    stopped = reason
                     break
                 lr = lr_at(step, cfg, max_steps, elapsed / cfg.max_time if cfg.max_time else 0.0)
                 for group in optimizer.param_groups:
@@ -521,6 +539,9 @@ def _train(
 
                 last = max_steps is not None and step >= max_steps
                 if step % cfg.log_interval == 0 or last:
+                    if dist_info.enabled:  # the global batch's loss, as one process would log it
+                        torch.distributed.all_reduce(running)
+                        running /= dist_info.world_size
                     train_loss = (running / (step - last_log_step)).item()  # the one host sync
                     running.zero_()
                     if not math.isfinite(train_loss):
