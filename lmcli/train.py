@@ -450,9 +450,18 @@ def _train(
 
     saved_step = step if resumed else -1
 
+    def require_finite(loss: float) -> None:
+        if not math.isfinite(loss):
+            raise LmcliError(
+                f"loss became {loss} at or before step {step}: stopped; the last good "
+                f"checkpoint is {run_dir / 'last'} (try a lower --lr)"
+            )
+
     def save(improved: bool, val_loss: float | None) -> None:
         """Write ``last`` (and ``best`` when improved, and ``step-N`` with --keep-last)."""
         nonlocal saved_step
+        # never replace a good checkpoint with diverged weights, even between log points
+        require_finite(float(running) + (val_loss or 0.0))
         saved_step = step
         rngs = [rng_state()]
         if dist_info.enabled:  # every rank takes part in the gather; rank 0 writes
@@ -544,11 +553,7 @@ def _train(
                         running /= dist_info.world_size
                     train_loss = (running / (step - last_log_step)).item()  # the one host sync
                     running.zero_()
-                    if not math.isfinite(train_loss):
-                        raise LmcliError(
-                            f"loss became {train_loss} at or before step {step}: stopped; the last good "
-                            f"checkpoint is {run_dir / 'last'} (try a lower --lr)"
-                        )
+                    require_finite(train_loss)
                     now = time.time()
                     record = {
                         "step": step,

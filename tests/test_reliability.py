@@ -242,3 +242,36 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     assert all(torch.isfinite(p).all() for p in good.model.parameters())
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("grad_norm" in r for r in records if "train_loss" in r)
+
+
+def test_a_nan_between_log_points_never_reaches_a_saved_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """Validation (and its save) at step 8 falls between log points 0 and 10: the NaN of step 7
+    must stop the run there, not overwrite the good checkpoint of step 4."""
+    (tmp_path / "c.txt").write_text(TINY_TEXT)
+    cfg = TrainConfig(
+        corpus=(str(tmp_path / "c.txt"),),
+        out=str(tmp_path / "run"),
+        batch_size=4,
+        max_steps=40,
+        eval_interval=4,
+        log_interval=10,
+        eval_batches=1,
+    )
+    real_ce = torch.nn.functional.cross_entropy
+    calls = {"train": 0}
+
+    def poisoned(*args, **kwargs):
+        loss = real_ce(*args, **kwargs)
+        if torch.is_grad_enabled():  # a training step, not a validation
+            calls["train"] += 1
+            if calls["train"] >= 7:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr("lmcli.train.F.cross_entropy", poisoned)
+    model = ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
+    with pytest.raises(LmcliError, match=r"loss became nan at or before step 8"):
+        train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
+    good = load_checkpoint(tmp_path / "run" / "last")
+    assert good.meta["step"] == 4
+    assert all(torch.isfinite(p).all() for p in good.model.parameters())
