@@ -187,11 +187,23 @@ def train(
     grad_clip: float | None = typer.Option(
         None, help=_help("Clip the gradient norm to this (0: off).", _cfg(_T), "grad_clip")
     ),
+    label_smoothing: float | None = typer.Option(
+        None, help=_help("Label smoothing of the training loss.", _cfg(_T), "label_smoothing")
+    ),
     eval_interval: int | None = typer.Option(
         None, help=_help("Validate every N steps.", _cfg(_T), "eval_interval")
     ),
     eval_batches: int | None = typer.Option(
         None, help=_help("Validation batches per evaluation.", _cfg(_T), "eval_batches")
+    ),
+    bleu_samples: int | None = typer.Option(
+        None,
+        help=_help(
+            "Translation: validation pairs decoded greedily for BLEU (0: off).", _cfg(_T), "bleu_samples"
+        ),
+    ),
+    bleu_interval: int | None = typer.Option(
+        None, help="Translation: BLEU every N steps. [default: at every validation]"
     ),
     save_interval: int | None = typer.Option(
         None, help="Checkpoint every N steps. [default: at every validation]"
@@ -264,8 +276,11 @@ def train(
         beta1=beta1,
         beta2=beta2,
         grad_clip=grad_clip,
+        label_smoothing=label_smoothing,
         eval_interval=eval_interval,
         eval_batches=eval_batches,
+        bleu_samples=bleu_samples,
+        bleu_interval=bleu_interval,
         save_interval=save_interval,
         keep_last=keep_last,
         log_interval=log_interval,

@@ -132,8 +132,11 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
+    label_smoothing: float = 0.0  # training loss only; validation loss is plain NLL
     eval_interval: int = 250
     eval_batches: int = 20
+    bleu_samples: int = 200  # translation: validation pairs decoded greedily for BLEU (0 = off)
+    bleu_interval: int = 0  # translation: BLEU every N steps; 0 = at every validation
     save_interval: int = 0  # 0 = at every evaluation
     keep_last: int = 0  # periodic step-N checkpoints to keep besides last/best
     log_interval: int = 10
@@ -176,7 +179,17 @@ class TrainConfig:
         _positive("lr", self.lr)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise LmcliError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "save_interval", "keep_last"):
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise LmcliError(f"label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        for name in (
+            "warmup_steps",
+            "weight_decay",
+            "grad_clip",
+            "save_interval",
+            "keep_last",
+            "bleu_samples",
+            "bleu_interval",
+        ):
             _non_negative(name.replace("_", "-"), getattr(self, name))
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:

@@ -165,6 +165,13 @@ def evaluate_loss(
     return (total[0] / total[1]).item()
 
 
+def wants_bleu(cfg: TrainConfig, step: int) -> bool:
+    """Whether this validation also decodes validation pairs for BLEU (translation only)."""
+    if cfg.task != "translation" or not cfg.bleu_samples:
+        return False
+    return not cfg.bleu_interval or step % cfg.bleu_interval == 0
+
+
 # ----------------------------------------------------------------------------- run folders
 
 
@@ -494,10 +501,22 @@ def _train(
         improved = loss < best_val
         best_val = min(best_val, loss)
         if dist_info.is_main:
-            metrics.append({"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))})
+            record = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+            bleu = ""
+            if wants_bleu(cfg, step):
+                from lmcli.bleu import greedy_bleu
+
+                with autocast(device, amp):
+                    scores = greedy_bleu(
+                        raw_model, data.tokenizer, data.val, cfg.bleu_samples, prefix_lm=cfg.prefix_lm
+                    )
+                record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
+                bleu = f", greedy BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} ({scores['sentences']})"
+            metrics.append(record)
             info(
                 f"step {step}: train loss {train_loss if train_loss is not None else float('nan'):.4f}, "
-                f"val loss {loss:.4f} (ppl {math.exp(min(loss, 50)):.2f})" + (" *best*" if improved else "")
+                f"val loss {loss:.4f} (ppl {math.exp(min(loss, 50)):.2f}){bleu}"
+                + (" *best*" if improved else "")
             )
         return loss, improved
 
@@ -536,7 +555,7 @@ def _train(
                     sync = ddp is None or micro == cfg.grad_accum - 1
                     with contextlib.nullcontext() if sync else ddp.no_sync(), autocast(device, amp):
                         logits, targets = forward_scored(model, batch, cfg)
-                        loss = F.cross_entropy(logits.float(), targets)
+                        loss = F.cross_entropy(logits.float(), targets, label_smoothing=cfg.label_smoothing)
                     scaler.scale(loss / cfg.grad_accum).backward()
                     running += loss.detach() / cfg.grad_accum
                 scaler.unscale_(optimizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def test_a_small_model_learns_to_reverse_words_exactly(tmp_path: Path) -> None:
         eval_interval=400,
         lr=3e-3,
         warmup_steps=20,
+        bleu_samples=50,
         out=str(tmp_path / "run"),
     )
     model = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=16)
@@ -63,6 +65,49 @@ def test_a_small_model_learns_to_reverse_words_exactly(tmp_path: Path) -> None:
     held_out = [w for w in words(40, 99) if w not in set(words(2000, 0))]
     assert len(held_out) >= 10
     assert all(greedy(tmp_path / "run", w) == w[::-1] for w in held_out)
+    # greedy decoding of validation pairs, scored at every validation (one-word lines: chrF)
+    scored = [r for r in read_metrics(tmp_path / "run") if "val_bleu" in r]
+    assert [r["step"] for r in scored] == [400, 800]
+    assert scored[0]["val_chrf"] < scored[-1]["val_chrf"] and scored[-1]["val_chrf"] > 95
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_label_smoothing_changes_the_training_loss_not_the_validation_loss(tmp_path: Path) -> None:
+    src, tgt = write_task(tmp_path)
+    losses = {}
+    for smoothing in (0.0, 0.3):
+        cfg = TrainConfig(
+            task="translation",
+            source=src,
+            target=tgt,
+            tokenizer="char",
+            batch_size=32,
+            max_steps=150,
+            eval_interval=150,
+            lr=3e-3,
+            warmup_steps=20,
+            label_smoothing=smoothing,
+            bleu_samples=0,
+            out=str(tmp_path / f"run-{smoothing}"),
+        )
+        train(
+            ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=16),
+            cfg,
+            reporter=Reporter(info=lambda m: None),
+            progress=False,
+        )
+        records = read_metrics(tmp_path / f"run-{smoothing}")
+        assert not any("val_bleu" in r for r in records)  # --bleu-samples 0: no decoding
+        last = {k: v for r in records if r["step"] == 150 for k, v in r.items()}
+        losses[smoothing] = (last["train_loss"], last["val_loss"])
+    (plain_train, plain_val), (smooth_train, smooth_val) = losses[0.0], losses[0.3]
+    # a smoothed loss keeps a floor of 0.3 x the cross-entropy to the uniform distribution
+    assert smooth_train - smooth_val > 0.3
+    assert abs(plain_train - plain_val) < 0.2
+    assert abs(smooth_val - plain_val) < 0.5  # both validation losses are plain NLL
 
 
 def test_prefix_lm_trains(tmp_path: Path) -> None:
