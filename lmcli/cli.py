@@ -306,17 +306,16 @@ def train(
 
 
 def _read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None:
-    """Inputs from --prompt values, a file (one per line), or piped stdin; None if none given."""
+    """Inputs from --prompt values, a file (one per line, .gz allowed), or piped stdin; None if none."""
     if inline:
         return list(inline)
     if path is not None:
-        try:
-            return path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError as exc:
-            raise LmcliError(f"cannot read {path}: {exc.strerror}") from None
+        from lmcli.parallel import read_lines
+
+        return read_lines(path)
     if not sys.stdin.isatty():
         data = sys.stdin.read()
-        return data.splitlines() if data else None
+        return [line.rstrip("\r") for line in data.removesuffix("\n").split("\n")] if data else None
     return None
 
 

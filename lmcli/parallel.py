@@ -43,6 +43,15 @@ def _open_text(path: Path) -> Any:
         raise LmcliError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a text file (``.gz`` allowed), split at ``\\n`` only, so line i stays line i."""
+    try:
+        with _open_text(Path(path)) as f:
+            return [line.rstrip("\r\n") for line in f]
+    except (OSError, EOFError) as exc:  # e.g. a corrupt or truncated .gz, or a folder
+        raise LmcliError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def _count_lines(path: Path) -> int:
     with _open_text(path) as f:
         return sum(1 for _ in f)

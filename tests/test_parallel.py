@@ -120,3 +120,14 @@ def test_pair_sampler_is_without_replacement_and_bucketed(tmp_path: Path) -> Non
     pad = sum(int((sampler.batch(i, 8).x == tok.pad_id).sum()) for i in range(0, 400, 8))
     total = sum(sampler.batch(i, 8).x.numel() for i in range(0, 400, 8))
     assert pad / total < 0.1  # bucketing keeps padding small
+
+
+def test_read_lines_splits_at_newlines_only_and_reads_gz(tmp_path: Path) -> None:
+    from lmcli.parallel import read_lines
+
+    text = "one\u2028still one\r\ntwo\x0cstill two\n\nfour\n"
+    (tmp_path / "a.txt").write_text(text, newline="")
+    with gzip.open(tmp_path / "a.txt.gz", "wt", newline="") as f:
+        f.write(text)
+    expected = ["one\u2028still one", "two\x0cstill two", "", "four"]
+    assert read_lines(tmp_path / "a.txt") == expected == read_lines(tmp_path / "a.txt.gz")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
@@ -69,6 +70,27 @@ def test_a_small_model_learns_to_reverse_words_exactly(tmp_path: Path) -> None:
     scored = [r for r in read_metrics(tmp_path / "run") if "val_bleu" in r]
     assert [r["step"] for r in scored] == [400, 800]
     assert scored[0]["val_chrf"] < scored[-1]["val_chrf"] and scored[-1]["val_chrf"] > 95
+    # `lmcli beam` translates a .gz file: one line per input line, in order, empty lines kept
+    inputs = [held_out[0], "", held_out[1], held_out[2], ""]
+    with gzip.open(tmp_path / "in.txt.gz", "wt") as f:
+        f.write("\n".join(inputs) + "\n")
+    (tmp_path / "ref.txt").write_text("\n".join(w[::-1] for w in inputs) + "\n")
+    out = tmp_path / "hyp.txt"
+    argv = ["beam", str(tmp_path / "run"), "-i", str(tmp_path / "in.txt.gz"), "-o", str(out)]
+    main(
+        [
+            *argv,
+            "--reference",
+            str(tmp_path / "ref.txt"),
+            "--beam-size",
+            "3",
+            "--max-len-a",
+            "1",
+            "--max-len-b",
+            "2",
+        ]
+    )
+    assert out.read_text().split("\n") == [*(w[::-1] for w in inputs), ""]
 
 
 def read_metrics(run: Path) -> list[dict]:
