@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmcli.config import BeamConfig
-from lmcli.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
+from lmcli.decoding import (
+    Prompt,
+    make_prompt,
+    needs_slide,
+    prefill,
+    slide,
+    step,
+    step_layout,
+    step_threads,
+)
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 
@@ -72,6 +81,7 @@ def beam_search(
     k = cfg.beam_size
     limits = [cfg.max_new_for(n) for n in (input_lens or [len(p) for p in prompts])]
     cache, logits = prefill(model, prompts, pad_id, prefix_lm=prefix_lm)
+    width = cache.length  # prompt columns, the same in every beam of an input
     cache.expand(k)
     logits = logits.repeat_interleave(k, dim=0)  # (A*k, V), rows input-major
     device = logits.device
@@ -82,52 +92,56 @@ def beam_search(
     scores[:, 0] = 0.0  # all beams start equal: expand only the first
     pools: list[list[Hypothesis]] = [[] for _ in prompts]
     generated = 0
-    while active:
-        A, V = len(active), logits.size(-1)
-        logprobs = _adjust(F.log_softmax(logits, dim=-1), rows, cfg, generated, eos_id)
-        acc = (logprobs + scores.view(-1, 1)).view(A, k * V)  # (A, k*V)
-        top_scores, top_idx = torch.topk(acc, 2 * k, dim=-1)  # (A, 2k)
-        parents, tokens = (top_idx // V).tolist(), (top_idx % V).tolist()
-        top_scores_l = top_scores.tolist()
-        generated += 1
-        keep_rows, keep_tokens, keep_scores, still = [], [], [], []
-        for a, inp in enumerate(active):
-            at_limit = generated >= limits[inp]
-            running: list[tuple[int, int, float]] = []
-            for rank in range(2 * k):
-                par, tok, sc = parents[a][rank], tokens[a][rank], top_scores_l[a][rank]
-                if sc <= DEAD / 2:
-                    break  # only dead beams from here on
-                row = a * k + par
-                if tok == eos_id or at_limit:
-                    if rank < k:
-                        ids = gen[row] if tok == eos_id else [*gen[row], tok]
-                        hyp = Hypothesis(ids, sc / generated**cfg.length_penalty, sc, tok == eos_id)
-                        pools[inp] = sorted([*pools[inp], hyp], key=lambda h: -h.score)[:k]
+    step_layout(model)
+    with step_threads(model, len(prompts) * k):
+        while active:
+            A, V = len(active), logits.size(-1)
+            logprobs = _adjust(F.log_softmax(logits, dim=-1), rows, cfg, generated, eos_id)
+            acc = (logprobs + scores.view(-1, 1)).view(A, k * V)  # (A, k*V)
+            top_scores, top_idx = torch.topk(acc, 2 * k, dim=-1)  # (A, 2k)
+            parents, tokens = (top_idx // V).tolist(), (top_idx % V).tolist()
+            top_scores_l = top_scores.tolist()
+            generated += 1
+            keep_rows, keep_tokens, keep_scores, still = [], [], [], []
+            for a, inp in enumerate(active):
+                at_limit = generated >= limits[inp]
+                running: list[tuple[int, int, float]] = []
+                for rank in range(2 * k):
+                    par, tok, sc = parents[a][rank], tokens[a][rank], top_scores_l[a][rank]
+                    if sc <= DEAD / 2:
+                        break  # only dead beams from here on
+                    row = a * k + par
+                    if tok == eos_id or at_limit:
+                        if rank < k:
+                            ids = gen[row] if tok == eos_id else [*gen[row], tok]
+                            hyp = Hypothesis(ids, sc / generated**cfg.length_penalty, sc, tok == eos_id)
+                            pools[inp] = sorted([*pools[inp], hyp], key=lambda h: -h.score)[:k]
+                        continue
+                    if len(running) < k:
+                        running.append((row, tok, sc))
+                if at_limit or not running or _done(pools[inp], running, generated, cfg):
                     continue
-                if len(running) < k:
-                    running.append((row, tok, sc))
-            if at_limit or not running or _done(pools[inp], running, generated, cfg):
-                continue
-            while len(running) < k:  # keep k slots; the extra ones can never win
-                running.append((running[0][0], running[0][1], DEAD))
-            still.append(inp)
-            for row, tok, sc in running:
-                keep_rows.append(row)
-                keep_tokens.append(tok)
-                keep_scores.append(sc)
-        if not still:
-            break
-        parent_idx = torch.tensor(keep_rows, device=device)
-        cache.reorder(parent_idx)
-        rows = [[*rows[r], t] for r, t in zip(keep_rows, keep_tokens, strict=True)]
-        gen = [[*gen[r], t] for r, t in zip(keep_rows, keep_tokens, strict=True)]
-        scores = torch.tensor(keep_scores, device=device).view(len(still), k)
-        active = still
-        if needs_slide(cache):
-            cache, logits = slide(model, rows, pad_id)
-        else:
-            logits = step(model, cache, torch.tensor(keep_tokens, device=device))
+                while len(running) < k:  # keep k slots; the extra ones can never win
+                    running.append((running[0][0], running[0][1], DEAD))
+                still.append(inp)
+                for row, tok, sc in running:
+                    keep_rows.append(row)
+                    keep_tokens.append(tok)
+                    keep_scores.append(sc)
+            if not still:
+                break
+            if keep_rows != list(range(cache.batch_size)):  # every beam kept its own row: nothing moves
+                # a beam's parent is a beam of the same input: the prompt columns never move
+                cache.reorder(torch.tensor(keep_rows, device=device), shared=width)
+            rows = [[*rows[r], t] for r, t in zip(keep_rows, keep_tokens, strict=True)]
+            gen = [[*gen[r], t] for r, t in zip(keep_rows, keep_tokens, strict=True)]
+            scores = torch.tensor(keep_scores, device=device).view(len(still), k)
+            active = still
+            if needs_slide(cache):
+                cache, logits = slide(model, rows, pad_id)
+                width = 0  # each row re-read its own history: no columns are shared any more
+            else:
+                logits = step(model, cache, torch.tensor(keep_tokens, device=device))
     return [pool[: cfg.nbest] for pool in pools]
 
 

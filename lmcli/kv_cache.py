@@ -1,17 +1,28 @@
-"""Preallocated key/value cache shared by eval, sampling and beam search.
+"""Key/value cache shared by eval, sampling and beam search.
 
 Rows of the batch may be left-padded: ``start[b]`` is the first real column of row ``b``; the
 model masks the columns before it and counts positions from it.
+
+The buffers grow with the filled length (by a quarter, at least ``GROW`` columns, up to
+``max_len``), so a short generation never allocates or clears a whole context window, and a
+beam-search reorder copies little more than the filled part (only what follows the prompt,
+when the caller says the beams share it). What a step needs from ``start`` (is there padding,
+the position ids, the padding mask) is derived once per ``start``, not at every step, and
+without reading the device.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+GROW = 16  # the least number of columns added to the buffers at a time
+
 
 class KVCache:
-    """Keys and values of every layer, ``(n_layer, B, n_head, max_len, head_dim)``."""
+    """Keys and values of every layer, ``(n_layer, B, n_head, columns, head_dim)``."""
 
     def __init__(
         self,
@@ -25,13 +36,16 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         start: Tensor | None = None,
     ) -> None:
-        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self._max_len = max_len
+        shape = (n_layer, batch_size, n_head, min(max_len, GROW), head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._spare: tuple[Tensor, Tensor] | None = None  # reorder targets, reused while the shape holds
         self.length = 0  # filled columns, the same for every row
+        self.step_plan: Any = None  # the model's decoding-step view of its weights (model.py)
         if start is None:
             start = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.start = start.to(device=device, dtype=torch.long)
+        self._set_start(start.to(device=device, dtype=torch.long))
 
     @classmethod
     def for_model(
@@ -57,17 +71,77 @@ class KVCache:
             start=start,
         )
 
+    # ------------------------------------------------------------------ start and what follows
+
+    def _set_start(self, start: Tensor, *, max_start: int | None = None) -> None:
+        """Store ``start``; ``max_start`` (an upper bound of it) saves a host sync when known."""
+        if max_start is None:
+            max_start = int(start.max()) if start.numel() else 0
+        self._start = start
+        self.max_start = max_start
+        self._positions: Tensor | None = None  # (B or 1, max_len) position id of every column
+        self._pad_bias: Tensor | None = None  # (B, 1, 1, max_len): 0, or -inf before start
+
+    @property
+    def start(self) -> Tensor:
+        return self._start
+
+    @start.setter
+    def start(self, start: Tensor) -> None:
+        self._set_start(start.to(device=self.k.device, dtype=torch.long))
+
+    @property
+    def has_padding(self) -> bool:
+        """True when some row starts after column 0 (known without reading the device)."""
+        return self.max_start > 0
+
+    def _position_table(self) -> Tensor:
+        if self._positions is None:
+            cols = torch.arange(self._max_len, device=self._start.device)
+            if self.has_padding:
+                self._positions = (cols[None, :] - self._start[:, None]).clamp_min(0)
+            else:
+                self._positions = cols[None, :]
+        return self._positions
+
+    def positions(self, n: int) -> Tensor:
+        """Position ids (B or 1, n) of the next ``n`` columns: column minus the row's left padding."""
+        table = self._position_table()
+        if self.length + n > table.size(1):  # past the window (ALiBi needs no positions)
+            cols = torch.arange(self.length, self.length + n, device=self._start.device)
+            return (cols[None, :] - self._start[:, None]).clamp_min(0)
+        return table[:, self.length : self.length + n]
+
+    def padding_bias(self, n: int) -> Tensor:
+        """Additive mask (B, 1, 1, n) for a query that sees columns ``0..n-1``: -inf before each
+        row's start. Only valid when the query column is at or after every row's start."""
+        if self._pad_bias is None:
+            cols = torch.arange(self._max_len, device=self._start.device)
+            blocked = cols[None, :] < self._start[:, None]
+            bias = torch.zeros(blocked.shape, dtype=self.k.dtype, device=self.k.device)
+            self._pad_bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None, :]
+        return self._pad_bias[..., :n]
+
+    # ------------------------------------------------------------------ the buffers
+
     @property
     def batch_size(self) -> int:
         return self.k.size(1)
 
     @property
     def max_len(self) -> int:
-        return self.k.size(3)
+        return self._max_len
 
-    @property
-    def has_padding(self) -> bool:
-        return bool((self.start > 0).any())
+    def _grow(self, columns: int) -> None:
+        """Make room for ``columns`` columns, keeping the filled ones."""
+        size = max(columns, self.k.size(3) + max(GROW, self.k.size(3) // 4))
+        size = min(self._max_len, -(-size // GROW) * GROW)
+        shape = (*self.k.shape[:3], size, self.k.size(4))
+        k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty_like(k)
+        k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
+        v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
+        self.k, self.v, self._spare = k, v, None
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k, v`` of shape (B, H, T, D) after the filled columns; return all keys/values.
@@ -75,27 +149,44 @@ class KVCache:
         The write is visible only once :meth:`advance` moves ``length`` on, after every layer ran.
         """
         end = self.length + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {end} > {self.max_len} columns")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if end > self._max_len:
+            raise ValueError(f"KV cache overflow: {end} > {self._max_len} columns")
+        if end > self.k.size(3):
+            self._grow(end)
+        keys, values = self.k[layer], self.v[layer]
+        keys.narrow(2, self.length, k.size(2)).copy_(k)
+        values.narrow(2, self.length, k.size(2)).copy_(v)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more columns as filled (called once per forward)."""
         self.length += n
 
-    def positions(self, n: int) -> Tensor:
-        """Position ids (B, n) of the next ``n`` columns: column minus the row's left padding."""
-        cols = torch.arange(self.length, self.length + n, device=self.start.device)
-        return (cols[None, :] - self.start[:, None]).clamp_min(0)
+    def reorder(self, parent_idx: Tensor, shared: int = 0) -> None:
+        """Keep row ``parent_idx[i]`` as new row ``i`` (beam search); the batch size may change.
 
-    def reorder(self, parent_idx: Tensor) -> None:
-        """Keep row ``parent_idx[i]`` as new row ``i`` (beam search); the batch size may change."""
+        ``shared`` promises that the first ``shared`` columns of each new row's parent equal those
+        of the row it replaces (the beams of one input share their prompt): while the batch keeps
+        its size, only the columns after them are copied.
+        """
         parent_idx = parent_idx.to(self.k.device)
-        self.k = self.k.index_select(1, parent_idx)
-        self.v = self.v.index_select(1, parent_idx)
-        self.start = self.start.index_select(0, parent_idx)
+        n = parent_idx.numel()
+        if self._spare is not None and self._spare[0].size(1) == n:
+            k, v = self._spare  # the previous buffers: their first ``shared`` columns still hold
+            cols = slice(min(shared, self.length), self.length)
+            torch.index_select(self.k[:, :, :, cols], 1, parent_idx, out=k[:, :, :, cols])
+            torch.index_select(self.v[:, :, :, cols], 1, parent_idx, out=v[:, :, :, cols])
+        else:
+            k, v = self.k.index_select(1, parent_idx), self.v.index_select(1, parent_idx)
+        self._spare = (self.k, self.v) if self.k.size(1) == n else None
+        self.k, self.v = k, v
+        positions, pad_bias = self._positions, self._pad_bias
+        # a subset of rows starts no later than the latest start of all rows: no host sync
+        self._set_start(self._start.index_select(0, parent_idx), max_start=self.max_start)
+        if positions is not None:  # the derived tables follow their rows
+            self._positions = positions if positions.size(0) == 1 else positions.index_select(0, parent_idx)
+        if pad_bias is not None:
+            self._pad_bias = pad_bias.index_select(0, parent_idx)
 
     def expand(self, n: int) -> None:
         """Repeat every row ``n`` times (row b becomes rows b*n .. b*n+n-1)."""
@@ -105,4 +196,4 @@ class KVCache:
         """Empty the cache (e.g. before re-prefilling a sliding window)."""
         self.length = 0
         if start is not None:
-            self.start = start.to(device=self.k.device, dtype=torch.long)
+            self._set_start(start.to(device=self.k.device, dtype=torch.long))

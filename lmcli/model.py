@@ -7,6 +7,8 @@ configuration is GPT-2's architecture (learned positions, pre-LayerNorm, tanh-GE
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,8 +118,9 @@ class CausalSelfAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal,
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, D) -> (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, H, T, D) -> (B, T, C)
+        y = self.c_proj(y)
+        return self.resid_dropout(y) if self.training else y
 
 
 class MLP(nn.Module):
@@ -138,7 +141,8 @@ class MLP(nn.Module):
             h = F.relu(self.c_fc(x))
         else:
             h = F.gelu(self.c_fc(x), approximate="tanh")
-        return self.dropout(self.c_proj(h))
+        h = self.c_proj(h)
+        return self.dropout(h) if self.training else h
 
 
 class Block(nn.Module):
@@ -152,7 +156,7 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, *attn_args) -> Tensor:
+    def forward(self, x: Tensor, *attn_args: Any) -> Tensor:
         if self.pre_norm:
             x = x + self.attn(self.ln_1(x), *attn_args)
             return x + self.mlp(self.ln_2(x))
@@ -185,6 +189,97 @@ def attention_mask(
     return allowed.unsqueeze(1)
 
 
+# ----------------------------------------------------------------------------- decoding steps
+# A decoding step (one token per row, eval mode) runs each layer through a ``LayerStep``: the
+# layer's parameters gathered once per KV cache, then used in plain functional calls. It is the
+# modules' arithmetic, op for op; on a CPU the module calls and attribute look-ups it skips
+# would otherwise cost more than the arithmetic of a small model.
+
+NormSpec = tuple[str, tuple[int, ...], Tensor | None, Tensor | None, float]
+
+
+def norm_spec(norm: nn.Module) -> NormSpec:
+    if isinstance(norm, nn.LayerNorm):
+        return ("layer", tuple(norm.normalized_shape), norm.weight, norm.bias, norm.eps)
+    if isinstance(norm, RMSNorm):
+        return ("rms", (norm.weight.numel(),), norm.weight, None, norm.eps)
+    return ("none", (), None, None, 0.0)  # nn.Identity (post-norm models have no final norm)
+
+
+def apply_norm(spec: NormSpec, x: Tensor) -> Tensor:
+    kind, shape, weight, bias, eps = spec
+    if kind == "layer":
+        return F.layer_norm(x, shape, weight, bias, eps)
+    if kind == "rms":
+        return F.rms_norm(x, shape, weight, eps)
+    return x
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStep:
+    """One block's parameters, for ``Block.forward``'s arithmetic on x (B, C) without modules."""
+
+    layer: int
+    n_head: int
+    pre_norm: bool
+    mlp: str
+    norm_1: NormSpec
+    norm_2: NormSpec
+    qkv: tuple[Tensor, Tensor | None]
+    attn_out: tuple[Tensor, Tensor | None]
+    fc: tuple[Tensor, Tensor | None]
+    gate: tuple[Tensor, Tensor | None] | None
+    mlp_out: tuple[Tensor, Tensor | None]
+
+    @classmethod
+    def of(cls, block: Block) -> LayerStep:
+        attn, mlp = block.attn, block.mlp
+        pair = lambda m: (m.weight, m.bias)  # noqa: E731
+        return cls(
+            attn.layer,
+            attn.n_head,
+            block.pre_norm,
+            mlp.kind,
+            norm_spec(block.ln_1),
+            norm_spec(block.ln_2),
+            pair(attn.c_attn),
+            pair(attn.c_proj),
+            pair(mlp.c_fc),
+            pair(mlp.c_gate) if mlp.c_gate is not None else None,
+            pair(mlp.c_proj),
+        )
+
+    def __call__(
+        self, x: Tensor, pos: Tensor, mask: Tensor | None, rotary: Rotary | None, cache: KVCache
+    ) -> Tensor:
+        B, C = x.size()
+        h = apply_norm(self.norm_1, x) if self.pre_norm else x
+        qkv = F.linear(h, *self.qkv).view(B, 3, self.n_head, 1, C // self.n_head)
+        q, k, v = qkv.unbind(1)  # (B, H, 1, D)
+        if rotary is not None:
+            q, k = rotary(q, pos), rotary(k, pos)
+        k, v = cache.update(self.layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, 1, D)
+        y = F.linear(y.view(B, C), *self.attn_out)
+        if self.pre_norm:
+            x = x + y
+            return x + self._mlp(apply_norm(self.norm_2, x))
+        x = apply_norm(self.norm_1, x + y)
+        return apply_norm(self.norm_2, x + self._mlp(x))
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        if self.gate is not None:
+            h = F.silu(F.linear(x, *self.gate)) * F.linear(x, *self.fc)
+        elif self.mlp == "relu":
+            h = F.relu(F.linear(x, *self.fc))
+        else:
+            h = F.gelu(F.linear(x, *self.fc), approximate="tanh")
+        return F.linear(h, *self.mlp_out)
+
+
+LAYOUT_MIN_WEIGHT = 1 << 18  # elements; smaller weights stay in cache, their layout hardly matters
+
+
 class Transformer(nn.Module):
     """Decoder-only Transformer language model."""
 
@@ -206,10 +301,45 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+        self._decode_layout: list[nn.Parameter] = []  # weights laid out for decoding (decode_layout)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # residual projections, GPT-2 scaling
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def decode_layout(self) -> None:
+        """Keep large weights with more outputs than inputs transposed in memory, for decoding.
+
+        ``nn.Linear`` stores a weight as (out, in). A decoding step multiplies it by one row per
+        sequence, and for a wide weight (QKV and MLP up-projections, the vocabulary head) that
+        product is faster when the weight's transpose is contiguous, the layout of GPT-2's
+        ``Conv1D``: with MKL on this project's CPUs, 1.3-1.8x for one row, 1.1-1.2x for 40 rows.
+        Only the order in memory changes, not a value; ``train()`` puts the (out, in) layout
+        back, so training never sees it.
+        """
+        if self._decode_layout:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for w in self._wide_weights():
+                w.data = w.data.t().contiguous().t()
+                self._decode_layout.append(w)
+
+    def _wide_weights(self) -> list[nn.Parameter]:
+        found: dict[int, nn.Parameter] = {}
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.out_features > module.in_features:
+                w = module.weight
+                if w.numel() >= LAYOUT_MIN_WEIGHT and w.is_contiguous():
+                    found.setdefault(id(w), w)
+        return list(found.values())
+
+    def train(self, mode: bool = True) -> Transformer:
+        if mode and self._decode_layout:
+            with torch.inference_mode(False), torch.no_grad():
+                for w in self._decode_layout:
+                    w.data = w.data.contiguous()
+            self._decode_layout = []
+        return super().train(mode)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -253,7 +383,7 @@ class Transformer(nn.Module):
         if n_cached + T > cfg.block_size and cfg.position != "alibi":
             raise ValueError(f"sequence of {n_cached + T} tokens exceeds the context {cfg.block_size}")
         if cache is not None:
-            pos = cache.positions(T)  # (B, T)
+            pos = cache.positions(T)  # (B or 1, T)
         else:
             pos = torch.arange(T, device=idx.device)[None, :]  # (1, T)
 
@@ -262,20 +392,19 @@ class Transformer(nn.Module):
             x = x + self.wpe(pos)
         elif cfg.position == "sinusoidal":
             x = x + self.sinusoid[pos].to(x.dtype)
-        x = self.drop(x)
+        if self.training:
+            x = self.drop(x)
 
-        padded = cache is not None and cache.has_padding
-        start = cache.start if padded else None
-        if cfg.position == "alibi" or padded or prefix_len is not None:
-            mask = attention_mask(T, n_cached, start, prefix_len, idx.device)
-            is_causal = False
-            if cfg.position == "alibi":
-                mask = self._alibi_bias(T, n_cached, mask, x.dtype)
-        elif T == 1 or cache is None or n_cached == 0:
-            mask, is_causal = None, T > 1  # plain causal attention, or one query seeing all
-        else:
-            mask, is_causal = attention_mask(T, n_cached, None, None, idx.device), False
-
+        mask, is_causal = self._mask(T, n_cached, cache, prefix_len, x.dtype, idx.device)
+        if T == 1 and cache is not None and not self.training and output_mask is None:
+            plan = cache.step_plan
+            if plan is None or plan[0] is not self:
+                plan = cache.step_plan = (self, [LayerStep.of(b) for b in self.h], norm_spec(self.ln_f))
+            x = x.view(B, -1)  # a decoding step: (B, C) through every LayerStep
+            for layer in plan[1]:
+                x = layer(x, pos, mask, self.rotary, cache)
+            cache.advance(1)
+            return F.linear(apply_norm(plan[2], x), self.lm_head.weight).view(B, 1, -1)
         for block in self.h:
             x = block(x, pos, mask, is_causal, self.rotary, cache)
         if cache is not None:
@@ -285,6 +414,30 @@ class Transformer(nn.Module):
         elif output_mask is not None:
             x = x[output_mask]  # (B, T, C) -> (N, C)
         return self.lm_head(self.ln_f(x))
+
+    def _mask(
+        self,
+        T: int,
+        n_cached: int,
+        cache: KVCache | None,
+        prefix_len: Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[Tensor | None, bool]:
+        """The attention mask of this forward (or None) and whether SDPA should apply causality."""
+        cfg = self.config
+        padded = cache is not None and cache.has_padding
+        if cfg.position == "alibi" or padded or prefix_len is not None:
+            if T == 1 and cfg.position != "alibi" and prefix_len is None and n_cached >= cache.max_start:
+                # a decoding step: every filled column but each row's left padding (and itself)
+                return cache.padding_bias(n_cached + 1), False
+            mask = attention_mask(T, n_cached, cache.start if padded else None, prefix_len, device)
+            if cfg.position == "alibi":
+                mask = self._alibi_bias(T, n_cached, mask, dtype)
+            return mask, False
+        if T == 1 or cache is None or n_cached == 0:
+            return None, T > 1  # plain causal attention, or one query seeing all
+        return attention_mask(T, n_cached, None, None, device), False
 
     def _alibi_bias(self, T: int, n_cached: int, allowed: Tensor, dtype: torch.dtype) -> Tensor:
         """Float mask (B or 1, H, T, S): -slope * |distance|, -inf where not allowed."""

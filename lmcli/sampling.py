@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmcli.config import SampleConfig
-from lmcli.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
+from lmcli.decoding import (
+    Prompt,
+    make_prompt,
+    needs_slide,
+    prefill,
+    slide,
+    step,
+    step_layout,
+    step_threads,
+)
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 
@@ -49,14 +58,21 @@ def apply_repetition_penalty(logits: Tensor, history: list[list[int]], penalty: 
     negative ones by ``penalty``)."""
     if penalty == 1.0:
         return logits
-    logits = logits.clone()
+    return penalize_seen(logits, seen_mask(history, logits.size(-1), logits.device), penalty)
+
+
+def seen_mask(history: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """(B, V) bool: True where token v occurs in row b's history."""
+    seen = torch.zeros(len(history), vocab_size, dtype=torch.bool)
     for row, tokens in enumerate(history):
-        if not tokens:
-            continue
-        idx = torch.tensor(sorted(set(tokens)), device=logits.device)
-        seen = logits[row, idx]
-        logits[row, idx] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits
+        if tokens:
+            seen[row, torch.tensor(tokens)] = True
+    return seen.to(device)
+
+
+def penalize_seen(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """The repetition penalty on the tokens marked in ``seen`` (B, V), for the whole batch at once."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def sample_next(
@@ -67,24 +83,41 @@ def sample_next(
     top_p: float = 1.0,
     min_p: float = 0.0,
     generators: list[torch.Generator] | None = None,
+    banned: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Choose one token per row from logits (B, V); return (tokens (B,), their log-probs (B,)).
 
     Log-probs are the model's own (temperature 1, before filtering), so they mean the same
-    whatever the settings. Temperature 0 is greedy.
+    whatever the settings. Temperature 0 is greedy. ``banned`` is a token id never chosen
+    (e.g. ``<eos>`` before a minimum length).
     """
-    logprobs = F.log_softmax(logits.float(), dim=-1)
+    logits = logits.float()
+    logprobs = F.log_softmax(logits, dim=-1)
+    if banned is not None:
+        logits = logits.clone()
+        logits[:, banned] = float("-inf")
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
     else:
-        probs = filter_logits(logits.float() / temperature, top_k, top_p, min_p).softmax(dim=-1)
-        if generators is None:
-            tokens = torch.multinomial(probs, 1).squeeze(-1)
-        else:
-            tokens = torch.cat(
-                [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)]
-            )
+        scaled = logits / temperature if temperature != 1.0 else logits
+        probs = filter_logits(scaled, top_k, top_p, min_p).softmax(dim=-1)
+        tokens = draw(probs, generators)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def draw(probs: Tensor, generators: list[torch.Generator] | None = None) -> Tensor:
+    """One token per row of ``probs`` (B, V), row ``i`` drawn with ``generators[i]``.
+
+    With generators this is the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, which is how
+    ``torch.multinomial(p, 1, generator=g)`` draws: the same tokens from the same seeds, but the
+    noise of every row is drawn first and the race is run once for the whole batch.
+    """
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    noise = torch.empty_like(probs)
+    for row, g in enumerate(generators):
+        noise[row].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
 
 
 @dataclass
@@ -113,11 +146,13 @@ def generate(
     *,
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
+    min_new_tokens: int = 0,
 ) -> list[Generated]:
     """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch.
 
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
-    ``prompt * num_samples + sample``).
+    ``prompt * num_samples + sample``). ``<eos>`` is never chosen before ``min_new_tokens``.
+    Text is decoded during generation only when stop strings or ``on_text`` need it.
     """
     n = cfg.num_samples
     device = next(model.parameters()).device
@@ -129,45 +164,59 @@ def generate(
         cache.expand(n)
         logits = logits.repeat_interleave(n, dim=0)
     rows = [list(prompts[g.prompt_index]) for g in out]  # every row's full token sequence
+    seen = None
+    if cfg.repetition_penalty != 1.0:
+        seen = seen_mask(rows, logits.size(-1), device)
     gens = None
     if cfg.temperature > 0:
         gens = [torch.Generator(device=device).manual_seed(cfg.seed + g.sample_index) for g in out]
+    eos = tokenizer.eos_id
+    watch_text = bool(cfg.stop) or on_text is not None
     done = [False] * len(out)
+    n_done = 0
     streamed = [""] * len(out)
-    for _ in range(cfg.max_new_tokens):
-        logits = apply_repetition_penalty(logits, rows, cfg.repetition_penalty)
-        tokens, logprobs = sample_next(
-            logits,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            min_p=cfg.min_p,
-            generators=gens,
-        )
-        for r, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
-            if done[r]:
-                continue
-            g = out[r]
-            rows[r].append(tok)
-            if tok == tokenizer.eos_id:
-                done[r], g.finish_reason = True, "eos"
-                continue
-            g.ids.append(tok)
-            g.logprobs.append(lp)
-            if cfg.stop or on_text is not None:
-                text = tokenizer.decode(g.ids)
-                cut = _cut_at_stop(text, cfg.stop)
-                if cut is not None:
-                    done[r], g.finish_reason, text = True, "stop", cut
-                if on_text is not None and not text.endswith("\ufffd") and len(text) > len(streamed[r]):
-                    on_text(r, text[len(streamed[r]) :])
-                    streamed[r] = text
-        if all(done):
-            break
-        if needs_slide(cache):
-            cache, logits = slide(model, rows, tokenizer.pad_id)
-        else:
-            logits = step(model, cache, tokens)
+    step_layout(model)
+    with step_threads(model, len(out)):
+        for i in range(cfg.max_new_tokens):
+            if seen is not None:
+                logits = penalize_seen(logits, seen, cfg.repetition_penalty)
+            tokens, logprobs = sample_next(
+                logits,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                min_p=cfg.min_p,
+                generators=gens,
+                banned=eos if i < min_new_tokens else None,
+            )
+            if seen is not None:
+                seen.scatter_(1, tokens[:, None], True)
+            for r, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
+                if done[r]:
+                    continue
+                g = out[r]
+                rows[r].append(tok)
+                if tok == eos:
+                    done[r], g.finish_reason = True, "eos"
+                    n_done += 1
+                    continue
+                g.ids.append(tok)
+                g.logprobs.append(lp)
+                if watch_text:
+                    text = tokenizer.decode(g.ids)
+                    cut = _cut_at_stop(text, cfg.stop)
+                    if cut is not None:
+                        done[r], g.finish_reason, text = True, "stop", cut
+                        n_done += 1
+                    if on_text is not None and not text.endswith("\ufffd") and len(text) > len(streamed[r]):
+                        on_text(r, text[len(streamed[r]) :])
+                        streamed[r] = text
+            if n_done == len(out):
+                break
+            if needs_slide(cache):
+                cache, logits = slide(model, rows, tokenizer.pad_id)
+            else:
+                logits = step(model, cache, tokens)
     for g in out:
         text = tokenizer.decode(g.ids)
         cut = _cut_at_stop(text, cfg.stop)

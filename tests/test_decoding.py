@@ -43,6 +43,21 @@ def test_cached_step_logits_equal_full_forward(position: str, placement: str) ->
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "norm,mlp,placement",
+    [("rmsnorm", "swiglu", "pre"), ("rmsnorm", "relu", "post"), ("layernorm", "swiglu", "post")],
+)
+def test_cached_steps_equal_full_forward_for_every_norm_and_mlp(norm: str, mlp: str, placement: str) -> None:
+    """A decoding step takes its own lean path through each layer: it must be the same arithmetic."""
+    model = tiny(norm=norm, mlp=mlp, norm_placement=placement, position="rope", bias=False)
+    idx = torch.randint(0, 23, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache.for_model(model, 2)
+        parts = [model(idx[:, :3], cache)] + [model(idx[:, t : t + 1], cache) for t in range(3, 12)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("position", ["learned", "rope", "alibi"])
 def test_greedy_tokens_with_and_without_cache_are_identical(position: str) -> None:
     model = tiny(position=position)

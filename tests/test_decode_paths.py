@@ -1,0 +1,95 @@
+"""The decoding fast paths: the growing KV cache, the exponential-race draw, decoding thread
+count and weight layout, and min_new_tokens."""
+
+from __future__ import annotations
+
+import torch
+from tests_support import tiny_model_and_tokenizer
+
+import lmcli.model as model_module
+from lmcli.config import SampleConfig
+from lmcli.decoding import prefill, step, step_layout, step_threads
+from lmcli.kv_cache import GROW, KVCache
+from lmcli.sampling import draw, generate
+
+
+def test_cache_grows_past_its_first_buffer_and_reorders_every_column() -> None:
+    model, _ = tiny_model_and_tokenizer(block_size=48)
+    idx = torch.randint(5, 20, (2, 41), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(idx[:, :40])
+        cache = KVCache.for_model(model, 2)
+        assert cache.k.size(3) == GROW and cache.max_len == 48
+        parts = [model(idx[:, :3], cache)] + [model(idx[:, t : t + 1], cache) for t in range(3, 40)]
+        assert 40 <= cache.k.size(3) <= 48
+        torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+        cache.reorder(torch.tensor([1, 1, 0]))
+        swapped = model(idx[[1, 1, 0], 40:41], cache)
+    torch.testing.assert_close(swapped[:, 0], model(idx[[1, 1, 0], :41])[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_decoding_needs_no_mask_rebuild_and_matches_one_row() -> None:
+    model, _ = tiny_model_and_tokenizer()
+    cache, logits = prefill(model, [[2, 5, 6, 7], [2, 9]], pad_id=0)
+    assert cache.has_padding and cache.max_start == 2
+    nxt = torch.tensor([11, 12])
+    batched = step(model, cache, nxt)
+    single_cache, _ = prefill(model, [[2, 9]], pad_id=0)
+    torch.testing.assert_close(batched[1], step(model, single_cache, nxt[1:])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_draw_takes_the_same_tokens_as_multinomial() -> None:
+    probs = torch.randn(6, 50, generator=torch.Generator().manual_seed(2)).mul(2).softmax(-1)
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(6)]
+        ref = [torch.Generator().manual_seed(seed + i) for i in range(6)]
+        expected = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(ref)])
+        assert draw(probs, gens).tolist() == expected.tolist()
+
+
+def test_min_new_tokens_holds_back_eos() -> None:
+    model, tok = tiny_model_and_tokenizer(seed=3)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_id] += 3.0  # <eos> very likely at every step
+    cfg = SampleConfig(temperature=1.0, max_new_tokens=12, seed=0)
+    free = generate(model, tok, [[tok.bos_id, 5]], cfg)[0]
+    held = generate(model, tok, [[tok.bos_id, 5]], cfg, min_new_tokens=12)[0]
+    assert free.finish_reason == "eos" and len(free.ids) < 12
+    assert held.finish_reason == "length" and len(held.ids) == 12 and tok.eos_id not in held.ids
+
+
+def test_step_threads_and_decode_layout_change_no_token(monkeypatch) -> None:
+    model, tok = tiny_model_and_tokenizer()
+    cfg = SampleConfig(temperature=1.0, max_new_tokens=30, seed=4)
+    plain = generate(model, tok, [[tok.bos_id, 5, 6]], cfg)[0].ids
+    threads = torch.get_num_threads()
+    with step_threads(model, 1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
+    monkeypatch.setattr(model_module, "LAYOUT_MIN_WEIGHT", 1)  # lay out even this tiny model's weights
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step_layout(model)
+    assert not model.h[0].mlp.c_fc.weight.is_contiguous()  # wide: transposed in memory
+    assert model.h[0].mlp.c_proj.weight.is_contiguous()  # narrow: left alone
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert generate(model, tok, [[tok.bos_id, 5, 6]], cfg)[0].ids == plain
+    model.train()  # training gets the (out, in) layout back
+    assert all(p.is_contiguous() and not p.is_inference() for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time() -> None:
+    from lmcli.beam import beam_search
+    from lmcli.config import BeamConfig
+
+    model, tok = tiny_model_and_tokenizer(block_size=20)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(12.0)  # confident predictions: no near-ties for batching to flip
+    prompts = [[tok.bos_id, 5, 6, 7, 8], [tok.bos_id, 9], [tok.bos_id, 12, 13]]
+    cfg = BeamConfig(beam_size=3, max_new_tokens=30)  # past the context: the window slides
+    batched = beam_search(model, prompts, cfg, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    for prompt, hyps in zip(prompts, batched, strict=True):
+        alone = beam_search(model, [prompt], cfg, eos_id=tok.eos_id, pad_id=tok.pad_id)[0]
+        assert hyps[0].ids == alone[0].ids
+        assert abs(hyps[0].score - alone[0].score) < 1e-4
