@@ -31,8 +31,10 @@ CASES: list[tuple[str, dict[str, int], int, int, int, int, float]] = [
 
 
 def lmcli_sample(model: Transformer, tok: Tokenizer, prompt: list[int], new: int, seed: int) -> list[int]:
-    cfg = SampleConfig(max_new_tokens=new, temperature=TEMPERATURE, top_k=0, top_p=1.0, seed=seed)
-    out = generate(model, tok, [prompt], cfg, min_new_tokens=new)[0]
+    cfg = SampleConfig(
+        max_new_tokens=new, min_new_tokens=new, temperature=TEMPERATURE, top_k=0, top_p=1.0, seed=seed
+    )
+    out = generate(model, tok, [prompt], cfg)[0]
     return out.ids
 
 

@@ -168,7 +168,7 @@ def train(
         None, help=_help("Micro-batches per optimizer step.", _cfg(_T), "grad_accum")
     ),
     max_steps: int | None = typer.Option(
-        None, help="Stop after this many steps. [default: 2000 if no other limit]"
+        None, help=f"Stop after this many steps. [default: {_cfg(_T).DEFAULT_STEPS} if no other limit]"
     ),
     epochs: float | None = typer.Option(None, help="Stop after this many passes over the corpus."),
     max_time: str | None = typer.Option(None, help="Stop (with a checkpoint) after this long: 90s, 30m, 2h."),
@@ -349,6 +349,9 @@ def sample(
     max_new_tokens: int | None = typer.Option(
         None, help=_help("Tokens to generate.", _cfg(_S), "max_new_tokens")
     ),
+    min_new_tokens: int | None = typer.Option(
+        None, help=_help("No <eos> before this many tokens.", _cfg(_S), "min_new_tokens")
+    ),
     temperature: float | None = typer.Option(
         None, help=_help("Softmax temperature; 0 = greedy.", _cfg(_S), "temperature")
     ),
@@ -382,6 +385,7 @@ def sample(
         SampleConfig,
         given(
             max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

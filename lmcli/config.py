@@ -122,7 +122,7 @@ class TrainConfig:
     init_from: str | None = None  # a local Hugging Face GPT-2 folder to fine-tune
     batch_size: int = 8
     grad_accum: int = 1
-    max_steps: int | None = None  # default 2000 when no other limit is given
+    max_steps: int | None = None  # DEFAULT_STEPS when no other limit is given
     epochs: float | None = None
     max_time: float | None = None  # seconds
     lr: float = 1e-3
@@ -145,7 +145,7 @@ class TrainConfig:
     dtype: str = "auto"
     compile: bool = False
 
-    DEFAULT_STEPS = 2000  # not a field: used when no stop condition is given
+    DEFAULT_STEPS = 800  # not a field: used when no stop condition is given
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
@@ -300,6 +300,7 @@ class SampleConfig:
     """Settings of `lmcli sample`: how the next token is chosen and when generation stops."""
 
     max_new_tokens: int = 200
+    min_new_tokens: int = 0  # no <eos> before this many new tokens
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # nucleus: smallest set with probability mass >= top_p
@@ -312,6 +313,7 @@ class SampleConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         _non_negative("max-new-tokens", self.max_new_tokens)
+        _non_negative("min-new-tokens", self.min_new_tokens)
         if self.temperature < 0 or not math.isfinite(self.temperature):
             raise LmcliError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

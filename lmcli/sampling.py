@@ -146,12 +146,11 @@ def generate(
     *,
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
-    min_new_tokens: int = 0,
 ) -> list[Generated]:
     """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch.
 
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
-    ``prompt * num_samples + sample``). ``<eos>`` is never chosen before ``min_new_tokens``.
+    ``prompt * num_samples + sample``). ``<eos>`` is never chosen before ``cfg.min_new_tokens``.
     Text is decoded during generation only when stop strings or ``on_text`` need it.
     """
     n = cfg.num_samples
@@ -187,7 +186,7 @@ def generate(
                 top_p=cfg.top_p,
                 min_p=cfg.min_p,
                 generators=gens,
-                banned=eos if i < min_new_tokens else None,
+                banned=eos if i < cfg.min_new_tokens else None,
             )
             if seen is not None:
                 seen.scatter_(1, tokens[:, None], True)

@@ -51,6 +51,8 @@ def test_sample_streams_one_prompt_and_writes_jsonl(run_dir: Path, capsys) -> No
             "--json",
             "--max-new-tokens",
             "8",
+            "--min-new-tokens",
+            "8",
             "--temperature",
             "0.7",
             "--top-k",
@@ -62,6 +64,7 @@ def test_sample_streams_one_prompt_and_writes_jsonl(run_dir: Path, capsys) -> No
     assert code == 0 and len(records) == 4
     assert {(r["prompt"], r["sample"]) for r in records} == {("the", 0), ("the", 1), ("a", 0), ("a", 1)}
     assert all(len(r["logprobs"]) == len(r["tokens"]) and r["settings"]["top_k"] == 5 for r in records)
+    assert all(len(r["tokens"]) == 8 for r in records)  # --min-new-tokens 8: no early <eos>
 
 
 def test_sample_defaults_to_the_newest_run_and_empty_prompt(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -185,6 +188,7 @@ def _corrupt(run_dir: Path, how: str) -> None:
     [
         (["sample", "{run}", "--temperature", "-1"], "temperature must be >= 0"),
         (["sample", "{run}", "--top-k", "-2"], "top-k must be >= 0"),
+        (["sample", "{run}", "--min-new-tokens", "-1"], "min-new-tokens must be >= 0"),
         (["sample", "{run}", "--top-p", "0"], "top-p must be in (0, 1]"),
         (["sample", "{run}", "--top-p", "1.5"], "top-p must be in (0, 1]"),
         (["beam", "{run}", "-p", "x", "--beam-size", "0"], "beam-size must be >= 1"),

@@ -3,6 +3,8 @@ count and weight layout, and min_new_tokens."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from tests_support import tiny_model_and_tokenizer
 
@@ -53,7 +55,7 @@ def test_min_new_tokens_holds_back_eos() -> None:
         model.lm_head.weight[tok.eos_id] += 3.0  # <eos> very likely at every step
     cfg = SampleConfig(temperature=1.0, max_new_tokens=12, seed=0)
     free = generate(model, tok, [[tok.bos_id, 5]], cfg)[0]
-    held = generate(model, tok, [[tok.bos_id, 5]], cfg, min_new_tokens=12)[0]
+    held = generate(model, tok, [[tok.bos_id, 5]], replace(cfg, min_new_tokens=12))[0]
     assert free.finish_reason == "eos" and len(free.ids) < 12
     assert held.finish_reason == "length" and len(held.ids) == 12 and tok.eos_id not in held.ids
 
