@@ -31,6 +31,24 @@ def write_task(tmp: Path) -> tuple[str, str]:
     return str(tmp / "src.txt"), str(tmp / "tgt.txt")
 
 
+def train_reversal(tmp: Path, out: str, **overrides):
+    """Train a 2-layer model on the word-reversal task; ``overrides`` change the TrainConfig."""
+    src, tgt = write_task(tmp)
+    options = dict(
+        task="translation",
+        source=src,
+        target=tgt,
+        tokenizer="char",
+        batch_size=32,
+        lr=3e-3,
+        warmup_steps=20,
+        out=str(tmp / out),
+    )
+    cfg = TrainConfig(**{**options, **overrides})
+    model = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=16)
+    return train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
+
+
 def greedy(run: Path, word: str) -> str:
     ckpt = load_checkpoint(run)
     tok, model = ckpt.tokenizer, ckpt.model
@@ -46,22 +64,7 @@ def greedy(run: Path, word: str) -> str:
 
 
 def test_a_small_model_learns_to_reverse_words_exactly(tmp_path: Path) -> None:
-    src, tgt = write_task(tmp_path)
-    cfg = TrainConfig(
-        task="translation",
-        source=src,
-        target=tgt,
-        tokenizer="char",
-        batch_size=32,
-        max_steps=800,
-        eval_interval=400,
-        lr=3e-3,
-        warmup_steps=20,
-        bleu_samples=50,
-        out=str(tmp_path / "run"),
-    )
-    model = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=16)
-    result = train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
+    result = train_reversal(tmp_path, "run", max_steps=800, eval_interval=400, bleu_samples=50)
     assert result.best_val_loss < 0.05  # target-only loss, nats per target token
     held_out = [w for w in words(40, 99) if w not in set(words(2000, 0))]
     assert len(held_out) >= 10
@@ -98,28 +101,15 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def test_label_smoothing_changes_the_training_loss_not_the_validation_loss(tmp_path: Path) -> None:
-    src, tgt = write_task(tmp_path)
     losses = {}
     for smoothing in (0.0, 0.3):
-        cfg = TrainConfig(
-            task="translation",
-            source=src,
-            target=tgt,
-            tokenizer="char",
-            batch_size=32,
+        train_reversal(
+            tmp_path,
+            f"run-{smoothing}",
             max_steps=150,
             eval_interval=150,
-            lr=3e-3,
-            warmup_steps=20,
             label_smoothing=smoothing,
             bleu_samples=0,
-            out=str(tmp_path / f"run-{smoothing}"),
-        )
-        train(
-            ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=16),
-            cfg,
-            reporter=Reporter(info=lambda m: None),
-            progress=False,
         )
         records = read_metrics(tmp_path / f"run-{smoothing}")
         assert not any("val_bleu" in r for r in records)  # --bleu-samples 0: no decoding
@@ -133,26 +123,7 @@ def test_label_smoothing_changes_the_training_loss_not_the_validation_loss(tmp_p
 
 
 def test_prefix_lm_trains(tmp_path: Path) -> None:
-    src, tgt = write_task(tmp_path)
-    cfg = TrainConfig(
-        task="translation",
-        source=src,
-        target=tgt,
-        tokenizer="char",
-        batch_size=32,
-        max_steps=200,
-        eval_interval=100,
-        lr=3e-3,
-        warmup_steps=20,
-        prefix_lm=True,
-        out=str(tmp_path / "run"),
-    )
-    result = train(
-        ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=16),
-        cfg,
-        reporter=Reporter(info=lambda m: None),
-        progress=False,
-    )
+    result = train_reversal(tmp_path, "run", max_steps=200, eval_interval=100, prefix_lm=True)
     assert result.best_val_loss < 1.0  # far below uniform over 8 letters + <eos> (2.2 nats)
     assert load_checkpoint(tmp_path / "run").train_config.prefix_lm
 
