@@ -86,10 +86,6 @@ class KVCache:
     def start(self) -> Tensor:
         return self._start
 
-    @start.setter
-    def start(self, start: Tensor) -> None:
-        self._set_start(start.to(device=self.k.device, dtype=torch.long))
-
     @property
     def has_padding(self) -> bool:
         """True when some row starts after column 0 (known without reading the device)."""

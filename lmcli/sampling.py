@@ -53,14 +53,6 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
     return logits
 
 
-def apply_repetition_penalty(logits: Tensor, history: list[list[int]], penalty: float) -> Tensor:
-    """Make tokens already in each row's text less likely (CTRL: divide positive logits, multiply
-    negative ones by ``penalty``)."""
-    if penalty == 1.0:
-        return logits
-    return penalize_seen(logits, seen_mask(history, logits.size(-1), logits.device), penalty)
-
-
 def seen_mask(history: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
     """(B, V) bool: True where token v occurs in row b's history."""
     seen = torch.zeros(len(history), vocab_size, dtype=torch.bool)
@@ -71,7 +63,8 @@ def seen_mask(history: list[list[int]], vocab_size: int, device: torch.device | 
 
 
 def penalize_seen(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """The repetition penalty on the tokens marked in ``seen`` (B, V), for the whole batch at once."""
+    """Make the tokens marked in ``seen`` (B, V) less likely, the whole batch at once (CTRL:
+    divide positive logits, multiply negative ones by ``penalty``)."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 

@@ -8,7 +8,7 @@ from tests_support import tiny_model_and_tokenizer
 
 from lmcli.config import SampleConfig
 from lmcli.errors import LmcliError
-from lmcli.sampling import apply_repetition_penalty, filter_logits, sample_next, sample_texts
+from lmcli.sampling import filter_logits, penalize_seen, sample_next, sample_texts, seen_mask
 
 
 def kept(logits: torch.Tensor) -> list[int]:
@@ -56,7 +56,7 @@ def test_sampling_follows_the_filtered_distribution() -> None:
 
 def test_repetition_penalty_lowers_seen_tokens() -> None:
     logits = torch.tensor([[2.0, -1.0, 1.0]])
-    out = apply_repetition_penalty(logits, [[0, 1]], 2.0)
+    out = penalize_seen(logits, seen_mask([[0, 1]], 3), 2.0)
     assert out.tolist() == [[1.0, -2.0, 1.0]]
 
 
