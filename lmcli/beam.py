@@ -82,6 +82,7 @@ def beam_search(
     limits = [cfg.max_new_for(n) for n in (input_lens or [len(p) for p in prompts])]
     cache, logits = prefill(model, prompts, pad_id, prefix_lm=prefix_lm)
     width = cache.length  # prompt columns, the same in every beam of an input
+    cache.reserve(width + max(limits))
     cache.expand(k)
     logits = logits.repeat_interleave(k, dim=0)  # (A*k, V), rows input-major
     device = logits.device

@@ -139,6 +139,12 @@ class KVCache:
         v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
         self.k, self.v, self._spare = k, v, None
 
+    def reserve(self, columns: int) -> None:
+        """Make room for ``columns`` columns (at most ``max_len``) now, so that a decoder that knows
+        how far it will go never has the buffers grow (and copied) along the way."""
+        if min(columns, self._max_len) > self.k.size(3):
+            self._grow(min(columns, self._max_len))
+
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k, v`` of shape (B, H, T, D) after the filled columns; return all keys/values.
 
@@ -170,10 +176,12 @@ class KVCache:
         if self._spare is not None and self._spare[0].size(1) == n:
             k, v = self._spare  # the previous buffers: their first ``shared`` columns still hold
             cols = slice(min(shared, self.length), self.length)
-            torch.index_select(self.k[:, :, :, cols], 1, parent_idx, out=k[:, :, :, cols])
-            torch.index_select(self.v[:, :, :, cols], 1, parent_idx, out=v[:, :, :, cols])
         else:
-            k, v = self.k.index_select(1, parent_idx), self.v.index_select(1, parent_idx)
+            shape = (self.k.size(0), n, *self.k.shape[2:])
+            k, v = self.k.new_empty(shape), self.v.new_empty(shape)
+            cols = slice(0, self.length)  # the unfilled columns need no copy
+        torch.index_select(self.k[:, :, :, cols], 1, parent_idx, out=k[:, :, :, cols])
+        torch.index_select(self.v[:, :, :, cols], 1, parent_idx, out=v[:, :, :, cols])
         self._spare = (self.k, self.v) if self.k.size(1) == n else None
         self.k, self.v = k, v
         positions, pad_bias = self._positions, self._pad_bias

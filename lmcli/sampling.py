@@ -152,6 +152,7 @@ def generate(
     if cfg.max_new_tokens == 0 or not prompts:
         return out
     cache, logits = prefill(model, prompts, tokenizer.pad_id, prefix_lm=prefix_lm)
+    cache.reserve(cache.length + cfg.max_new_tokens)
     if n > 1:
         cache.expand(n)
         logits = logits.repeat_interleave(n, dim=0)

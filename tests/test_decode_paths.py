@@ -1,17 +1,20 @@
 """The decoding fast paths: the growing KV cache, the exponential-race draw, decoding thread
-count and weight layout, and min_new_tokens."""
+count and weight layout, packed weights, the inference GELU, and min_new_tokens."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from tests_support import tiny_model_and_tokenizer
 
 import lmcli.model as model_module
+import lmcli.packed as packed_module
 from lmcli.config import SampleConfig
 from lmcli.decoding import prefill, step, step_layout, step_threads
 from lmcli.kv_cache import GROW, KVCache
+from lmcli.packed import packing_available
 from lmcli.sampling import draw, generate
 
 
@@ -95,3 +98,33 @@ def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time() ->
         alone = beam_search(model, [prompt], cfg, eos_id=tok.eos_id, pad_id=tok.pad_id)[0]
         assert hyps[0].ids == alone[0].ids
         assert abs(hyps[0].score - alone[0].score) < 1e-4
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packed linear")
+@pytest.mark.parametrize("variant", [{}, {"mlp": "swiglu", "norm": "rmsnorm"}, {"norm_placement": "post"}])
+def test_packed_weights_give_the_plain_products_and_follow_weight_changes(monkeypatch, variant) -> None:
+    monkeypatch.setattr(packed_module, "PACK_MIN_WEIGHT", 1)  # pack even this tiny model's weights
+    model, _ = tiny_model_and_tokenizer(**variant)
+    idx = torch.randint(5, 20, (4, 12), generator=torch.Generator().manual_seed(0))
+    plain = model(idx).detach()  # autograd on: always F.linear
+    with torch.no_grad():
+        packed = model(idx)
+        assert len(model._packs) > 0  # the products above did use packed weights
+        cache = KVCache.for_model(model, 4)
+        steps = [model(idx[:, :5], cache)] + [model(idx[:, t : t + 1], cache) for t in range(5, 12)]
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, dim=1), plain, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight.mul_(1.5)  # an in-place change: the old pack must not serve
+        changed = model(idx)
+    torch.testing.assert_close(changed, model(idx).detach(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed, plain, atol=1e-3)
+    model.train()
+    assert len(model._packs) == 0  # training drops every packed copy
+
+
+def test_inference_gelu_equals_the_tanh_gelu() -> None:
+    x = torch.cat([torch.linspace(-12, 12, 10001), torch.tensor([-1e20, -60.0, 0.0, 60.0, 1e20])])
+    with torch.no_grad():
+        fast = model_module.gelu_tanh(x)
+    torch.testing.assert_close(fast, torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)

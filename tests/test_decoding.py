@@ -94,12 +94,14 @@ def test_left_padded_batch_equals_one_prompt_at_a_time() -> None:
 
 def test_reorder_and_expand_move_cache_rows() -> None:
     cache = KVCache(1, 2, 1, 4, 2)
-    cache.k[0, 0].fill_(1.0)
-    cache.k[0, 1].fill_(2.0)
+    keys = torch.tensor([1.0, 2.0]).view(2, 1, 1, 1).expand(2, 1, 1, 2)  # (B, H, T, D)
+    cache.update(0, keys, -keys)
+    cache.advance(1)
     cache.expand(3)
     assert cache.batch_size == 6 and cache.k[0, :, 0, 0, 0].tolist() == [1, 1, 1, 2, 2, 2]
+    assert cache.v[0, :, 0, 0, 0].tolist() == [-1, -1, -1, -2, -2, -2]
     cache.reorder(torch.tensor([5, 0]))
-    assert cache.k[0, :, 0, 0, 0].tolist() == [2, 1]
+    assert cache.k[0, :, 0, 0, 0].tolist() == [2, 1] and cache.v[0, :, 0, 0, 1].tolist() == [-2, -1]
 
 
 def test_generation_continues_past_the_context_with_a_sliding_window() -> None:
