@@ -27,7 +27,8 @@ from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
 CHUNK_BYTES = 1 << 20  # read and tokenize about 1 MiB at a time
-CACHE_VERSION = 1
+PIECE_CHARS = 1 << 12  # encode_batch items: 2-4 KiB pieces encode ~30% faster than lines or 64 KiB
+CACHE_VERSION = 2  # 2: 4 KiB pieces cut at a line break, else before a space
 
 
 @dataclass
@@ -332,8 +333,8 @@ def _batched(chunks: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
     batch: list[str] = []
     size = 0
     for chunk in chunks:
-        # encode_batch parallelizes over items: split a big chunk into ~64 KiB pieces at newlines
-        for piece in _split_lines(chunk, 1 << 16):
+        # encode_batch parallelizes over items, and is fastest on pieces of a few KiB
+        for piece in _split_lines(chunk, PIECE_CHARS):
             batch.append(piece)
             size += len(piece)
             if size >= max_bytes:
@@ -344,9 +345,13 @@ def _batched(chunks: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
 
 
 def _split_lines(text: str, target: int) -> Iterator[str]:
+    """``text`` in pieces of at most ``target`` characters, cut after a line break, or else
+    before a space (where a byte-level BPE word starts), or else anywhere."""
     start = 0
     while len(text) - start > target:
         cut = text.rfind("\n", start, start + target) + 1
+        if cut <= start:
+            cut = text.rfind(" ", start + 1, start + target)
         if cut <= start:
             cut = start + target
         yield text[start:cut]

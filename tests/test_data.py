@@ -104,6 +104,19 @@ def test_tokenization_streams_in_bounded_chunks(tmp_path: Path, monkeypatch) -> 
     assert len(seen) > 10 and max(seen) <= 8192 + 2 * 4096  # never the whole 90 kB at once
 
 
+def test_long_lines_are_cut_between_words_into_pieces_that_tokenize_as_the_whole(tmp_path: Path) -> None:
+    text = "a fairly long line of words " * 600 + "\n" + "short line\n" + "x" * 9000  # 16.8k, 9k chars
+    (tmp_path / "long.txt").write_text(text)
+    tok = Tokenizer.train("bpe", iter([text]), vocab_size=300)
+    out = tokenize_corpus(FileCorpus([str(tmp_path / "long.txt")]), tok, tmp_path / "c", progress=False)
+    ids = np.fromfile(out.path, dtype=out.dtype).tolist()
+    assert ids[-1] == tok.eos_id
+    assert tok.decode(ids[:-1]) == text  # nothing lost or doubled at the cuts
+    # cut before spaces, the words' tokens are those of the uncut line (the 9k run of x is cut anywhere)
+    first_line = text.split("\n")[0]
+    assert ids[: len(tok.encode(first_line))] == tok.encode(first_line)
+
+
 def test_empty_corpus_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty.txt").write_text("")
     corpus = FileCorpus([str(tmp_path / "empty.txt")])
