@@ -86,7 +86,7 @@ def run() -> list[Row]:
         results["hf"] = hf_beam(hf, inputs)
 
     with torch.inference_mode():
-        times = interleaved({"lmcli": ours, "hf": theirs}, repeats=2, warmup=1)
+        times = interleaved({"lmcli": ours, "hf": theirs}, repeats=4, warmup=1)
     ours_ids = [h.ids + ([EOS] if h.ended else []) for h in results["lmcli"]]
     theirs_ids = results["hf"]
     same = ours_ids == theirs_ids
