@@ -97,6 +97,17 @@ class PackCache:
     def clear(self) -> None:
         self._packs.clear()
 
+    # packs are a cache of the weights: a copied or pickled model starts without them (oneDNN's
+    # packed tensors can be neither copied nor saved)
+    def __deepcopy__(self, memo: dict[int, object]) -> PackCache:
+        return PackCache()
+
+    def __getstate__(self) -> dict[str, object]:
+        return {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__()
+
     def __len__(self) -> int:
         return len(self._packs)
 

@@ -3,6 +3,8 @@ count and weight layout, packed weights, the inference GELU, and min_new_tokens.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -128,3 +130,15 @@ def test_inference_gelu_equals_the_tanh_gelu() -> None:
     with torch.no_grad():
         fast = model_module.gelu_tanh(x)
     torch.testing.assert_close(fast, torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_with_packed_weights_can_be_copied_and_pickled(monkeypatch) -> None:
+    monkeypatch.setattr(packed_module, "PACK_MIN_WEIGHT", 1)
+    model, _ = tiny_model_and_tokenizer()
+    idx = torch.randint(5, 20, (4, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(idx)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert len(twin._packs) == 0 and twin.h[0].attn.c_attn._packs is twin._packs is not model._packs
+        with torch.no_grad():
+            torch.testing.assert_close(twin(idx), expected)
