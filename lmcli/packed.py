@@ -87,8 +87,10 @@ class PackCache:
 
     def linear(self, weight: Tensor, bias: Tensor | None, rows: int) -> LinearFn:
         """A product by ``weight`` (and ``bias``) for inputs of about ``rows`` rows, without autograd."""
-        if not self.worth_it(weight, rows):
-            return plain_linear(weight, bias)
+        return self.packed(weight, bias, rows) if self.worth_it(weight, rows) else plain_linear(weight, bias)
+
+    def packed(self, weight: Tensor, bias: Tensor | None, rows: int) -> PackedLinear:
+        """The packed product by ``weight``: the one made before while the weight is unchanged."""
         pack = self._packs.get(id(weight))
         if pack is None or not pack.fresh(weight, bias):
             pack = self._packs[id(weight)] = PackedLinear(weight, bias, rows)
@@ -124,11 +126,13 @@ class PackableLinear(nn.Linear):
         self._packs = packs
 
     def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features
         if (
             torch.is_grad_enabled()
             or x.dtype != torch.float32
+            or not self._packs.worth_it(self.weight, rows)
             or torch.is_autocast_enabled("cpu")
             or torch.compiler.is_compiling()
         ):
             return F.linear(x, self.weight, self.bias)
-        return self._packs.linear(self.weight, self.bias, x.numel() // self.in_features)(x)
+        return self._packs.packed(self.weight, self.bias, rows)(x)
