@@ -4,52 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from conftest import TINY_TEXT, make_run
+from tests_support import FAST_TRAIN_ARGS, assert_one_line_error
+from tests_support import run_cli as run
 
-from lmcli.cli import main
-
-FAST = [
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "16",
-    "--block-size",
-    "16",
-    "--batch-size",
-    "4",
-    "--max-steps",
-    "2",
-    "--eval-interval",
-    "2",
-    "--eval-batches",
-    "1",
-    "--warmup-steps",
-    "1",
-    "-q",
-]
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return info.value.code or 0, out, err
-
-
-def one_line_error(code: int, err: str, message: str) -> None:
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
-    assert "Traceback" not in err
+FAST = [*FAST_TRAIN_ARGS, "--max-steps", "2"]
 
 
 def test_binary_only_corpus_is_refused(tmp_path: Path, capsys) -> None:
     (tmp_path / "img.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 10)
     code, _, err = run(["train", str(tmp_path / "img.png"), "--out", str(tmp_path / "run"), *FAST], capsys)
-    one_line_error(code, err, "corpus is empty")
+    assert_one_line_error(code, err, "corpus is empty")
     assert "looks like a binary file" in err and not (tmp_path / "run").exists()
 
 
@@ -73,13 +38,13 @@ def test_resume_with_another_model_shape_is_refused(tmp_path: Path, capsys) -> N
     out = tmp_path / "run"
     assert run(["train", str(tmp_path / "c.txt"), "--out", str(out), *FAST], capsys)[0] == 0
     code, _, err = run(["train", "--resume", str(out), "--n-embd", "32"], capsys)
-    one_line_error(code, err, "cannot resume with a different model shape (n-embd 16 -> 32)")
+    assert_one_line_error(code, err, "cannot resume with a different model shape (n-embd 16 -> 32)")
 
 
 def test_resume_of_a_folder_without_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
     (tmp_path / "empty_run").mkdir()
     code, _, err = run(["train", "--resume", str(tmp_path / "empty_run")], capsys)
-    one_line_error(code, err, "has no checkpoint to resume from")
+    assert_one_line_error(code, err, "has no checkpoint to resume from")
 
 
 def test_beam_without_any_input_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -87,7 +52,7 @@ def test_beam_without_any_input_is_refused(tmp_path: Path, capsys, monkeypatch) 
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     code, _, err = run(["beam", str(make_run(tmp_path / "run"))], capsys)
-    one_line_error(code, err, "no input")
+    assert_one_line_error(code, err, "no input")
 
 
 def test_translation_run_needs_a_source_for_sample(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -106,7 +71,7 @@ def test_translation_run_needs_a_source_for_sample(tmp_path: Path, capsys, monke
     )
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     code, _, err = run(["sample", str(tmp_path / "mt")], capsys)
-    one_line_error(code, err, "this is a translation model: give the source text")
+    assert_one_line_error(code, err, "this is a translation model: give the source text")
 
 
 def test_unwritable_beam_output_folder(tmp_path: Path, capsys) -> None:
@@ -124,4 +89,4 @@ def test_unwritable_beam_output_folder(tmp_path: Path, capsys) -> None:
         ],
         capsys,
     )
-    one_line_error(code, err, "Not a directory")
+    assert_one_line_error(code, err, "Not a directory")

@@ -7,25 +7,8 @@ from pathlib import Path
 
 import pytest
 from conftest import make_run
-
-from lmcli.cli import main
-
-
-def run(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
-    if stdin is not None:
-        import io
-
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return info.value.code or 0, out, err
-
-
-def assert_error(code: int, err: str, message: str) -> None:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+from tests_support import assert_one_line_error as assert_error
+from tests_support import run_cli as run
 
 
 @pytest.fixture

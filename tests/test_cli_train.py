@@ -5,48 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from conftest import TINY_TEXT
+from tests_support import FAST_TRAIN_ARGS, assert_one_line_error
+from tests_support import run_cli as run
 
-from lmcli.cli import main
-
-FAST = [
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "16",
-    "--block-size",
-    "16",
-    "--batch-size",
-    "4",
-    "--max-steps",
-    "4",
-    "--eval-interval",
-    "2",
-    "--eval-batches",
-    "1",
-    "--warmup-steps",
-    "1",
-    "-q",
-]
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
-
-
-def assert_one_line_error(code: int, err: str, message: str) -> None:
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning")]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert message in lines[0], err
-    assert "Traceback" not in err
+FAST = [*FAST_TRAIN_ARGS, "--max-steps", "4"]
 
 
 def test_version_and_help(capsys) -> None:

@@ -17,3 +17,35 @@ def tiny_model_and_tokenizer(seed: int = 0, **kw) -> tuple[Transformer, Tokenize
     cfg.update(kw)
     torch.manual_seed(seed)
     return Transformer(ModelConfig(**cfg)).eval(), tok
+
+
+# a one-layer model trained for a few steps: CLI runs that finish in about a second
+FAST_TRAIN_ARGS = [
+    *("--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16"),
+    *("--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--warmup-steps", "1", "-q"),
+]
+
+
+def run_cli(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    """``lmcli ARGV`` in this process: (exit code, stdout, stderr)."""
+    import io
+
+    import pytest
+
+    from lmcli.cli import main
+
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+def assert_one_line_error(code: int, err: str, message: str) -> None:
+    """Exit code 2 and one ``error: ...`` line holding ``message`` (warnings aside), no traceback."""
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert "Traceback" not in err
