@@ -48,16 +48,11 @@ def test_resume_of_a_folder_without_checkpoint_is_refused(tmp_path: Path, capsys
 
 
 def test_beam_without_any_input_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
-    import io
-
-    monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    code, _, err = run(["beam", str(make_run(tmp_path / "run"))], capsys)
+    code, _, err = run(["beam", str(make_run(tmp_path / "run"))], capsys, stdin="", monkeypatch=monkeypatch)
     assert_one_line_error(code, err, "no input")
 
 
 def test_translation_run_needs_a_source_for_sample(tmp_path: Path, capsys, monkeypatch) -> None:
-    import io
-
     from lmcli.checkpoint import load_checkpoint, save_checkpoint
     from lmcli.config import TrainConfig
 
@@ -69,8 +64,7 @@ def test_translation_run_needs_a_source_for_sample(tmp_path: Path, capsys, monke
         base.tokenizer,
         meta={"step": 0},
     )
-    monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    code, _, err = run(["sample", str(tmp_path / "mt")], capsys)
+    code, _, err = run(["sample", str(tmp_path / "mt")], capsys, stdin="", monkeypatch=monkeypatch)
     assert_one_line_error(code, err, "this is a translation model: give the source text")
 
 

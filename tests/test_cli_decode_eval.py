@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_run
-from tests_support import assert_one_line_error as assert_error
+from tests_support import assert_one_line_error
 from tests_support import run_cli as run
 
 
@@ -194,7 +194,7 @@ def test_bad_input_gives_one_line_and_exit_2(run_dir: Path, tmp_path: Path, caps
     (tmp_path / "empty.txt").write_text("")
     argv = [a.format(run=run_dir, tmp=tmp_path) for a in argv]
     code, _, err = run(argv, capsys)
-    assert_error(code, err, message)
+    assert_one_line_error(code, err, message)
 
 
 @pytest.mark.parametrize(
@@ -208,10 +208,10 @@ def test_bad_input_gives_one_line_and_exit_2(run_dir: Path, tmp_path: Path, caps
 def test_broken_checkpoints_give_one_line(run_dir: Path, capsys, how: str, message: str) -> None:
     _corrupt(run_dir, how)
     code, _, err = run(["sample", str(run_dir), "-p", "x"], capsys)
-    assert_error(code, err, message)
+    assert_one_line_error(code, err, message)
 
 
 def test_no_run_under_checkpoints(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     code, _, err = run(["sample"], capsys)
-    assert_error(code, err, "no run found under checkpoints/")
+    assert_one_line_error(code, err, "no run found under checkpoints/")

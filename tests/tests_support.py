@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
+
+import pytest
 import torch
 
+from lmcli.cli import main
 from lmcli.config import ModelConfig
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
@@ -27,13 +31,7 @@ FAST_TRAIN_ARGS = [
 
 
 def run_cli(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
-    """``lmcli ARGV`` in this process: (exit code, stdout, stderr)."""
-    import io
-
-    import pytest
-
-    from lmcli.cli import main
-
+    """``lmcli ARGV`` in this process, reading ``stdin`` if given: (exit code, stdout, stderr)."""
     if stdin is not None:
         monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     with pytest.raises(SystemExit) as info:
