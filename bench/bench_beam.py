@@ -17,8 +17,9 @@ import torch
 
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, hf_twin, lmcli_model
-from lmcli.beam import Hypothesis, beam_search
+from lmcli import fastpath
 from lmcli.config import BeamConfig
+from lmcli.generate.beam import Hypothesis, beam_search
 from lmcli.model import Transformer
 
 VOCAB, BLOCK = 8000, 256
@@ -85,7 +86,7 @@ def run() -> list[Row]:
     def theirs() -> None:
         results["hf"] = hf_beam(hf, inputs)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), fastpath.inference(model):  # as `lmcli beam` holds it for all inputs
         times = interleaved({"lmcli": ours, "hf": theirs}, repeats=4, warmup=1)
     ours_ids = [h.ids + ([EOS] if h.ended else []) for h in results["lmcli"]]
     theirs_ids = results["hf"]

@@ -18,6 +18,7 @@ import torch
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, check_same_logits, hf_twin, lmcli_model
 from bench.texts import doc_text
+from lmcli import fastpath
 from lmcli.evaluate import Score, evaluate_text
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
@@ -70,7 +71,8 @@ def run() -> list[Row]:
     def theirs() -> None:
         results["hf"] = hf_perplexity(hf, tok, text, CONTEXT, STRIDE)
 
-    times = interleaved({"lmcli": ours, "hf": theirs}, repeats=3, warmup=1)
+    with fastpath.inference(model):  # as `lmcli eval` holds it for the whole command
+        times = interleaved({"lmcli": ours, "hf": theirs}, repeats=3, warmup=1)
     score: Score = results["lmcli"]
     hf_count, hf_nll = results["hf"]
     if hf_count != score.tokens:

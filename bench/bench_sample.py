@@ -15,9 +15,10 @@ import torch
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import GPT2_SMALL, SMALL, TINY, hf_twin, lmcli_model
 from bench.texts import char_tokenizer, wide_tokenizer
+from lmcli import fastpath
 from lmcli.config import SampleConfig
+from lmcli.generate.sampling import generate
 from lmcli.model import Transformer
-from lmcli.sampling import generate
 from lmcli.tokenizer import Tokenizer
 
 PROMPT = 16
@@ -73,7 +74,7 @@ def case(
     def theirs() -> None:
         lengths["hf"] = len(hf_sample(hf, prompt, new, tok.pad_id))
 
-    with torch.inference_mode():
+    with torch.inference_mode(), fastpath.inference(model):  # one scope, as a long-lived caller holds
         times = interleaved({"lmcli": ours, "hf": theirs}, repeats=repeats, warmup=1)
     same = lengths["lmcli"] == lengths["hf"] == new
     return Row(

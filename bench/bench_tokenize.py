@@ -65,7 +65,8 @@ def peak_rss_mb() -> float:
 
 def child_lmcli(corpus: str, tokenizer: str, cache: str) -> dict[str, float]:
     """lmcli: tokenize the corpus file into a fresh token cache, streaming."""
-    from lmcli.data import FileCorpus, tokenize_corpus
+    from lmcli.data.corpus import FileCorpus
+    from lmcli.data.token_cache import tokenize_corpus
     from lmcli.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tokenizer)

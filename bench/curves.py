@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lmcli.metrics import MetricsLog
+from lmcli.train.metrics import MetricsLog
 
 
 def val_curve(run: Path) -> list[tuple[float, float]]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lmcli.config import ModelConfig
-from lmcli.hf import to_gpt2_state
+from lmcli.hf.gpt2 import to_gpt2_state
 from lmcli.model import Transformer
 
 # the shapes the suites name

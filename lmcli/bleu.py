@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lmcli.data.pairs import PairSet
     from lmcli.model import Transformer
-    from lmcli.parallel import PairSet
     from lmcli.tokenizer import Tokenizer
 
 
@@ -46,8 +46,8 @@ def greedy_bleu(
     The prompt is each pair's own ``<bos> source <sep>`` and the reference its detokenized target,
     so no text is re-read; at most 1.5 × source tokens + 10 new tokens, as ``lmcli beam`` advises.
     """
-    from lmcli.beam import beam_search
     from lmcli.config import BeamConfig
+    from lmcli.generate.beam import beam_search
 
     cfg = BeamConfig(beam_size=1, max_new_tokens=model.config.block_size, max_len_a=1.5, max_len_b=10)
     hyps: list[str] = []

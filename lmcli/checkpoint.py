@@ -1,4 +1,4 @@
-"""The checkpoint format: the only module that reads or writes run folders.
+"""The checkpoint format and every model loader: the only module that reads or writes run folders.
 
 A run folder holds ``last/``, ``best/`` and optional ``step-NNNNNNN/`` checkpoints, plus
 ``metrics.jsonl`` and ``loss.png``. Each checkpoint folder is self-contained::
@@ -11,6 +11,8 @@ A run folder holds ``last/``, ``best/`` and optional ``step-NNNNNNN/`` checkpoin
 
 Writes go to a temporary folder that is flushed and renamed into place, so a crash leaves the
 previous checkpoint intact. Loading verifies checksums and never unpickles arbitrary objects.
+``load_model`` opens what a command is given: a run folder, a checkpoint folder, a local Hugging
+Face folder (``lmcli.hf``), or, given nothing, the newest run under ``checkpoints/``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ TOKENIZER = "tokenizer.json"
 STATE = "trainer_state.pt"
 META = "meta.json"
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
+# parameters whose name in a checkpoint file differs from the module path (lmcli 0.1's names)
+DISK_NAMES = {"positions.wpe.weight": "wpe.weight"}
+MODULE_NAMES = {disk: module for module, disk in DISK_NAMES.items()}
 
 
 @dataclass
@@ -65,14 +70,19 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights to save: unwrapped names, tied head stored once, contiguous CPU tensors."""
+def unwrap(model: torch.nn.Module) -> Transformer:
+    """The Transformer inside a ``torch.compile`` and/or DDP wrapper."""
     raw = getattr(model, "_orig_mod", model)
-    raw = getattr(raw, "module", raw)
+    return getattr(raw, "module", raw)
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights to save: names as on disk, tied head stored once, contiguous CPU tensors."""
+    raw = unwrap(model)
     state = clean_state_dict(raw.state_dict())
     if raw.config.tie_embeddings:
         state.pop("lm_head.weight", None)
-    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    return {DISK_NAMES.get(k, k): v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
 def _sha256(path: Path) -> str:
@@ -135,12 +145,14 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        raw = getattr(model, "_orig_mod", model)
-        raw = getattr(raw, "module", raw)
         save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         _write_json(
             tmp / CONFIG,
-            {"model": to_dict(raw.config), "train": to_dict(train_config), "lmcli_version": __version__},
+            {
+                "model": to_dict(unwrap(model).config),
+                "train": to_dict(train_config),
+                "lmcli_version": __version__,
+            },
         )
         tokenizer.save(tmp / TOKENIZER)
         if state is not None:
@@ -232,6 +244,12 @@ def load_weights(model: Transformer, path: Path, device: torch.device | str = "c
         state = clean_state_dict(load_file(str(path), device=str(device)))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise LmcliError(f"cannot read weights {path}: {str(exc).splitlines()[0][:200]}") from None
+    load_state(model, state, str(path))
+
+
+def load_state(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load weights named as on disk into ``model``; one line naming what does not fit."""
+    state = {MODULE_NAMES.get(k, k): v for k, v in state.items()}
     if model.config.tie_embeddings:
         state.setdefault("lm_head.weight", state.get("wte.weight"))
     expected = model.state_dict()
@@ -239,13 +257,13 @@ def load_weights(model: Transformer, path: Path, device: torch.device | str = "c
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise LmcliError(
-            f"weights {path} do not fit the model config "
+            f"weights {where} do not fit the model config "
             f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
         )
     for key, value in state.items():
         if value.shape != expected[key].shape:
             raise LmcliError(
-                f"weights {path}: {key} has shape {tuple(value.shape)}, "
+                f"weights {where}: {key} has shape {tuple(value.shape)}, "
                 f"config expects {tuple(expected[key].shape)}"
             )
     model.load_state_dict(state)
@@ -287,3 +305,16 @@ def load_checkpoint(
                 f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
             ) from None
     return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state)
+
+
+def load_model(path: str | Path | None, device: torch.device | str = "cpu") -> Checkpoint:
+    """What a command is given: an lmcli run or checkpoint folder, a local Hugging Face folder,
+    or (None) the newest run under ``checkpoints/``; in eval mode on ``device``."""
+    from lmcli.hf import is_hf_folder, load_hf_folder
+
+    path = Path(path) if path is not None else find_latest_run(Path("checkpoints"))
+    if is_hf_folder(path):
+        model, tok = load_hf_folder(path)
+        model.to(device).eval()
+        return Checkpoint(path, model, model.config, TrainConfig(), tok, {"source": "huggingface"})
+    return load_checkpoint(path, device)

@@ -1,87 +1,231 @@
-"""Frozen configuration dataclasses: the single source of option defaults.
+"""Frozen configuration dataclasses: the one place where every option is declared.
 
-The CLI reads its defaults from these classes, TOML files are checked against their fields, and
-the resolved configs are stored as JSON inside every checkpoint.
+Each field carries its type (``Literal`` for choices), default, help text and range in its
+declaration, made with ``option(...)``. From those declarations ``lmcli.options`` derives the
+command-line flags, TOML config files are checked against them, the generic checks below
+validate them, and the resolved configs travel as JSON inside every checkpoint. Adding an option
+is one new field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import os
 import re
+import types
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from lmcli.errors import LmcliError
 
-POSITIONS = ("learned", "sinusoidal", "rope", "alibi")
-MLPS = ("gelu", "relu", "swiglu")
-NORMS = ("layernorm", "rmsnorm")
-NORM_PLACEMENTS = ("pre", "post")
+Position = Literal["learned", "sinusoidal", "rope", "alibi"]
+Mlp = Literal["gelu", "relu", "swiglu"]
+Norm = Literal["layernorm", "rmsnorm"]
+NormPlacement = Literal["pre", "post"]
+Task = Literal["lm", "translation"]
+Device = Literal["auto", "cpu", "cuda", "mps"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
-TASKS = ("lm", "translation")
-DEVICES = ("auto", "cpu", "cuda", "mps")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 C = TypeVar("C")
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise LmcliError(f"invalid {name} {value!r}: choose one of {', '.join(allowed)}")
+def option(
+    default: Any,
+    help: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    flag: str | None = None,
+    short: str | None = None,
+    default_help: str | None = None,
+    argument: bool = False,
+    cli: bool = True,
+    parse: Any = None,
+    path: bool = False,
+    resume: Literal["fixed", "free", "derived"] = "fixed",
+) -> Any:
+    """A config field with everything the CLI, the checks and resume need to know about it.
+
+    ``gt/ge/lt/le``: the allowed range (None allowed when the default is None). ``flag``: the
+    flag's spelling when not ``--field-name`` (``--a/--b`` for a boolean's on/off pair);
+    ``short``: a one-letter alias. ``default_help``: how help shows the default when the value
+    itself says little. ``argument``: a positional argument. ``cli=False``: not a flag at all.
+    ``parse``: converts text (a flag's or a TOML string) to the field's type. ``path``: a local
+    path, stored absolute so the run works from any folder. ``resume``: for model fields,
+    whether ``--resume`` may change it (``free``), must keep it (``fixed``), or neither because
+    the data sets it (``derived``).
+    """
+    meta = {
+        "help": help,
+        "range": (gt, ge, lt, le),
+        "flag": flag,
+        "short": short,
+        "default_help": default_help,
+        "argument": argument,
+        "cli": cli,
+        "parse": parse,
+        "path": path,
+        "resume": resume,
+    }
+    return dataclasses.field(default=default, metadata=meta)
 
 
-def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
+def parse_duration(value: str | float | int) -> float:
+    """Seconds from 5400, '90s', '30m', '2h' or '1h30m'."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, str):
+        raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
+    text = value.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(a + b for a, b in parts) != text:
+        raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+# ----------------------------------------------------------------------------- generic checks
+
+
+def flag_name(name: str) -> str:
+    """How messages name a field: ``max_steps`` -> ``max-steps``."""
+    return name.replace("_", "-")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Each field's resolved type annotation."""
+    return typing.get_type_hints(cls)
+
+
+def split_optional(tp: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); any other type -> (type, False)."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def choices_of(tp: Any) -> tuple[str, ...] | None:
+    """The allowed values of a ``Literal`` type, else None."""
+    tp, _ = split_optional(tp)
+    return get_args(tp) if get_origin(tp) is Literal else None
+
+
+def _describe(tp: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "text"}.get(tp, str(tp))
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp``, or a one-line error; paths become text, ints numbers."""
+    base, optional = split_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise LmcliError(f"{flag_name(name)} must be {_describe(base)}, got nothing")
+    if get_origin(base) is Literal:
+        allowed = get_args(base)
+        if value not in allowed:
+            raise LmcliError(f"invalid {flag_name(name)} {value!r}: choose one of {', '.join(allowed)}")
+        return value
+    if get_origin(base) is tuple:  # tuple[str, ...]
+        items = [value] if isinstance(value, str | os.PathLike) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(v, str | os.PathLike) for v in items):
+            raise LmcliError(f"{flag_name(name)} must be a list of text, got {value!r}")
+        return tuple(str(v) for v in items)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str | os.PathLike),
+    }.get(base, True)
+    if not ok:
+        raise LmcliError(f"{flag_name(name)} must be {_describe(base)}, got {value!r}")
+    if base is float:
+        return float(value)
+    if base is str:
+        return str(value)
+    return value
+
+
+def _check_range(name: str, value: float, bounds: tuple[float | None, ...]) -> None:
+    gt, ge, lt, le = bounds
+    lo, hi = (gt if gt is not None else ge), (lt if lt is not None else le)
+    bad = (
+        (isinstance(value, float) and not math.isfinite(value))
+        or (gt is not None and value <= gt)
+        or (ge is not None and value < ge)
+        or (lt is not None and value >= lt)
+        or (le is not None and value > le)
+    )
+    if not bad:
         return
-    if value is None or value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
+    name = flag_name(name)
+    if hi is not None and lo is not None:
+        left, right = "(" if gt is not None else "[", ")" if lt is not None else "]"
+        raise LmcliError(f"{name} must be in {left}{lo:g}, {hi:g}{right}, got {value}")
+    if gt == 0:
         raise LmcliError(f"{name} must be positive, got {value}")
+    if lo is not None:
+        raise LmcliError(f"{name} must be {'>' if gt is not None else '>='} {lo:g}, got {value}")
+    raise LmcliError(f"{name} must be {'<' if lt is not None else '<='} {hi:g}, got {value}")
 
 
-def _non_negative(name: str, value: float) -> None:
-    if value < 0 or not math.isfinite(value):
-        raise LmcliError(f"{name} must be >= 0, got {value}")
+def check_fields(cfg: Any) -> None:
+    """Parse, type-check and range-check every field of a config from its declaration."""
+    hints = field_types(type(cfg))
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        parse = f.metadata.get("parse")
+        if parse is not None and isinstance(value, str):
+            value = parse(value)
+        value = _coerce(f.name, value, hints[f.name])
+        if value is not None and "range" in f.metadata and not isinstance(value, str | tuple | bool):
+            _check_range(f.name, value, f.metadata["range"])
+        object.__setattr__(cfg, f.name, value)
+
+
+# ----------------------------------------------------------------------------- the configs
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder-only Transformer. Travels inside every checkpoint."""
 
-    vocab_size: int = 0  # 0 = take it from the tokenizer
-    block_size: int = 128  # context length in tokens
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    d_ff: int = 0  # feed-forward width; 0 = 4*n_embd (gelu/relu) or ~8/3*n_embd (swiglu)
-    dropout: float = 0.0
-    bias: bool = True
-    position: str = "learned"
-    mlp: str = "gelu"
-    norm: str = "layernorm"
-    norm_placement: str = "pre"
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
+    vocab_size: int = option(0, "Vocabulary size (from the tokenizer).", ge=0, cli=False, resume="derived")
+    block_size: int = option(128, "Context length in tokens.", gt=0)
+    n_layer: int = option(4, "Transformer blocks.", gt=0)
+    n_head: int = option(4, "Attention heads.", gt=0)
+    n_embd: int = option(128, "Embedding width.", gt=0)
+    d_ff: int = option(0, "MLP width.", ge=0, default_help="4*n-embd, ~8/3*n-embd for swiglu")
+    dropout: float = option(0.0, "Dropout rate.", ge=0, lt=1, resume="free")
+    bias: bool = option(True, "Biases in linear layers and LayerNorm.", flag="--bias/--no-bias")
+    position: Position = option("learned", "Position encoding.")
+    mlp: Mlp = option("gelu", "Feed-forward network.")
+    norm: Norm = option("layernorm", "Normalization.")
+    norm_placement: NormPlacement = option("pre", "Norm before (pre) or after (post) each sublayer.")
+    tie_embeddings: bool = option(
+        True, "Share input and output embeddings.", flag="--tie-embeddings/--untie-embeddings"
+    )
+    norm_eps: float = option(1e-5, "Epsilon of the norms.", gt=0)
+    rope_base: float = option(10000.0, "Base of the rotary position frequencies.", gt=0)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "n_layer", "n_head", "n_embd"):
-            _positive(name.replace("_", "-"), getattr(self, name))
-        _non_negative("vocab-size", self.vocab_size)
-        _non_negative("d-ff", self.d_ff)
-        if not 0.0 <= self.dropout < 1.0:
-            raise LmcliError(f"dropout must be in [0, 1), got {self.dropout}")
-        _choice("position", self.position, POSITIONS)
-        _choice("mlp", self.mlp, MLPS)
-        _choice("norm", self.norm, NORMS)
-        _choice("norm-placement", self.norm_placement, NORM_PLACEMENTS)
+        check_fields(self)
         if self.n_embd % self.n_head != 0:
             raise LmcliError(f"n-embd ({self.n_embd}) must be divisible by n-head ({self.n_head})")
         if self.position == "rope" and self.head_dim % 2 != 0:
             raise LmcliError(f"rope needs an even head size, got n-embd/n-head = {self.head_dim}")
-        _positive("norm-eps", self.norm_eps)
-        _positive("rope-base", self.rope_base)
 
     @property
     def head_dim(self) -> int:
@@ -96,60 +240,87 @@ class ModelConfig:
             return 8 * ((8 * self.n_embd // 3 + 7) // 8)
         return 4 * self.n_embd
 
+    @classmethod
+    def on_resume(cls, kind: Literal["fixed", "free", "derived"]) -> tuple[str, ...]:
+        """The fields a resumed run must keep (``fixed``: all that define what the weights
+        compute), may change (``free``), or takes from its data (``derived``)."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("resume") == kind)
+
+
+DEVICE_HELP = "Device to run on (auto: cuda, then mps, then cpu)."
+
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything about a training run except the model's shape."""
 
-    task: str = "lm"  # lm | translation
-    corpus: tuple[str, ...] = ()  # files, folders, globs, .gz; empty = built-in corpus
-    source: str | None = None  # translation: line-aligned source file
-    target: str | None = None  # translation: line-aligned target file
-    source_field: str = "source"  # translation: TSV/JSONL/dataset column, or language key
-    target_field: str = "target"
-    val_source: str | None = None  # translation: validation source file
-    val_target: str | None = None
-    prefix_lm: bool = False  # translation: source positions attend to each other both ways
-    dataset: str | None = None  # Hugging Face datasets name, NAME[:CONFIG]
-    text_column: str = "text"
-    split: str = "train"
-    val: str | None = None  # a validation corpus (path or glob); otherwise --val-fraction
-    val_fraction: float = 0.1
-    tokenizer: str = "char"  # char | byte | bpe | path/to/tokenizer.json
-    vocab_size: int = 8000  # for --tokenizer bpe
-    out: str | None = None  # run folder; default checkpoints/run-<time>
-    cache_dir: str | None = None  # tokenized-corpus cache; default ~/.cache/lmcli
-    init_from: str | None = None  # a local Hugging Face GPT-2 folder to fine-tune
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int | None = None  # DEFAULT_STEPS when no other limit is given
-    epochs: float | None = None
-    max_time: float | None = None  # seconds
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decay floor, as a fraction of lr
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = off
-    label_smoothing: float = 0.0  # training loss only; validation loss is plain NLL
-    eval_interval: int = 250
-    eval_batches: int = 20
-    bleu_samples: int = 200  # translation: validation pairs decoded greedily for BLEU (0 = off)
-    bleu_interval: int = 0  # translation: BLEU every N steps; 0 = at every validation
-    save_interval: int = 0  # 0 = at every evaluation
-    keep_last: int = 0  # periodic step-N checkpoints to keep besides last/best
-    log_interval: int = 10
-    seed: int = 1337
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False
+    corpus: tuple[str, ...] = option(
+        (),
+        "Text files, folders (recursive), globs or .gz files. None: a built-in corpus.",
+        argument=True,
+        path=True,
+    )
+    out: str | None = option(None, "Run folder.", short="-o", default_help="checkpoints/run-<time>")
+    task: Task = option("lm", "lm (language modelling) or translation (source <sep> target).")
+    source: str | None = option(None, "Translation: line-aligned source file (.gz allowed).", path=True)
+    target: str | None = option(None, "Translation: line-aligned target file (.gz allowed).", path=True)
+    source_field: str = option("source", "Translation: TSV/JSONL/dataset column or language of the source.")
+    target_field: str = option("target", "Translation: column or language of the target.")
+    val_source: str | None = option(None, "Translation: validation source file.", path=True)
+    val_target: str | None = option(None, "Translation: validation target file.", path=True)
+    prefix_lm: bool = option(False, "Translation: source tokens attend to each other both ways.")
+    dataset: str | None = option(
+        None, "Hugging Face dataset NAME[:CONFIG] (or a local data file).", path=True
+    )
+    text_column: str = option("text", "Dataset column holding the text.")
+    split: str = option("train", "Dataset split to train on.")
+    val: str | None = option(None, "Validation corpus (file, folder or glob) instead of a split.", path=True)
+    val_fraction: float = option(0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1)
+    tokenizer: str = option(
+        "char", "char, byte, bpe (trained on the corpus) or a tokenizer.json path.", path=True
+    )
+    vocab_size: int = option(8000, "Vocabulary size for bpe.", gt=0)
+    cache_dir: str | None = option(
+        None, "Token cache folder.", default_help="~/.cache/lmcli or $LMCLI_CACHE", path=True
+    )
+    init_from: str | None = option(
+        None, "Start from a local Hugging Face GPT-2 folder (fine-tuning).", path=True
+    )
+    batch_size: int = option(8, "Sequences per micro-batch.", gt=0)
+    grad_accum: int = option(1, "Micro-batches per optimizer step.", gt=0)
+    max_steps: int | None = option(
+        None, "Stop after this many steps.", gt=0, default_help="800 if no other limit"
+    )
+    epochs: float | None = option(None, "Stop after this many passes over the corpus.", gt=0)
+    max_time: float | None = option(
+        None, "Stop (with a checkpoint) after this long: 90s, 30m, 2h.", gt=0, parse=parse_duration
+    )
+    lr: float = option(1e-3, "Peak learning rate.", gt=0)
+    min_lr_ratio: float = option(0.1, "Cosine floor as a fraction of --lr.", ge=0, le=1)
+    warmup_steps: int = option(100, "Linear warmup steps.", ge=0)
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only).", ge=0)
+    beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = option(0.95, "AdamW beta2.", ge=0, lt=1)
+    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: off).", ge=0)
+    label_smoothing: float = option(0.0, "Label smoothing of the training loss.", ge=0, lt=1)
+    eval_interval: int = option(250, "Validate every N steps.", gt=0)
+    eval_batches: int = option(20, "Validation batches per evaluation.", gt=0)
+    bleu_samples: int = option(200, "Translation: validation pairs decoded greedily for BLEU (0: off).", ge=0)
+    bleu_interval: int = option(
+        0, "Translation: BLEU every N steps.", ge=0, default_help="at every validation"
+    )
+    save_interval: int = option(0, "Checkpoint every N steps.", ge=0, default_help="at every validation")
+    keep_last: int = option(0, "Periodic step-N checkpoints to keep besides last and best.", ge=0)
+    log_interval: int = option(10, "Log metrics every N steps.", gt=0)
+    seed: int = option(1337, "Random seed (weights, data order, dropout).")
+    device: Device = option("auto", DEVICE_HELP)
+    dtype: Dtype = option("auto", "Autocast dtype (auto: bf16 on CUDA, float32 elsewhere).")
+    compile: bool = option(False, "torch.compile the model.")
 
-    DEFAULT_STEPS = 800  # not a field: used when no stop condition is given
+    DEFAULT_STEPS: ClassVar[int] = 800  # used when no stop condition is given
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
-        _choice("task", self.task, TASKS)
+        check_fields(self)
         if self.task == "lm" and (self.source or self.target or self.val_source or self.prefix_lm):
             raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
         if (self.source is None) != (self.target is None):
@@ -158,11 +329,8 @@ class TrainConfig:
             raise LmcliError("give both --val-source and --val-target")
         if self.source and (self.corpus or self.dataset):
             raise LmcliError("give --source/--target, or a corpus, or --dataset: only one")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise LmcliError(f"val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.val is None and self.val_source is None and self.val_fraction == 0.0:
             raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
-        _positive("vocab-size", self.vocab_size)
         if self.tokenizer not in TOKENIZER_KINDS and not (
             self.tokenizer.endswith(".json") or "/" in self.tokenizer or Path(self.tokenizer).exists()
         ):
@@ -171,31 +339,6 @@ class TrainConfig:
             )
         if self.tokenizer == "bpe" and self.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
-        for name in ("batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval"):
-            _positive(name.replace("_", "-"), getattr(self, name))
-        _positive("max-steps", self.max_steps, allow_none=True)
-        _positive("epochs", self.epochs, allow_none=True)
-        _positive("max-time", self.max_time, allow_none=True)
-        _positive("lr", self.lr)
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise LmcliError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise LmcliError(f"label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        for name in (
-            "warmup_steps",
-            "weight_decay",
-            "grad_clip",
-            "save_interval",
-            "keep_last",
-            "bleu_samples",
-            "bleu_interval",
-        ):
-            _non_negative(name.replace("_", "-"), getattr(self, name))
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise LmcliError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        _choice("device", self.device, DEVICES)
-        _choice("dtype", self.dtype, DTYPES)
 
     @property
     def stop_steps(self) -> int | None:
@@ -205,17 +348,89 @@ class TrainConfig:
         return self.max_steps
 
 
-def parse_duration(value: str | float | int) -> float:
-    """Seconds from 5400, '90s', '30m', '2h' or '1h30m'."""
-    if isinstance(value, int | float):
-        return float(value)
-    text = value.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", text):
-        return float(text)
-    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
-    if not parts or "".join(a + b for a, b in parts) != text:
-        raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+@dataclass(frozen=True)
+class SampleConfig:
+    """Settings of `lmcli sample`: how the next token is chosen and when generation stops."""
+
+    max_new_tokens: int = option(200, "Tokens to generate.", ge=0)
+    min_new_tokens: int = option(0, "No <eos> before this many tokens.", ge=0)
+    temperature: float = option(0.8, "Softmax temperature; 0 = greedy.", ge=0)
+    top_k: int = option(0, "Keep the k most likely tokens (0 = off).", ge=0)
+    top_p: float = option(1.0, "Nucleus: smallest set with mass >= p.", gt=0, le=1)
+    min_p: float = option(0.0, "Drop tokens below min-p x the top one.", ge=0, lt=1)
+    repetition_penalty: float = option(1.0, "> 1 discourages tokens already present.", gt=0)
+    num_samples: int = option(1, "Samples per prompt.", gt=0)
+    seed: int = option(1337, "Same seed, same text.")
+    stop: tuple[str, ...] = option((), "Stop when this text appears (repeatable).")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """Settings of `lmcli beam` (scores follow Hugging Face: sum of log-probs / length^alpha)."""
+
+    beam_size: int = option(5, "Beams per input.", ge=1)
+    length_penalty: float = option(1.0, "alpha in score = logprob / length^alpha.")
+    max_new_tokens: int = option(200, "New-token limit.", gt=0)
+    max_len_a: float = option(0.0, "Limit new tokens to a * input_tokens + b (with --max-len-b).", ge=0)
+    max_len_b: int = option(0, "See --max-len-a.", ge=0)
+    min_new_tokens: int = option(0, "No <eos> before this many tokens.", ge=0)
+    nbest: int = option(1, "Hypotheses to print per input.")
+    no_repeat_ngram_size: int = option(0, "Never repeat an n-gram of this size (0 = off).", ge=0)
+    early_stopping: bool = option(True, "Stop an input once beam-size hypotheses have ended.")
+    batch_size: int = option(16, "Inputs decoded together.", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 1 <= self.nbest <= self.beam_size:
+            raise LmcliError(f"nbest must be between 1 and beam-size ({self.beam_size}), got {self.nbest}")
+
+    def max_new_for(self, input_len: int) -> int:
+        """New-token limit for an input: a * input_len + b (fairseq), capped by max-new-tokens."""
+        if self.max_len_a or self.max_len_b:
+            return max(1, min(self.max_new_tokens, int(self.max_len_a * input_len + self.max_len_b)))
+        return self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of `lmcli eval`: what text to score (besides paths) and how."""
+
+    dataset: str | None = option(None, "Hugging Face dataset NAME[:CONFIG] (or a local data file).")
+    text_column: str = option("text", "Dataset column holding the text.")
+    split: str = option("test", "Dataset split.")
+    source: str | None = option(None, "Translation model: source file (with --target).")
+    target: str | None = option(None, "Translation model: target file (with --source).")
+    context: int | None = option(None, "Tokens per window.", gt=0, default_help="the model's block size")
+    stride: int | None = option(
+        None,
+        "Tokens between window starts; below the context, windows overlap and each token is "
+        "still scored once, with more left context.",
+        ge=1,
+        default_help="the context",
+    )
+    batch_size: int = option(8, "Windows per forward pass.", gt=0)
+    per_line: bool = option(False, "Score each line on its own as <bos> line <eos>.")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.context and self.stride and self.stride > self.context:
+            raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where `eval`, `sample` and `beam` run."""
+
+    device: Device = option("auto", DEVICE_HELP)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+# ----------------------------------------------------------------------------- dicts and files
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -226,8 +441,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def from_dict(cls: type[C], data: dict[str, Any], *, source: str = "config") -> C:
     """Build ``cls`` from a dict, with a one-line error for unknown keys or wrong types."""
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - field_names(cls))
     if unknown:
         raise LmcliError(f"{source}: unknown option(s) {', '.join(unknown)}")
     try:
@@ -238,14 +452,6 @@ def from_dict(cls: type[C], data: dict[str, Any], *, source: str = "config") -> 
 
 def field_names(cls: type) -> set[str]:
     return {f.name for f in fields(cls)}
-
-
-def default_of(cls: type, name: str) -> Any:
-    """The default value of a dataclass field (used for CLI help so it never drifts)."""
-    for f in fields(cls):
-        if f.name == name:
-            return f.default
-    raise KeyError(name)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -268,6 +474,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             data = tomllib.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise LmcliError(f"cannot parse config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise LmcliError(f"config file {path} must hold a table of options")
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict) and key in ("model", "train"):
@@ -293,86 +501,3 @@ def split_options(
     model = {k: v for k, v in options.items() if k in model_names}
     train = {k: v for k, v in options.items() if k in train_names}
     return model, train
-
-
-@dataclass(frozen=True)
-class SampleConfig:
-    """Settings of `lmcli sample`: how the next token is chosen and when generation stops."""
-
-    max_new_tokens: int = 200
-    min_new_tokens: int = 0  # no <eos> before this many new tokens
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # nucleus: smallest set with probability mass >= top_p
-    min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the text
-    num_samples: int = 1
-    seed: int = 1337
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        _non_negative("max-new-tokens", self.max_new_tokens)
-        _non_negative("min-new-tokens", self.min_new_tokens)
-        if self.temperature < 0 or not math.isfinite(self.temperature):
-            raise LmcliError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise LmcliError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise LmcliError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise LmcliError(f"min-p must be in [0, 1), got {self.min_p}")
-        _positive("repetition-penalty", self.repetition_penalty)
-        _positive("num-samples", self.num_samples)
-
-
-@dataclass(frozen=True)
-class BeamConfig:
-    """Settings of `lmcli beam` (scores follow Hugging Face: sum of log-probs / length^alpha)."""
-
-    beam_size: int = 5
-    length_penalty: float = 1.0  # alpha
-    max_new_tokens: int = 200
-    max_len_a: float = 0.0  # with max-len-b: at most a * input_tokens + b new tokens
-    max_len_b: int = 0
-    min_new_tokens: int = 0
-    nbest: int = 1
-    no_repeat_ngram_size: int = 0
-    early_stopping: bool = True  # stop an input once beam-size hypotheses have ended
-    batch_size: int = 16  # inputs decoded together
-
-    def __post_init__(self) -> None:
-        if self.beam_size < 1:
-            raise LmcliError(f"beam-size must be >= 1, got {self.beam_size}")
-        if not 1 <= self.nbest <= self.beam_size:
-            raise LmcliError(f"nbest must be between 1 and beam-size ({self.beam_size}), got {self.nbest}")
-        _positive("max-new-tokens", self.max_new_tokens)
-        _non_negative("max-len-a", self.max_len_a)
-        _non_negative("max-len-b", self.max_len_b)
-        _non_negative("min-new-tokens", self.min_new_tokens)
-        _non_negative("no-repeat-ngram-size", self.no_repeat_ngram_size)
-        _positive("batch-size", self.batch_size)
-
-    def max_new_for(self, input_len: int) -> int:
-        """New-token limit for an input: a * input_len + b (fairseq), capped by max-new-tokens."""
-        if self.max_len_a or self.max_len_b:
-            return max(1, min(self.max_new_tokens, int(self.max_len_a * input_len + self.max_len_b)))
-        return self.max_new_tokens
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Settings of `lmcli eval`."""
-
-    context: int | None = None  # tokens per window; None = the model's block size
-    stride: int | None = None  # tokens between window starts; None = the context (plain blocks)
-    batch_size: int = 8
-    per_line: bool = False
-
-    def __post_init__(self) -> None:
-        _positive("context", self.context, allow_none=True)
-        if self.stride is not None and self.stride < 1:
-            raise LmcliError(f"stride must be >= 1, got {self.stride}")
-        if self.context and self.stride and self.stride > self.context:
-            raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
-        _positive("batch-size", self.batch_size)

@@ -18,14 +18,21 @@ import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from lmcli.data import IGNORE
+from lmcli import fastpath
+from lmcli.config import EvalConfig
+from lmcli.data.windows import IGNORE
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lmcli.checkpoint import Checkpoint
+    from lmcli.data.pairs import PairSet
 
 
 @dataclass
@@ -85,6 +92,7 @@ def _batches(items: list, size: int) -> Iterator[list]:
         yield items[i : i + size]
 
 
+@fastpath.scoped
 @torch.inference_mode()
 def score_ids(
     model: Transformer, ids: list[int], context: int, stride: int, batch_size: int = 8, progress: bool = False
@@ -148,6 +156,7 @@ def evaluate_text(
     return Score(count, nll, len(text.encode("utf-8")), tokenizer.count_unknown(body))
 
 
+@fastpath.scoped
 @torch.inference_mode()
 def evaluate_lines(
     model: Transformer,
@@ -205,12 +214,13 @@ def _line_record(number: int, line: str, tokens: int, nll: float) -> dict:
     }
 
 
+@fastpath.scoped
 @torch.inference_mode()
 def evaluate_pairs(
-    model: Transformer, tokenizer: Tokenizer, pairs, prefix_lm: bool, batch_size: int = 32
+    model: Transformer, tokenizer: Tokenizer, pairs: PairSet, prefix_lm: bool, batch_size: int = 32
 ) -> Score:
-    """Target-only perplexity of a translation model on tokenized pairs (a ``PairSet``)."""
-    from lmcli.parallel import collate
+    """Target-only perplexity of a translation model on tokenized pairs."""
+    from lmcli.data.pairs import collate
 
     device = next(model.parameters()).device
     score = Score()
@@ -231,61 +241,58 @@ def evaluate_pairs(
 
 
 def evaluate_run(
-    ckpt,  # noqa: ANN001 - a checkpoint.Checkpoint
-    cfg,  # noqa: ANN001 - a config.EvalConfig
-    paths: tuple[str, ...] = (),
-    *,
-    dataset: str | None = None,
-    text_column: str = "text",
-    split: str = "test",
-    source: str | None = None,
-    target: str | None = None,
-    progress: bool = True,
+    ckpt: Checkpoint, cfg: EvalConfig, paths: tuple[str, ...] = (), *, progress: bool = True
 ) -> tuple[Score, str]:
     """Evaluate a loaded checkpoint on paths, a dataset, parallel files, or its own validation split.
 
     Returns the score and a short description of what was evaluated.
     """
-    from dataclasses import replace
-
-    from lmcli.data import open_corpus
-    from lmcli.parallel import AlignedFiles, tokenize_pairs
-    from lmcli.prepare import cache_dir_of, prepare_data
-
-    model, tok, train_cfg = ckpt.model, ckpt.tokenizer, ckpt.train_config
+    model, tok = ckpt.model, ckpt.tokenizer
     context = cfg.context or model.config.block_size
-    if train_cfg.task == "translation":
-        if source or target:
-            if not (source and target):
-                raise LmcliError("give both --source and --target")
-            pairs = tokenize_pairs(
-                AlignedFiles(source, target), tok, model.config.block_size + 1, cache_dir_of(train_cfg)
-            )
-            what = f"{source} -> {target}, target tokens only"
-        else:
-            pairs = prepare_data(
-                train_cfg, block_size=model.config.block_size, tokenizer=tok, progress=False
-            ).val
-            what = "the run's validation pairs, target tokens only"
-        return evaluate_pairs(model, tok, pairs, train_cfg.prefix_lm, cfg.batch_size), what
-    if paths or dataset:
-        corpus = open_corpus(paths, dataset, split, text_column)
-        what = corpus.description
-        docs = ["".join(doc) for doc in corpus.documents()]
-        text = "\n".join(docs) if dataset else "".join(docs)
-    else:
-        if ckpt.meta.get("source") == "huggingface":
-            raise LmcliError("give text to evaluate: a Hugging Face model folder has no validation split")
-        data = prepare_data(
-            replace(train_cfg), block_size=model.config.block_size, tokenizer=tok, progress=False
-        )
-        text = tok.decode(data.val.tolist())
-        what = "the run's validation split"
-    if cfg.per_line:
-        return evaluate_lines(model, tok, text.splitlines(), batch_size=cfg.batch_size, context=context), what
     stride = cfg.stride or context
     if stride > context:
         raise LmcliError(f"stride must be between 1 and the context ({context}), got {stride}")
-    return evaluate_text(
-        model, tok, text, context=context, stride=stride, batch_size=cfg.batch_size, progress=progress
-    ), what
+    with fastpath.inference(model):
+        if ckpt.train_config.task == "translation":
+            pairs, what = _pairs_to_evaluate(ckpt, cfg)
+            return evaluate_pairs(model, tok, pairs, ckpt.train_config.prefix_lm, cfg.batch_size), what
+        text, what = _text_to_evaluate(ckpt, cfg, paths)
+        if cfg.per_line:
+            lines = text.splitlines()
+            return evaluate_lines(model, tok, lines, batch_size=cfg.batch_size, context=context), what
+        score = evaluate_text(
+            model, tok, text, context=context, stride=stride, batch_size=cfg.batch_size, progress=progress
+        )
+        return score, what
+
+
+def _pairs_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig) -> tuple[PairSet, str]:
+    """A translation model's pairs: --source/--target files, or its run's validation pairs."""
+    from lmcli.data.pairs import AlignedFiles, tokenize_pairs
+    from lmcli.data.train_data import cache_dir_of, load_train_data
+
+    block_size = ckpt.model.config.block_size
+    if cfg.source or cfg.target:
+        if not (cfg.source and cfg.target):
+            raise LmcliError("give both --source and --target")
+        corpus = AlignedFiles(cfg.source, cfg.target)
+        pairs = tokenize_pairs(corpus, ckpt.tokenizer, block_size + 1, cache_dir_of(ckpt.train_config))
+        return pairs, f"{cfg.source} -> {cfg.target}, target tokens only"
+    data = load_train_data(ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False)
+    return data.val, "the run's validation pairs, target tokens only"
+
+
+def _text_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig, paths: tuple[str, ...]) -> tuple[str, str]:
+    """The text to score: paths, a dataset, or the run's own validation split."""
+    from lmcli.data.corpus import open_corpus
+    from lmcli.data.train_data import load_train_data
+
+    if paths or cfg.dataset:
+        corpus = open_corpus(paths, cfg.dataset, cfg.split, cfg.text_column)
+        docs = ["".join(doc) for doc in corpus.documents()]
+        return ("\n".join(docs) if cfg.dataset else "".join(docs)), corpus.description
+    if ckpt.meta.get("source") == "huggingface":
+        raise LmcliError("give text to evaluate: a Hugging Face model folder has no validation split")
+    block_size = ckpt.model.config.block_size
+    data = load_train_data(ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False)
+    return ckpt.tokenizer.decode(data.val.tolist()), "the run's validation split"

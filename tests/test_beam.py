@@ -9,8 +9,8 @@ import pytest
 import torch
 from tests_support import tiny_model_and_tokenizer
 
-from lmcli.beam import banned_ngram_tokens, beam_search
 from lmcli.config import BeamConfig, ModelConfig
+from lmcli.generate.beam import banned_ngram_tokens, beam_search
 from lmcli.model import Transformer
 
 
@@ -70,7 +70,8 @@ def test_exhaustive_beams_find_the_brute_force_best(alpha: float) -> None:
 @pytest.mark.parametrize("k,alpha", [(3, 1.0), (4, 0.6), (5, 2.0)])
 def test_same_best_hypothesis_and_score_as_hugging_face(k: int, alpha: float) -> None:
     transformers = pytest.importorskip("transformers")
-    from lmcli.hf import from_gpt2_state
+    from lmcli.checkpoint import load_state
+    from lmcli.hf.gpt2 import from_gpt2_state
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
@@ -90,7 +91,7 @@ def test_same_best_hypothesis_and_score_as_hugging_face(k: int, alpha: float) ->
     ours = Transformer(ModelConfig(vocab_size=30, block_size=32, n_embd=32, n_layer=2, n_head=4)).eval()
     state = from_gpt2_state(hf.state_dict())
     state.setdefault("lm_head.weight", state["wte.weight"])
-    ours.load_state_dict({k_: v for k_, v in state.items() if k_ in ours.state_dict()})
+    load_state(ours, state, "HF GPT-2")
     for prompt in ([0, 5, 7], [0, 12], [0, 3, 3, 9, 2]):
         out = hf.generate(
             torch.tensor([prompt]),

@@ -10,17 +10,11 @@ import numpy as np
 import pytest
 
 from lmcli.config import TrainConfig
-from lmcli.data import (
-    BuiltinCorpus,
-    DatasetCorpus,
-    FileCorpus,
-    WindowSampler,
-    eval_windows,
-    resolve_paths,
-    tokenize_corpus,
-)
+from lmcli.data.corpus import BuiltinCorpus, DatasetCorpus, FileCorpus, resolve_paths
+from lmcli.data.token_cache import tokenize_corpus
+from lmcli.data.train_data import load_train_data
+from lmcli.data.windows import WindowSampler, eval_windows
 from lmcli.errors import LmcliError
-from lmcli.prepare import prepare_data
 from lmcli.tokenizer import Tokenizer
 
 
@@ -47,7 +41,7 @@ def test_missing_inputs_are_named(tmp_path: Path, monkeypatch, pattern: str, mes
 
 
 def test_invalid_utf8_is_replaced_and_counted_across_chunk_boundaries(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("lmcli.data.CHUNK_BYTES", 7)
+    monkeypatch.setattr("lmcli.data.corpus.CHUNK_BYTES", 7)
     raw = "héllo wörld\n".encode() * 5 + b"bad \xff\xfe byte\n" + "ok \ufffd kept\n".encode()
     (tmp_path / "x.txt").write_bytes(raw)
     corpus = FileCorpus([str(tmp_path / "x.txt")])
@@ -95,7 +89,7 @@ def test_tokenization_streams_in_bounded_chunks(tmp_path: Path, monkeypatch) -> 
         seen.append(sum(len(t) for t in texts))
         return original(self, texts)
 
-    monkeypatch.setattr("lmcli.data.CHUNK_BYTES", 4096)
+    monkeypatch.setattr("lmcli.data.token_cache.CHUNK_BYTES", 4096)
     monkeypatch.setattr(Tokenizer, "encode_batch", spy)
     (tmp_path / "big.txt").write_text("some line of text\n" * 5000)  # 90 kB
     tok = Tokenizer.train("byte", iter(()))
@@ -164,7 +158,7 @@ def test_eval_windows_are_fixed_and_spread() -> None:
 def test_val_fraction_takes_the_tail_of_the_corpus(tmp_path: Path) -> None:
     (tmp_path / "c.txt").write_text("a" * 900 + "b" * 99)
     cfg = TrainConfig(corpus=(str(tmp_path / "c.txt"),), val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
-    data = prepare_data(cfg, block_size=1, progress=False)
+    data = load_train_data(cfg, block_size=1, progress=False)
     tok = data.tokenizer
     assert tok.decode(data.val.tolist()) == "b" * 99 + "" and len(data.train) == 900
 

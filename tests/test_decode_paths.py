@@ -1,5 +1,6 @@
 """The decoding fast paths: the growing KV cache, the exponential-race draw, decoding thread
-count and weight layout, packed weights, the inference GELU, and min_new_tokens."""
+count, and the CPU inference scope (weight layout, packed weights, the inference GELU, one-token
+layer steps), and min_new_tokens."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from dataclasses import replace
 import pytest
 import torch
 from tests_support import tiny_model_and_tokenizer
+from torch import nn
 
-import lmcli.model as model_module
-import lmcli.packed as packed_module
+import lmcli.fastpath.cpu as cpu_module
+import lmcli.fastpath.packed as packed_module
+from lmcli import fastpath
 from lmcli.config import SampleConfig
-from lmcli.decoding import prefill, step, step_layout, step_threads
-from lmcli.kv_cache import GROW, KVCache
-from lmcli.packed import packing_available
-from lmcli.sampling import draw, generate
+from lmcli.fastpath.packed import PackingLinear, packing_available
+from lmcli.generate.decoding import prefill, step
+from lmcli.generate.kv_cache import GROW, KVCache
+from lmcli.generate.sampling import draw, generate
 
 
 def test_cache_grows_past_its_first_buffer_and_reorders_every_column() -> None:
@@ -38,7 +41,7 @@ def test_cache_grows_past_its_first_buffer_and_reorders_every_column() -> None:
 def test_padded_decoding_needs_no_mask_rebuild_and_matches_one_row() -> None:
     model, _ = tiny_model_and_tokenizer()
     cache, logits = prefill(model, [[2, 5, 6, 7], [2, 9]], pad_id=0)
-    assert cache.has_padding and cache.max_start == 2
+    assert cache.padding.has_padding and cache.padding.max_start == 2
     nxt = torch.tensor([11, 12])
     batched = step(model, cache, nxt)
     single_cache, _ = prefill(model, [[2, 9]], pad_id=0)
@@ -65,29 +68,30 @@ def test_min_new_tokens_holds_back_eos() -> None:
     assert held.finish_reason == "length" and len(held.ids) == 12 and tok.eos_id not in held.ids
 
 
-def test_step_threads_and_decode_layout_change_no_token(monkeypatch) -> None:
+def test_step_threads_and_the_inference_scope_change_no_token(monkeypatch) -> None:
     model, tok = tiny_model_and_tokenizer()
     cfg = SampleConfig(temperature=1.0, max_new_tokens=30, seed=4)
-    plain = generate(model, tok, [[tok.bos_id, 5, 6]], cfg)[0].ids
     threads = torch.get_num_threads()
-    with step_threads(model, 1):
+    with fastpath.step_threads(model, 1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == threads
-    monkeypatch.setattr(model_module, "LAYOUT_MIN_WEIGHT", 1)  # lay out even this tiny model's weights
+    monkeypatch.setattr(cpu_module, "LAYOUT_MIN_WEIGHT", 1)  # lay out even this tiny model's weights
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    step_layout(model)
-    assert not model.h[0].mlp.c_fc.weight.is_contiguous()  # wide: transposed in memory
-    assert model.h[0].mlp.c_proj.weight.is_contiguous()  # narrow: left alone
+    with fastpath.inference(model):
+        plain = generate(model, tok, [[tok.bos_id, 5, 6]], cfg)[0].ids  # re-entered: the same scope
+        assert not model.h[0].mlp.c_fc.weight.is_contiguous()  # wide: transposed in memory
+        assert model.h[0].mlp.c_proj.weight.is_contiguous()  # narrow: left alone
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # the scope's end gives back the (out, in) layout, the module classes and the plain forward
+    assert all(p.is_contiguous() and not p.is_inference() for p in model.parameters())
+    assert all(type(m) is not PackingLinear for m in model.modules()) and model.fast_step is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert generate(model, tok, [[tok.bos_id, 5, 6]], cfg)[0].ids == plain
-    model.train()  # training gets the (out, in) layout back
-    assert all(p.is_contiguous() and not p.is_inference() for p in model.parameters())
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time() -> None:
-    from lmcli.beam import beam_search
     from lmcli.config import BeamConfig
+    from lmcli.generate.beam import beam_search
 
     model, tok = tiny_model_and_tokenizer(block_size=20)
     with torch.no_grad():
@@ -109,36 +113,39 @@ def test_packed_weights_give_the_plain_products_and_follow_weight_changes(monkey
     model, _ = tiny_model_and_tokenizer(**variant)
     idx = torch.randint(5, 20, (4, 12), generator=torch.Generator().manual_seed(0))
     plain = model(idx).detach()  # autograd on: always F.linear
-    with torch.no_grad():
+    with fastpath.inference(model), torch.no_grad():
+        packs = model.h[0].attn.c_attn._packs
         packed = model(idx)
-        assert len(model._packs) > 0  # the products above did use packed weights
+        assert len(packs) > 0  # the products above did use packed weights
         cache = KVCache.for_model(model, 4)
         steps = [model(idx[:, :5], cache)] + [model(idx[:, t : t + 1], cache) for t in range(5, 12)]
-    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat(steps, dim=1), plain, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():
+        torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat(steps, dim=1), plain, rtol=1e-5, atol=1e-5)
         model.h[0].mlp.c_fc.weight.mul_(1.5)  # an in-place change: the old pack must not serve
         changed = model(idx)
     torch.testing.assert_close(changed, model(idx).detach(), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(changed, plain, atol=1e-3)
-    model.train()
-    assert len(model._packs) == 0  # training drops every packed copy
+    assert len(packs) == 0 and type(model.h[0].attn.c_attn) is nn.Linear  # the scope's end drops them
 
 
 def test_inference_gelu_equals_the_tanh_gelu() -> None:
     x = torch.cat([torch.linspace(-12, 12, 10001), torch.tensor([-1e20, -60.0, 0.0, 60.0, 1e20])])
     with torch.no_grad():
-        fast = model_module.gelu_tanh(x)
+        fast = cpu_module.gelu_tanh(x)
     torch.testing.assert_close(fast, torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)
 
 
-def test_a_model_with_packed_weights_can_be_copied_and_pickled(monkeypatch) -> None:
+def test_a_model_in_an_inference_scope_can_be_copied_and_pickled(monkeypatch) -> None:
     monkeypatch.setattr(packed_module, "PACK_MIN_WEIGHT", 1)
-    model, _ = tiny_model_and_tokenizer()
+    model, tok = tiny_model_and_tokenizer()
     idx = torch.randint(5, 20, (4, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(idx)
-    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert len(twin._packs) == 0 and twin.h[0].attn.c_attn._packs is twin._packs is not model._packs
+    with fastpath.inference(model), torch.no_grad():
+        prefill(model, [[tok.bos_id, 5, 6]] * 4, tok.pad_id)  # packs made, a step plan too
+        step(model, prefill(model, [[tok.bos_id, 5]], tok.pad_id)[0], torch.tensor([7]))
+        twins = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    for twin in twins:  # packed tensors and the scope's step stay behind
+        assert twin.fast_step is None and len(twin.h[0].attn.c_attn._packs) == 0
         with torch.no_grad():
             torch.testing.assert_close(twin(idx), expected)

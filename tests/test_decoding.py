@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lmcli.config import ModelConfig, SampleConfig
-from lmcli.decoding import prefill, step
-from lmcli.kv_cache import KVCache
+from lmcli.generate.decoding import prefill, step
+from lmcli.generate.kv_cache import KVCache
+from lmcli.generate.sampling import generate
 from lmcli.model import Transformer
-from lmcli.sampling import generate
 from lmcli.tokenizer import Tokenizer
 
 VARIANTS = list(itertools.product(("learned", "sinusoidal", "rope", "alibi"), ("pre", "post")))

@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import make_run  # noqa: E402
 
-from lmcli.checkpoint import load_checkpoint  # noqa: E402
+from lmcli.checkpoint import load_checkpoint, load_model  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.evaluate import score_ids  # noqa: E402
-from lmcli.hf import export_hf, from_hf_gpt2, load_any  # noqa: E402
+from lmcli.hf import export_hf, load_hf_folder  # noqa: E402
 
 
 def hf_gpt2(tmp: Path) -> Path:
@@ -42,7 +42,7 @@ def hf_gpt2(tmp: Path) -> Path:
 def test_imported_gpt2_gives_the_same_logits(tmp_path: Path) -> None:
     folder = hf_gpt2(tmp_path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-    ours, _ = from_hf_gpt2(folder)
+    ours, _ = load_hf_folder(folder)
     idx = torch.randint(0, hf.config.vocab_size, (2, 30))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
@@ -53,7 +53,7 @@ def test_perplexity_equals_hugging_face(tmp_path: Path, stride: int) -> None:
     """The HF perplexity-guide loop (max_length = context + 1) on the same ids."""
     folder = hf_gpt2(tmp_path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-    ckpt = load_any(folder)
+    ckpt = load_model(folder)
     ids = [
         ckpt.tokenizer.bos_id,
         *ckpt.tokenizer.encode("the cat sat on the mat, the mat sat on the cat. " * 6),
@@ -122,7 +122,7 @@ def test_train_init_from_a_local_gpt2_folder(tmp_path: Path) -> None:
     )
     train(ModelConfig(), cfg, reporter=Reporter(info=lambda m: None), progress=False)
     tuned = load_checkpoint(tmp_path / "ft" / "last")
-    base, _ = from_hf_gpt2(folder)
+    base, _ = load_hf_folder(folder)
     assert tuned.model_config.n_embd == 32 and tuned.model_config.block_size == 32
     delta = (tuned.model.wte.weight - base.wte.weight).abs().max().item()
     assert 0 < delta < 1e-4  # started from the GPT-2 weights and moved a little

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmcli.errors import LmcliError
-from lmcli.parallel import (
+from lmcli.data.pairs import (
     IGNORE,
     AlignedFiles,
     DatasetPairs,
@@ -20,6 +19,7 @@ from lmcli.parallel import (
     encode_pair,
     tokenize_pairs,
 )
+from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -123,7 +123,7 @@ def test_pair_sampler_is_without_replacement_and_bucketed(tmp_path: Path) -> Non
 
 
 def test_read_lines_splits_at_newlines_only_and_reads_gz(tmp_path: Path) -> None:
-    from lmcli.parallel import read_lines
+    from lmcli.data.corpus import read_lines
 
     text = "one\u2028still one\r\ntwo\x0cstill two\n\nfour\n"
     (tmp_path / "a.txt").write_text(text, newline="")

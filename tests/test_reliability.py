@@ -238,7 +238,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
         loss = real_ce(*args, **kwargs)
         return loss * float("nan") if calls["n"] > 14 else loss  # training steps 1-14 and evals are fine
 
-    monkeypatch.setattr("lmcli.train.F.cross_entropy", poisoned)
+    monkeypatch.setattr("lmcli.train.scoring.F.cross_entropy", poisoned)
     with pytest.raises(LmcliError, match=r"loss became nan at or before step 15"):
         train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
     good = load_checkpoint(tmp_path / "run" / "last")
@@ -272,7 +272,7 @@ def test_a_nan_between_log_points_never_reaches_a_saved_checkpoint(tmp_path: Pat
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr("lmcli.train.F.cross_entropy", poisoned)
+    monkeypatch.setattr("lmcli.train.scoring.F.cross_entropy", poisoned)
     model = ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
     with pytest.raises(LmcliError, match=r"loss became nan at or before step 8"):
         train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)

@@ -8,7 +8,7 @@ from tests_support import tiny_model_and_tokenizer
 
 from lmcli.config import SampleConfig
 from lmcli.errors import LmcliError
-from lmcli.sampling import filter_logits, penalize_seen, sample_next, sample_texts, seen_mask
+from lmcli.generate.sampling import filter_logits, penalize_seen, sample_next, sample_texts, seen_mask
 
 
 def kept(logits: torch.Tensor) -> list[int]:

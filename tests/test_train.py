@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 from lmcli.checkpoint import load_checkpoint, save_checkpoint
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
-from lmcli.metrics import MetricsLog
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
-from lmcli.train import Reporter, lr_at, train
+from lmcli.train import Reporter, train
+from lmcli.train.metrics import MetricsLog
+from lmcli.train.optim import lr_at
 
 MODEL = ModelConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 

@@ -1,62 +1,24 @@
-"""Where training runs: device choice, mixed precision, torch.distributed, RNG state."""
+"""Training beyond one process: joining a ``torchrun`` job and the few collectives lmcli needs.
+
+Rank 0 alone names the run folder (``on_main``), fills caches first (``in_turn``), and every
+rank stops at the same step (``agree_to_stop``). Data parallelism itself is PyTorch's DDP
+(``lmcli.train.loop``).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
+from lmcli.device import pick_device
 from lmcli.errors import LmcliError
 
 T = TypeVar("T")
 STOP_REASONS = ("max_time", "SIGINT", "SIGTERM")  # weakest first: agree_to_stop keeps the strongest
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    """``auto`` picks cuda, then mps, then cpu; an explicit device must be available."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise LmcliError("--device cuda requested but CUDA is not available")
-    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise LmcliError("--device mps requested but MPS is not available")
-    return torch.device(name)
-
-
-def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
-    """The autocast dtype for ``--dtype`` (None = plain float32). ``auto``: bf16 on CUDA."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return None
-    if dtype == "float32":
-        return None
-    if dtype == "float16" and device.type == "cpu":
-        raise LmcliError("--dtype float16 needs a GPU; use bfloat16 or float32 on the CPU")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def configure_backend(device: torch.device) -> None:
-    """Fast-math settings: TF32 matmuls on CUDA (bf16 autocast does the rest)."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
 
 
 @dataclass(frozen=True)
@@ -182,33 +144,3 @@ def shutdown_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG's state, as tensors and plain lists (safe for ``torch.load(weights_only=True)``)."""
-    np_state = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": [py_version, list(py_state), py_gauss],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    version, py_state, gauss = state["python"]
-    random.setstate((version, tuple(py_state), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

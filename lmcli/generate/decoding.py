@@ -2,23 +2,20 @@
 
 Every decoder goes through ``prefill`` (left-padded prompts into a fresh KV cache) and then
 ``step`` (one token per row through the cached model); when a row's context is full,
-``slide`` re-prefills the last part of it. All of it is the model's one ``forward``.
-Decoding steps of a small model run on one thread (``step_threads``), and large weights are
-laid out for one-row products (``step_layout``).
+``slide`` re-prefills the last part of it. All of it is the model's one ``forward``; the
+decoders run it inside ``lmcli.fastpath.inference``, which makes it faster on a CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lmcli.kv_cache import KVCache
+from lmcli.data.pairs import source_prompt
+from lmcli.generate.kv_cache import KVCache
 from lmcli.model import Transformer
-from lmcli.parallel import source_prompt
 from lmcli.tokenizer import Tokenizer
 
 
@@ -87,36 +84,3 @@ def slide(model: Transformer, rows: list[list[int]], pad_id: int) -> tuple[KVCac
 
 def needs_slide(cache: KVCache) -> bool:
     return cache.length >= cache.max_len
-
-
-ONE_THREAD_WORK = 1 << 25  # multiply-adds per step below which a step runs on one thread
-
-
-@contextmanager
-def step_threads(model: Transformer, rows: int) -> Iterator[None]:
-    """Run decoding steps of a small model on one thread, then restore the thread count.
-
-    A step of a small model is hundreds of operations of a few microseconds each; handing
-    them to a second thread costs more than it saves, and much more when the other cores are
-    busy (a worker that is not scheduled stalls every operation it takes part in). Large
-    models, or many rows at once, keep every thread.
-    """
-    threads = torch.get_num_threads()
-    small = model.num_parameters() * rows <= ONE_THREAD_WORK
-    if threads == 1 or not small or next(model.parameters()).device.type != "cpu":
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def step_layout(model: Transformer) -> None:
-    """Before decoding on a CPU, lay the model's wide weights out for row-by-row products.
-
-    See ``Transformer.decode_layout``: the weights stay so until the model trains again.
-    """
-    if next(model.parameters()).device.type == "cpu":
-        model.decode_layout()

@@ -14,17 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmcli import fastpath
 from lmcli.config import SampleConfig
-from lmcli.decoding import (
-    Prompt,
-    make_prompt,
-    needs_slide,
-    prefill,
-    slide,
-    step,
-    step_layout,
-    step_threads,
-)
+from lmcli.generate.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 
@@ -130,6 +122,101 @@ def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
     return text[: min(hits)] if hits else None
 
 
+class NextToken:
+    """``cfg``'s next-token rule with its per-row state: the seeded generators (one per row,
+    ``seed + sample index``) and, with a repetition penalty, the tokens each row has seen."""
+
+    def __init__(
+        self, cfg: SampleConfig, out: list[Generated], rows: list[list[int]], vocab: int, device: torch.device
+    ) -> None:
+        self.cfg = cfg
+        self.seen = seen_mask(rows, vocab, device) if cfg.repetition_penalty != 1.0 else None
+        self.generators = None
+        if cfg.temperature > 0:
+            self.generators = [
+                torch.Generator(device=device).manual_seed(cfg.seed + g.sample_index) for g in out
+            ]
+
+    def __call__(self, logits: Tensor, eos_id: int | None) -> tuple[Tensor, Tensor]:
+        """Tokens (B,) and their log-probs (B,); ``eos_id`` (when given) is never chosen."""
+        cfg = self.cfg
+        if self.seen is not None:
+            logits = penalize_seen(logits, self.seen, cfg.repetition_penalty)
+        tokens, logprobs = sample_next(
+            logits,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            min_p=cfg.min_p,
+            generators=self.generators,
+            banned=eos_id,
+        )
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens[:, None], True)
+        return tokens, logprobs
+
+
+class Collector:
+    """Appends each step's tokens to the rows' ``Generated``, ends a row at ``<eos>`` or a stop
+    string, and streams new text to ``on_text(row, piece)``. Text is decoded during generation
+    only when stop strings or ``on_text`` need it."""
+
+    def __init__(
+        self,
+        out: list[Generated],
+        tokenizer: Tokenizer,
+        stops: tuple[str, ...],
+        on_text: Callable[[int, str], None] | None,
+    ) -> None:
+        self.out, self.tokenizer, self.stops, self.on_text = out, tokenizer, stops, on_text
+        self.done = [False] * len(out)
+        self.n_done = 0
+        self.streamed = [""] * len(out)
+        self.watch_text = bool(stops) or on_text is not None
+
+    def add(self, tokens: Tensor, logprobs: Tensor, rows: list[list[int]]) -> bool:
+        """Record one token per row; True once every row has ended."""
+        eos = self.tokenizer.eos_id
+        for r, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
+            if self.done[r]:
+                continue
+            g = self.out[r]
+            rows[r].append(tok)
+            if tok == eos:
+                self._end(r, "eos")
+                continue
+            g.ids.append(tok)
+            g.logprobs.append(lp)
+            if self.watch_text:
+                text = self.tokenizer.decode(g.ids)
+                cut = _cut_at_stop(text, self.stops)
+                if cut is not None:
+                    self._end(r, "stop")
+                    text = cut
+                self._stream(r, text, complete=False)
+        return self.n_done == len(self.out)
+
+    def _end(self, r: int, reason: str) -> None:
+        self.done[r], self.out[r].finish_reason = True, reason
+        self.n_done += 1
+
+    def _stream(self, r: int, text: str, complete: bool) -> None:
+        """Hand ``on_text`` what is new in ``text`` (not a half-decoded character, unless complete)."""
+        if self.on_text is None or len(text) <= len(self.streamed[r]):
+            return
+        if complete or not text.endswith("\ufffd"):
+            self.on_text(r, text[len(self.streamed[r]) :])
+            self.streamed[r] = text
+
+    def finish(self) -> None:
+        """Every row's final text (cut at its first stop string), streamed to the end."""
+        for r, g in enumerate(self.out):
+            text = self.tokenizer.decode(g.ids)
+            cut = _cut_at_stop(text, self.stops)
+            g.text = cut if cut is not None else text
+            self._stream(r, g.text, complete=True)
+
+
 @torch.inference_mode()
 def generate(
     model: Transformer,
@@ -144,80 +231,30 @@ def generate(
 
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
     ``prompt * num_samples + sample``). ``<eos>`` is never chosen before ``cfg.min_new_tokens``.
-    Text is decoded during generation only when stop strings or ``on_text`` need it.
     """
     n = cfg.num_samples
-    device = next(model.parameters()).device
     out = [Generated(p, j) for p in range(len(prompts)) for j in range(n)]
     if cfg.max_new_tokens == 0 or not prompts:
         return out
-    cache, logits = prefill(model, prompts, tokenizer.pad_id, prefix_lm=prefix_lm)
-    cache.reserve(cache.length + cfg.max_new_tokens)
-    if n > 1:
-        cache.expand(n)
-        logits = logits.repeat_interleave(n, dim=0)
-    rows = [list(prompts[g.prompt_index]) for g in out]  # every row's full token sequence
-    seen = None
-    if cfg.repetition_penalty != 1.0:
-        seen = seen_mask(rows, logits.size(-1), device)
-    gens = None
-    if cfg.temperature > 0:
-        gens = [torch.Generator(device=device).manual_seed(cfg.seed + g.sample_index) for g in out]
-    eos = tokenizer.eos_id
-    watch_text = bool(cfg.stop) or on_text is not None
-    done = [False] * len(out)
-    n_done = 0
-    streamed = [""] * len(out)
-    step_layout(model)
-    with step_threads(model, len(out)):
-        for i in range(cfg.max_new_tokens):
-            if seen is not None:
-                logits = penalize_seen(logits, seen, cfg.repetition_penalty)
-            tokens, logprobs = sample_next(
-                logits,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                min_p=cfg.min_p,
-                generators=gens,
-                banned=eos if i < cfg.min_new_tokens else None,
-            )
-            if seen is not None:
-                seen.scatter_(1, tokens[:, None], True)
-            for r, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
-                if done[r]:
-                    continue
-                g = out[r]
-                rows[r].append(tok)
-                if tok == eos:
-                    done[r], g.finish_reason = True, "eos"
-                    n_done += 1
-                    continue
-                g.ids.append(tok)
-                g.logprobs.append(lp)
-                if watch_text:
-                    text = tokenizer.decode(g.ids)
-                    cut = _cut_at_stop(text, cfg.stop)
-                    if cut is not None:
-                        done[r], g.finish_reason, text = True, "stop", cut
-                        n_done += 1
-                    if on_text is not None and not text.endswith("\ufffd") and len(text) > len(streamed[r]):
-                        on_text(r, text[len(streamed[r]) :])
-                        streamed[r] = text
-            if n_done == len(out):
-                break
-            if needs_slide(cache):
-                cache, logits = slide(model, rows, tokenizer.pad_id)
-            else:
-                logits = step(model, cache, tokens)
-    for g in out:
-        text = tokenizer.decode(g.ids)
-        cut = _cut_at_stop(text, cfg.stop)
-        g.text = cut if cut is not None else text
-        if on_text is not None:
-            r = g.prompt_index * n + g.sample_index
-            if len(g.text) > len(streamed[r]):
-                on_text(r, g.text[len(streamed[r]) :])
+    collector = Collector(out, tokenizer, cfg.stop, on_text)
+    with fastpath.inference(model):
+        cache, logits = prefill(model, prompts, tokenizer.pad_id, prefix_lm=prefix_lm)
+        cache.reserve(cache.length + cfg.max_new_tokens)
+        if n > 1:
+            cache.expand(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        rows = [list(prompts[g.prompt_index]) for g in out]  # every row's full token sequence
+        next_token = NextToken(cfg, out, rows, logits.size(-1), logits.device)
+        with fastpath.step_threads(model, len(out)):
+            for i in range(cfg.max_new_tokens):
+                tokens, logprobs = next_token(logits, tokenizer.eos_id if i < cfg.min_new_tokens else None)
+                if collector.add(tokens, logprobs, rows):
+                    break
+                if needs_slide(cache):
+                    cache, logits = slide(model, rows, tokenizer.pad_id)
+                else:
+                    logits = step(model, cache, tokens)
+    collector.finish()
     return out
 
 

@@ -1,24 +1,73 @@
-"""Key/value cache shared by eval, sampling and beam search.
+"""Key/value cache shared by eval, sampling and beam search, and the left padding of its rows.
 
-Rows of the batch may be left-padded: ``start[b]`` is the first real column of row ``b``; the
-model masks the columns before it and counts positions from it.
+``KVCache`` holds the buffers: keys and values of every layer, grown with the filled length
+(by a quarter, at least ``GROW`` columns, up to ``max_len``), so a short generation never
+allocates or clears a whole context window, and a beam-search reorder copies little more than
+the filled part (only what follows the prompt, when the caller says the beams share it).
 
-The buffers grow with the filled length (by a quarter, at least ``GROW`` columns, up to
-``max_len``), so a short generation never allocates or clears a whole context window, and a
-beam-search reorder copies little more than the filled part (only what follows the prompt,
-when the caller says the beams share it). What a step needs from ``start`` (is there padding,
-the position ids, the padding mask) is derived once per ``start``, not at every step, and
-without reading the device.
+``LeftPadding`` holds where each row's text starts (``start[b]``, its first real column) and
+what a step needs from it: whether there is padding at all, the position id of every column,
+and the additive mask that hides the padding. They are derived once per ``start``, not at every
+step, and without reading the device; rows that move in a reorder take them along.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import Tensor
 
 GROW = 16  # the least number of columns added to the buffers at a time
+
+
+class LeftPadding:
+    """Each row's first real column in a left-padded batch, and the tables derived from it."""
+
+    def __init__(self, start: Tensor, max_len: int, *, max_start: int | None = None) -> None:
+        """``max_start`` (an upper bound of ``start``) saves a host sync when the caller knows it."""
+        self.start = start
+        self.max_len = max_len
+        self.max_start = max_start if max_start is not None else (int(start.max()) if start.numel() else 0)
+        self._positions: Tensor | None = None  # (B or 1, max_len) position id of every column
+        self._bias: Tensor | None = None  # (B, 1, 1, max_len): 0, or -inf before start
+
+    @property
+    def has_padding(self) -> bool:
+        """True when some row starts after column 0 (known without reading the device)."""
+        return self.max_start > 0
+
+    def positions(self, first: int, n: int) -> Tensor:
+        """Position ids (B or 1, n) of columns ``first..first+n-1``: column minus the row's padding."""
+        if first + n > self.max_len:  # past the window (ALiBi needs no table)
+            cols = torch.arange(first, first + n, device=self.start.device)
+            return (cols[None, :] - self.start[:, None]).clamp_min(0)
+        if self._positions is None:
+            cols = torch.arange(self.max_len, device=self.start.device)
+            if self.has_padding:
+                self._positions = (cols[None, :] - self.start[:, None]).clamp_min(0)
+            else:
+                self._positions = cols[None, :]
+        return self._positions[:, first : first + n]
+
+    def bias(self, n: int, dtype: torch.dtype) -> Tensor:
+        """Additive mask (B, 1, 1, n) for a query that sees columns ``0..n-1``: -inf before each
+        row's start. Only valid when the query column is at or after every row's start."""
+        if self._bias is None or self._bias.dtype != dtype:
+            cols = torch.arange(self.max_len, device=self.start.device)
+            blocked = cols[None, :] < self.start[:, None]
+            bias = torch.zeros(blocked.shape, dtype=dtype, device=self.start.device)
+            self._bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None, :]
+        return self._bias[..., :n]
+
+    def select(self, rows: Tensor) -> LeftPadding:
+        """The padding of rows ``rows`` (B',), in that order, with the derived tables."""
+        # a subset of rows starts no later than the latest start of all rows: no host sync
+        out = LeftPadding(self.start.index_select(0, rows), self.max_len, max_start=self.max_start)
+        if self._positions is not None:
+            one = self._positions.size(0) == 1
+            out._positions = self._positions if one else self._positions.index_select(0, rows)
+        if self._bias is not None:
+            out._bias = self._bias.index_select(0, rows)
+        return out
 
 
 class KVCache:
@@ -42,10 +91,9 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._spare: tuple[Tensor, Tensor] | None = None  # reorder targets, reused while the shape holds
         self.length = 0  # filled columns, the same for every row
-        self.step_plan: Any = None  # the model's decoding-step view of its weights (model.py)
         if start is None:
             start = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self._set_start(start.to(device=device, dtype=torch.long))
+        self.padding = LeftPadding(start.to(device=device, dtype=torch.long), max_len)
 
     @classmethod
     def for_model(
@@ -71,55 +119,6 @@ class KVCache:
             start=start,
         )
 
-    # ------------------------------------------------------------------ start and what follows
-
-    def _set_start(self, start: Tensor, *, max_start: int | None = None) -> None:
-        """Store ``start``; ``max_start`` (an upper bound of it) saves a host sync when known."""
-        if max_start is None:
-            max_start = int(start.max()) if start.numel() else 0
-        self._start = start
-        self.max_start = max_start
-        self._positions: Tensor | None = None  # (B or 1, max_len) position id of every column
-        self._pad_bias: Tensor | None = None  # (B, 1, 1, max_len): 0, or -inf before start
-
-    @property
-    def start(self) -> Tensor:
-        return self._start
-
-    @property
-    def has_padding(self) -> bool:
-        """True when some row starts after column 0 (known without reading the device)."""
-        return self.max_start > 0
-
-    def _position_table(self) -> Tensor:
-        if self._positions is None:
-            cols = torch.arange(self._max_len, device=self._start.device)
-            if self.has_padding:
-                self._positions = (cols[None, :] - self._start[:, None]).clamp_min(0)
-            else:
-                self._positions = cols[None, :]
-        return self._positions
-
-    def positions(self, n: int) -> Tensor:
-        """Position ids (B or 1, n) of the next ``n`` columns: column minus the row's left padding."""
-        table = self._position_table()
-        if self.length + n > table.size(1):  # past the window (ALiBi needs no positions)
-            cols = torch.arange(self.length, self.length + n, device=self._start.device)
-            return (cols[None, :] - self._start[:, None]).clamp_min(0)
-        return table[:, self.length : self.length + n]
-
-    def padding_bias(self, n: int) -> Tensor:
-        """Additive mask (B, 1, 1, n) for a query that sees columns ``0..n-1``: -inf before each
-        row's start. Only valid when the query column is at or after every row's start."""
-        if self._pad_bias is None:
-            cols = torch.arange(self._max_len, device=self._start.device)
-            blocked = cols[None, :] < self._start[:, None]
-            bias = torch.zeros(blocked.shape, dtype=self.k.dtype, device=self.k.device)
-            self._pad_bias = bias.masked_fill_(blocked, float("-inf"))[:, None, None, :]
-        return self._pad_bias[..., :n]
-
-    # ------------------------------------------------------------------ the buffers
-
     @property
     def batch_size(self) -> int:
         return self.k.size(1)
@@ -127,6 +126,10 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self._max_len
+
+    def positions(self, n: int) -> Tensor:
+        """Position ids (B or 1, n) of the next ``n`` columns."""
+        return self.padding.positions(self.length, n)
 
     def _grow(self, columns: int) -> None:
         """Make room for ``columns`` columns, keeping the filled ones."""
@@ -184,13 +187,7 @@ class KVCache:
         torch.index_select(self.v[:, :, :, cols], 1, parent_idx, out=v[:, :, :, cols])
         self._spare = (self.k, self.v) if self.k.size(1) == n else None
         self.k, self.v = k, v
-        positions, pad_bias = self._positions, self._pad_bias
-        # a subset of rows starts no later than the latest start of all rows: no host sync
-        self._set_start(self._start.index_select(0, parent_idx), max_start=self.max_start)
-        if positions is not None:  # the derived tables follow their rows
-            self._positions = positions if positions.size(0) == 1 else positions.index_select(0, parent_idx)
-        if pad_bias is not None:
-            self._pad_bias = pad_bias.index_select(0, parent_idx)
+        self.padding = self.padding.select(parent_idx)
 
     def expand(self, n: int) -> None:
         """Repeat every row ``n`` times (row b becomes rows b*n .. b*n+n-1)."""
@@ -200,4 +197,4 @@ class KVCache:
         """Empty the cache (e.g. before re-prefilling a sliding window)."""
         self.length = 0
         if start is not None:
-            self._set_start(start.to(device=self.k.device, dtype=torch.long))
+            self.padding = LeftPadding(start.to(device=self.k.device, dtype=torch.long), self._max_len)

@@ -9,7 +9,6 @@ the loss covers target tokens only.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -21,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcli.data import IGNORE, Batch, load_hf_dataset
+from lmcli.data.corpus import load_hf_dataset, open_text
+from lmcli.data.windows import IGNORE, Batch
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
@@ -35,25 +35,8 @@ class PairStats:
     truncated: int = 0  # pairs cut to fit the context
 
 
-def _open_text(path: Path) -> Any:
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        return opener(path, "rt", encoding="utf-8", errors="replace", newline="\n")
-    except OSError as exc:
-        raise LmcliError(f"cannot read {path}: {exc.strerror}") from None
-
-
-def read_lines(path: str | Path) -> list[str]:
-    """The lines of a text file (``.gz`` allowed), split at ``\\n`` only, so line i stays line i."""
-    try:
-        with _open_text(Path(path)) as f:
-            return [line.rstrip("\r\n") for line in f]
-    except (OSError, EOFError) as exc:  # e.g. a corrupt or truncated .gz, or a folder
-        raise LmcliError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-
-
 def _count_lines(path: Path) -> int:
-    with _open_text(path) as f:
+    with open_text(path) as f:
         return sum(1 for _ in f)
 
 
@@ -104,7 +87,7 @@ class AlignedFiles(PairCorpus):
         )
 
     def pairs(self) -> Iterator[tuple[str, str]]:
-        with _open_text(self.source) as fs, _open_text(self.target) as ft:
+        with open_text(self.source) as fs, open_text(self.target) as ft:
             for src, tgt in zip(fs, ft, strict=True):
                 yield src.rstrip("\n"), tgt.rstrip("\n")
 
@@ -121,7 +104,7 @@ class TableFile(PairCorpus):
         super().__init__({"table": _file_id(self.path), "columns": self.columns}, f"{self.path}")
 
     def pairs(self) -> Iterator[tuple[str, str]]:
-        with _open_text(self.path) as f:
+        with open_text(self.path) as f:
             for number, line in enumerate(f, 1):
                 line = line.rstrip("\n")
                 if not line.strip():

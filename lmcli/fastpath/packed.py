@@ -12,7 +12,7 @@ so only products of ``PACK_MIN_ROWS`` rows or more use it, and only for weights 
 
 The packed copy costs the memory of the weights it packs; it is made again when the weight
 changes (its version counter or storage moves). Anything but a float32 CPU weight, or a torch
-without oneDNN, keeps ``F.linear``. The packed op has no autograd: ``PackableLinear`` uses it
+without oneDNN, keeps ``F.linear``. The packed op has no autograd: ``PackingLinear`` uses it
 only when autograd is off (``torch.no_grad``, ``inference_mode``), never while training.
 """
 
@@ -114,16 +114,15 @@ class PackCache:
         return len(self._packs)
 
 
-class PackableLinear(nn.Linear):
-    """``nn.Linear`` whose products without autograd on a CPU may use a packed weight.
+class PackingLinear(nn.Linear):
+    """``nn.Linear`` whose products without autograd may use a packed weight.
 
-    Training, autocast and compiled graphs always take ``F.linear``; so do inputs that are not
-    float32. The packs live in a ``PackCache`` shared by the model's layers.
+    ``lmcli.fastpath.cpu.inference`` gives a model's linear layers this class for the length of
+    an inference scope (and their own back after it). Autograd, autocast, compiled graphs and
+    inputs that are not float32 always take ``F.linear``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, packs: PackCache) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self._packs = packs
+    _packs: PackCache
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features

@@ -1,9 +1,10 @@
-"""From a TrainConfig to training and validation batches, for either task.
+"""A run's training and validation data, from its TrainConfig, for either task.
 
-``prepare_data`` reads the corpus, trains or loads the tokenizer, tokenizes into the cache and
-splits off validation. It returns ``StreamData`` (language modelling: windows of one token
-stream) or ``PairData`` (translation: whole ``<bos> source <sep> target <eos>`` pairs); both
-offer the same two things the training loop needs: a ``sampler`` and ``val_batches``.
+``load_train_data`` reads the corpus, trains or loads the tokenizer, tokenizes into the cache
+(or reuses it) and splits off validation. It returns ``StreamData`` (language modelling:
+windows of one token stream) or ``PairData`` (translation: whole ``<bos> source <sep> target
+<eos>`` pairs); both offer the two things the training loop needs: a ``sampler`` and
+``val_batches``.
 """
 
 from __future__ import annotations
@@ -18,20 +19,8 @@ from typing import Any
 import numpy as np
 
 from lmcli.config import TrainConfig
-from lmcli.data import (
-    Batch,
-    Corpus,
-    FileCorpus,
-    WindowSampler,
-    default_cache_dir,
-    eval_windows,
-    open_corpus,
-    require_window,
-    tokenize_corpus,
-    windows_to_batch,
-)
-from lmcli.errors import LmcliError
-from lmcli.parallel import (
+from lmcli.data.corpus import Corpus, FileCorpus, open_corpus
+from lmcli.data.pairs import (
     AlignedFiles,
     DatasetPairs,
     PairCorpus,
@@ -41,6 +30,9 @@ from lmcli.parallel import (
     collate,
     tokenize_pairs,
 )
+from lmcli.data.token_cache import default_cache_dir, tokenize_corpus
+from lmcli.data.windows import Batch, WindowSampler, eval_windows, require_window, windows_to_batch
+from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
 Info = Callable[[str], None]
@@ -141,7 +133,7 @@ def tokenizer_for(cfg: TrainConfig, corpus: Corpus | PairCorpus, cache_dir: Path
     return tok
 
 
-def prepare_data(
+def load_train_data(
     cfg: TrainConfig,
     *,
     block_size: int,

@@ -1,0 +1,113 @@
+"""Training batches of a token stream: fixed-length windows, drawn without replacement.
+
+A ``Batch`` is inputs (B, T) and targets (B, T), with ``IGNORE`` where no loss applies;
+``WindowSampler`` draws the training windows epoch after epoch from one position number, and
+``eval_windows`` picks the fixed validation windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmcli.errors import LmcliError
+
+IGNORE = -100  # a target id the loss skips (F.cross_entropy's default ignore_index)
+
+
+@dataclass
+class Batch:
+    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    prefix_len: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return Batch(move(self.x), move(self.y), move(self.prefix_len))
+
+    @property
+    def n_targets(self) -> int:
+        return int((self.y != IGNORE).sum())
+
+
+def require_window(n_tokens: int, block_size: int, what: str = "corpus") -> None:
+    """Training needs at least one full window of ``block_size + 1`` tokens."""
+    if n_tokens < block_size + 1:
+        raise LmcliError(
+            f"{what} has {n_tokens} tokens, fewer than one context window ({block_size} + 1): "
+            "give more text or a smaller --block-size"
+        )
+
+
+class WindowSampler:
+    """Training batches drawn without replacement from the corpus's windows.
+
+    Each epoch visits every window index ``k`` once, in a seeded random order; window ``k`` starts
+    at ``k*T + jitter``, a seeded random shift in ``[0, T)`` that is new every epoch, so a token
+    meets many positions and contexts across epochs. The stream of windows, epoch after epoch,
+    is cut into global batches; rank ``r`` of ``W`` takes its own slice of each, so ranks never
+    share data. The position is one number, ``cursor`` (windows consumed), so resuming, even at
+    another world size, continues the same stream.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, seed: int) -> None:
+        n = len(tokens)
+        require_window(n, block_size)
+        self.tokens = tokens
+        self.block_size = block_size
+        self.seed = seed
+        self.n_windows = (n - 1) // block_size
+        self.last_start = n - 1 - block_size  # the latest start with a full window and target
+        self._epoch: tuple[int, np.ndarray] | None = None
+
+    def _starts(self, epoch: int) -> np.ndarray:
+        """Window starts of an epoch, in the order they are drawn."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(self.n_windows)
+            jitter = rng.integers(0, self.block_size, size=self.n_windows)
+            starts = np.minimum(order * self.block_size + jitter, self.last_start)
+            self._epoch = (epoch, starts)
+        return self._epoch[1]
+
+    def window_starts(self, first: int, count: int) -> list[int]:
+        """Token offsets of windows ``first .. first+count-1`` of the global stream."""
+        starts = []
+        for g in range(first, first + count):
+            epoch, index = divmod(g, self.n_windows)
+            starts.append(int(self._starts(epoch)[index]))
+        return starts
+
+    def batch(self, first: int, count: int) -> Batch:
+        """Inputs and targets, each (count, T), for windows ``first .. first+count-1``."""
+        return Batch(*windows_to_batch(self.tokens, self.window_starts(first, count), self.block_size))
+
+    def epoch_of(self, cursor: int) -> float:
+        return cursor / self.n_windows
+
+
+def windows_to_batch(
+    tokens: np.ndarray, starts: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([np.asarray(tokens[s : s + block_size + 1], dtype=np.int64) for s in starts])
+    data = torch.from_numpy(rows)  # (B, T+1)
+    return data[:, :-1], data[:, 1:]
+
+
+def eval_windows(n_tokens: int, block_size: int, max_windows: int) -> list[int]:
+    """Evenly spaced, non-overlapping validation windows (deterministic, the same every time)."""
+    n_windows = (n_tokens - 1) // block_size
+    if n_windows <= max_windows:
+        return [k * block_size for k in range(n_windows)]
+    picks = np.linspace(0, n_windows - 1, max_windows).round().astype(int)
+    return [int(k) * block_size for k in picks]

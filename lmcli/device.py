@@ -1,0 +1,50 @@
+"""The device a command runs on and its numeric precision (autocast, TF32)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from lmcli.errors import LmcliError
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must be available."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LmcliError("--device cuda requested but CUDA is not available")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise LmcliError("--device mps requested but MPS is not available")
+    return torch.device(name)
+
+
+def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
+    """The autocast dtype for ``--dtype`` (None = plain float32). ``auto``: bf16 on CUDA."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return None
+    if dtype == "float32":
+        return None
+    if dtype == "float16" and device.type == "cpu":
+        raise LmcliError("--dtype float16 needs a GPU; use bfloat16 or float32 on the CPU")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def configure_backend(device: torch.device) -> None:
+    """Fast-math settings: TF32 matmuls on CUDA (bf16 autocast does the rest)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

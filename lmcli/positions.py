@@ -1,0 +1,140 @@
+"""How the model knows where a token is: one small object per position scheme.
+
+Every scheme answers the same three questions, most of them with "nothing to do":
+
+- ``embed(x, pos)``: what to add to the token embeddings (learned, sinusoidal);
+- ``rotate(q, k, pos)``: how to turn queries and keys (rotary);
+- ``bias(allowed, n_cached, dtype)``: what to add to the attention scores (ALiBi).
+
+``pos`` holds position ids (B or 1, T): a row's column minus its left padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lmcli.config import ModelConfig
+
+
+class Positions(nn.Module):
+    """The default answers: no embedding, no rotation, no score bias, the context as limit."""
+
+    biases_scores = False  # True when bias() must be applied to every attention
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.max_len: int | None = cfg.block_size  # longest sequence; None = no limit
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+
+class Learned(Positions):
+    """A trained embedding per position (GPT-2)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        return x + self.wpe(pos)
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
+    """The fixed sin/cos position table of "Attention Is All You Need", (n_pos, dim)."""
+    pos = torch.arange(n_pos, dtype=torch.float32)[:, None]
+    inv = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_pos, dim)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv)[:, : dim // 2]
+    return table
+
+
+class Sinusoidal(Positions):
+    """Fixed sin/cos embeddings added to the tokens."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.register_buffer("table", sinusoidal_table(cfg.block_size, cfg.n_embd), persistent=False)
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        return x + self.table[pos].to(x.dtype)
+
+
+class Rotary(Positions):
+    """Rotary position embedding (rotate-half layout, as in Llama), applied to queries and keys."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        D = cfg.head_dim
+        inv = 1.0 / (cfg.rope_base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv)  # (n_pos, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (n_pos, D)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate q and k (B, H, T, D) by positions pos (B or 1, T)."""
+        cos = self.cos[pos].unsqueeze(1).to(q.dtype)  # (B or 1, 1, T, D)
+        sin = self.sin[pos].unsqueeze(1).to(q.dtype)
+        return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+
+
+def _rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def alibi_slopes(n_head: int) -> Tensor:
+    """Per-head ALiBi slopes (Press et al.), geometric from 2^(-8/n); non-powers of 2 interleave."""
+
+    def power_of_2(n: int) -> list[float]:
+        first = 2.0 ** (-8.0 / n)
+        return [first ** (i + 1) for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        return torch.tensor(power_of_2(n_head))
+    closest = 2 ** math.floor(math.log2(n_head))
+    extra = power_of_2(2 * closest)[0::2][: n_head - closest]
+    return torch.tensor(power_of_2(closest) + extra)
+
+
+class ALiBi(Positions):
+    """Attention scores lowered in proportion to distance, a slope per head; no length limit."""
+
+    biases_scores = True
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.max_len = None
+        self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)
+
+    def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
+        """Float mask (B or 1, H, T, S) from a boolean one: -slope * |distance|, -inf where not allowed."""
+        T = allowed.size(-2)
+        q = torch.arange(n_cached, n_cached + T, device=allowed.device)[:, None]
+        k = torch.arange(n_cached + T, device=allowed.device)[None, :]
+        dist = (q - k).abs().to(dtype)  # (T, S)
+        bias = -self.slopes.to(dtype)[:, None, None] * dist  # (H, T, S)
+        return bias[None].masked_fill(~allowed, float("-inf"))
+
+
+POSITIONS: dict[str, type[Positions]] = {
+    "learned": Learned,
+    "sinusoidal": Sinusoidal,
+    "rope": Rotary,
+    "alibi": ALiBi,
+}
+
+
+def make_positions(cfg: ModelConfig) -> Positions:
+    return POSITIONS[cfg.position](cfg)

@@ -1,0 +1,534 @@
+"""The training loop, top to bottom: open the run, then step, log, validate and save until done.
+
+``train(model_config, train_config)`` is what ``lmcli train`` calls; tests call it too.
+``open_run`` builds everything a run holds (folder, data, model, optimizer, ``TrainState``) into
+a ``Run``; ``fit`` is the loop; each thing the loop does is one function of the ``Run``. Under
+``torchrun`` it trains with DDP: each rank reads its own slice of every global batch, rank 0
+alone logs and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcli.checkpoint import copy_checkpoint, last_checkpoint, load_checkpoint, save_checkpoint
+from lmcli.config import ModelConfig, TrainConfig
+from lmcli.data.train_data import TrainData, load_train_data
+from lmcli.device import autocast, autocast_dtype, configure_backend
+from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
+from lmcli.errors import LmcliError
+from lmcli.model import Transformer
+from lmcli.train.metrics import MetricsLog, plot_loss_curve
+from lmcli.train.optim import lr_at, make_optimizer
+from lmcli.train.preflight import Preflight, available_memory, estimate_memory, fmt_count, fmt_duration
+from lmcli.train.run_folder import absolute_paths, check_resumable, new_run_dir, write_run_config
+from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds, wants_bleu
+from lmcli.train.state import TrainState, rng_state, seed_everything, set_rng_state
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    best_val_loss: float | None
+    elapsed: float
+    stopped: str  # "max_steps", "max_time", "SIGINT", "SIGTERM"
+
+
+@dataclass
+class Reporter:
+    """Where the loop's words go; the CLI passes rich-backed callables, tests the defaults."""
+
+    info: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
+    preflight: Callable[[Preflight, dict[str, str]], None] | None = None
+    progress: Any = None  # an object with start(total, step, max_time), update(step, record), stop()
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, built once by ``open_run``."""
+
+    cfg: TrainConfig
+    model_config: ModelConfig
+    run_dir: Path
+    data: TrainData
+    sampler: Any  # a WindowSampler or a PairSampler
+    model: Transformer  # what is saved and evaluated
+    trained: torch.nn.Module  # what runs forward/backward: the model, or its DDP/compiled wrapper
+    ddp: Any  # the DistributedDataParallel wrapper, or None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    state: TrainState
+    device: torch.device
+    amp: torch.dtype | None  # the autocast dtype, None for float32
+    dist: Dist
+    max_steps: int | None
+    metrics: MetricsLog
+    info: Callable[[str], None]  # rank 0's messages; silent on the other ranks
+    created: bool  # this run made its folder: a failure before the first checkpoint removes it
+    # since the last log point: the summed loss (on the device), where it started and when
+    running: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    log_step: int = 0
+    log_time: float = 0.0
+    train_loss: float | None = None  # the last logged training loss
+    val_loss: float | None = None  # the last validation loss
+    saved_step: int = -1  # the step of the last checkpoint
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.dist.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return round(self.global_batch * self.cfg.grad_accum * self.data.tokens_per_example())
+
+    def done(self) -> bool:
+        return self.max_steps is not None and self.state.step >= self.max_steps
+
+
+def train(
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    *,
+    resume: str | Path | None = None,
+    reporter: Reporter | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train a model; with ``resume``, continue the run in that folder exactly where it stopped."""
+    rep = reporter or Reporter()
+    dist_info, device = init_distributed(cfg.device)
+    try:
+        run = open_run(model_config, cfg, resume, rep, progress, dist_info, device)
+        return fit(run, rep)
+    finally:
+        shutdown_distributed()
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def fit(run: Run, rep: Reporter) -> TrainResult:
+    """Train until a limit or a signal, validating and saving as configured; a final checkpoint."""
+    cfg, state = run.cfg, run.state
+    clock = Clock(state.elapsed)
+    run.trained.train()
+    run.log_step, run.log_time = state.step, time.time()
+    stopped = "max_steps"
+    bar = rep.progress if run.dist.is_main else None
+    if bar is not None:
+        bar.start(run.max_steps, state.step, cfg.max_time)
+    try:
+        with StopSignal() as stop:
+            while not run.done():
+                timed_out = cfg.max_time is not None and clock() >= cfg.max_time
+                # every rank stops at the same step, and shares one clock (the lr under --max-time)
+                elapsed, reason = agree_to_stop(clock(), "max_time" if timed_out else stop.received, run.dist)
+                if reason is not None:
+                    stopped = reason
+                    break
+                lr = set_lr(run, elapsed)
+                grad_norm = train_step(run)
+                state.step += 1
+                if state.step % cfg.log_interval == 0 or run.done():
+                    log_progress(run, lr, grad_norm, clock, bar)
+                if state.step % cfg.eval_interval == 0 or run.done():
+                    improved = validate(run)
+                    if not cfg.save_interval:
+                        save(run, clock, improved)
+                if cfg.save_interval and state.step % cfg.save_interval == 0:
+                    save(run, clock, improved=False)
+        if run.saved_step != state.step:  # the final checkpoint, also on a time limit or a signal
+            save(run, clock, validate(run))
+    except BaseException:
+        if run.dist.is_main and run.created and not (run.run_dir / "last").exists():
+            shutil.rmtree(run.run_dir, ignore_errors=True)  # nothing worth keeping: leave no half run
+        raise
+    finally:
+        if bar is not None:
+            bar.stop()
+    return finish(run, stopped, clock())
+
+
+class Clock:
+    """Seconds of training: those of earlier sessions (a resumed run's) plus this one's."""
+
+    def __init__(self, before: float) -> None:
+        self.before, self.start = before, time.time()
+
+    def __call__(self) -> float:
+        return self.before + time.time() - self.start
+
+
+class StopSignal:
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and stops at the next step."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def set_lr(run: Run, elapsed: float) -> float:
+    """The schedule's learning rate for this step, set on every parameter group."""
+    cfg = run.cfg
+    lr = lr_at(run.state.step, cfg, run.max_steps, elapsed / cfg.max_time if cfg.max_time else 0.0)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def train_step(run: Run) -> torch.Tensor:
+    """One optimizer step over ``grad_accum`` micro-batches; returns the gradient norm."""
+    cfg, state = run.cfg, run.state
+    for micro in range(cfg.grad_accum):
+        batch = run.sampler.batch(state.cursor + run.dist.rank * cfg.batch_size, cfg.batch_size)
+        state.cursor += run.global_batch
+        # DDP all-reduces gradients only on the last micro-batch of a step
+        sync = run.ddp is None or micro == cfg.grad_accum - 1
+        with contextlib.nullcontext() if sync else run.ddp.no_sync(), autocast(run.device, run.amp):
+            loss = batch_loss(run.trained, batch.to(run.device), cfg)
+        run.scaler.scale(loss / cfg.grad_accum).backward()
+        run.running += loss.detach() / cfg.grad_accum
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar: Any) -> None:
+    """The mean training loss since the last log point, to metrics.jsonl and the progress bar."""
+    step = run.state.step
+    if run.dist.enabled:  # the global batch's loss, as one process would log it
+        torch.distributed.all_reduce(run.running)
+        run.running /= run.dist.world_size
+    run.train_loss = (run.running / (step - run.log_step)).item()  # the one host sync
+    run.running.zero_()
+    require_finite(run, run.train_loss)
+    now = time.time()
+    record = {
+        "step": step,
+        "train_loss": run.train_loss,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": (step - run.log_step) * run.tokens_per_step / max(now - run.log_time, 1e-9),
+        "elapsed": clock(),
+        "epoch": run.sampler.epoch_of(run.state.cursor),
+    }
+    run.log_step, run.log_time = step, now
+    if run.dist.is_main:
+        run.metrics.append(record)
+    if bar is not None:
+        bar.update(step, record)
+
+
+def require_finite(run: Run, loss: float) -> None:
+    if not math.isfinite(loss):
+        raise LmcliError(
+            f"loss became {loss} at or before step {run.state.step}: stopped; the last good "
+            f"checkpoint is {run.run_dir / 'last'} (try a lower --lr)"
+        )
+
+
+def validate(run: Run) -> bool:
+    """The validation loss (and, for translation, greedy BLEU), logged; True if it is the best."""
+    state, cfg = run.state, run.cfg
+    loss = run.val_loss = evaluate_loss(run.model, run.data, cfg, run.device, run.amp, run.dist)
+    improved = loss < state.best_val
+    state.best_val = min(state.best_val, loss)
+    if not run.dist.is_main:
+        return improved
+    record = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+    bleu = ""
+    if wants_bleu(cfg, state.step):
+        from lmcli.bleu import greedy_bleu
+
+        with autocast(run.device, run.amp):
+            scores = greedy_bleu(
+                run.model, run.data.tokenizer, run.data.val, cfg.bleu_samples, prefix_lm=cfg.prefix_lm
+            )
+        record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
+        bleu = f", greedy BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} ({scores['sentences']})"
+    run.metrics.append(record)
+    train_loss = run.train_loss if run.train_loss is not None else float("nan")
+    run.info(
+        f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
+        f"(ppl {math.exp(min(loss, 50)):.2f}){bleu}" + (" *best*" if improved else "")
+    )
+    return improved
+
+
+def save(run: Run, clock: Clock, improved: bool) -> None:
+    """Write ``last`` (and ``best`` when improved, and ``step-N`` with --keep-last)."""
+    state, cfg = run.state, run.cfg
+    # never replace a good checkpoint with diverged weights, even between log points
+    require_finite(run, float(run.running) + (run.val_loss or 0.0))
+    run.saved_step = state.step
+    rngs = [rng_state()]
+    if run.dist.enabled:  # every rank takes part in the gather; rank 0 writes
+        gathered: list[Any] = [None] * run.dist.world_size
+        torch.distributed.all_gather_object(gathered, rngs[0], group=run.dist.control)
+        rngs = gathered
+    if not run.dist.is_main:
+        return
+    state.elapsed = clock()
+    meta = {
+        "step": state.step,
+        "val_loss": run.val_loss,
+        "best_val_loss": state.best_val,
+        "time": time.time(),
+    }
+    trainer_state = {
+        **state.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "rng": rngs,
+    }
+    last = run.run_dir / "last"
+    save_checkpoint(last, run.model, cfg, run.data.tokenizer, meta=meta, state=trainer_state)
+    if improved:
+        copy_checkpoint(last, run.run_dir / "best")
+    if cfg.keep_last and state.step > 0:
+        copy_checkpoint(last, run.run_dir / f"step-{state.step:07d}")
+        for old in sorted(run.run_dir.glob("step-*"))[: -cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
+    """The loss plot and the closing lines; the run's result."""
+    state = run.state
+    if run.dist.is_main:
+        note = plot_loss_curve(run.metrics.read(), run.run_dir / "loss.png")
+        if note:
+            run.info(f"note: {note}")
+        if stopped in ("SIGINT", "SIGTERM"):
+            run.info(
+                f"stopped by {stopped} at step {state.step}; resume with: lmcli train --resume {run.run_dir}"
+            )
+        elif stopped == "max_time":
+            run.info(
+                f"time limit reached at step {state.step}; "
+                f"continue with: lmcli train --resume {run.run_dir} --max-time ..."
+            )
+        run.info(
+            f"done in {fmt_duration(elapsed)}: best validation loss {state.best_val:.4f}; "
+            f"run folder {run.run_dir}"
+        )
+    best = state.best_val if math.isfinite(state.best_val) else None
+    return TrainResult(run.run_dir, state.step, run.train_loss, run.val_loss, best, elapsed, stopped)
+
+
+# ----------------------------------------------------------------------------- opening a run
+
+
+def open_run(
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    resume: str | Path | None,
+    rep: Reporter,
+    progress: bool,
+    dist_info: Dist,
+    device: torch.device,
+) -> Run:
+    """The run folder, data, model, optimizer and state of a new or resumed run."""
+    configure_backend(device)
+    amp = autocast_dtype(device, cfg.dtype)
+    info = rep.info if dist_info.is_main else (lambda msg: None)
+    run_dir, resumed = locate_run(model_config, cfg, resume, dist_info)
+    cfg = replace(absolute_paths(cfg), out=str(run_dir))
+
+    init = None
+    if cfg.init_from and not resumed:
+        from lmcli.hf import load_hf_folder
+
+        init = load_hf_folder(cfg.init_from)
+        model_config = init[0].config
+    tokenizer = resumed.tokenizer if resumed else init[1] if init else None
+    data = in_turn(  # rank 0 fills the token cache first, the other ranks read it
+        lambda: load_train_data(
+            cfg,
+            block_size=model_config.block_size,
+            tokenizer=tokenizer,
+            progress=progress and dist_info.is_main,
+            info=info,
+        ),
+        dist_info,
+    )
+    model, model_config = build_model(model_config, cfg, data, resumed, init)
+    sampler = data.sampler(cfg.batch_size, cfg.seed)
+    model.to(device)
+    seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
+    optimizer = make_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
+    state = TrainState()
+    if resumed is not None:
+        restore(resumed.state, state, optimizer, scaler, dist_info)
+        info(f"resuming {run_dir} at step {state.step}")
+
+    trained, ddp = wrap_for_training(model, cfg, dist_info, device)
+    run = Run(
+        cfg=cfg,
+        model_config=model_config,
+        run_dir=run_dir,
+        data=data,
+        sampler=sampler,
+        model=model,
+        trained=trained,
+        ddp=ddp,
+        optimizer=optimizer,
+        scaler=scaler,
+        state=state,
+        device=device,
+        amp=amp,
+        dist=dist_info,
+        max_steps=max_steps_of(cfg, sampler.n_windows, dist_info.world_size),
+        metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        info=info,
+        created=not run_dir.exists(),
+        running=torch.zeros((), device=device),
+        saved_step=state.step if resumed else -1,
+    )
+    if dist_info.is_main:
+        show_preflight(run, rep)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_config(run_dir, model_config, cfg)
+        if resumed:
+            run.metrics.truncate_after(state.step)
+    return run
+
+
+def locate_run(
+    model_config: ModelConfig, cfg: TrainConfig, resume: str | Path | None, dist_info: Dist
+) -> tuple[Path, Any]:
+    """The run folder and, when resuming, its last checkpoint (with trainer state)."""
+    if resume is None:
+        return on_main(lambda: new_run_dir(cfg), dist_info), None  # rank 0's name; no rank races its mkdir
+    resumed = load_checkpoint(last_checkpoint(resume), with_state=True)
+    if resumed.state is None:
+        raise LmcliError(f"{resumed.path} has no trainer state to resume from")
+    check_resumable(resumed.model_config, model_config)
+    return Path(resume), resumed
+
+
+def wrap_for_training(
+    model: Transformer, cfg: TrainConfig, dist_info: Dist, device: torch.device
+) -> tuple[torch.nn.Module, Any]:
+    """What runs forward and backward: the model, in DDP under torchrun, compiled with --compile."""
+    trained: torch.nn.Module = model
+    ddp = None
+    if dist_info.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if cfg.compile:
+        trained = torch.compile(trained)
+    return trained, ddp
+
+
+def build_model(
+    model_config: ModelConfig, cfg: TrainConfig, data: TrainData, resumed: Any, init: Any
+) -> tuple[Transformer, ModelConfig]:
+    """The model a run trains: resumed, imported (``--init-from``), or new and seeded."""
+    if resumed is not None:  # the saved weights, with what a resume may change (dropout)
+        saved = resumed.model_config
+        free = ModelConfig.on_resume("free")
+        wanted = replace(saved, **{name: getattr(model_config, name) for name in free})
+        if wanted == saved:
+            return resumed.model, saved
+        model = Transformer(wanted)
+        model.load_state_dict(resumed.model.state_dict())
+        return model, wanted
+    if init is not None:
+        return init[0], init[0].config
+    model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)
+    seed_everything(cfg.seed)
+    return Transformer(model_config), model_config
+
+
+def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> int | None:
+    """The step limit: --max-steps, or the steps of --epochs, or the default (None: time only)."""
+    if cfg.epochs is not None and cfg.max_steps is None:
+        return math.ceil(cfg.epochs * windows_per_epoch / (cfg.batch_size * world_size * cfg.grad_accum))
+    return cfg.stop_steps
+
+
+def restore(saved: dict[str, Any], state: TrainState, optimizer: Any, scaler: Any, dist_info: Dist) -> None:
+    """A resumed run's counters, optimizer, scaler and this rank's RNG states."""
+    state.load_state_dict(saved)
+    optimizer.load_state_dict(saved["optimizer"])
+    if "scaler" in saved:
+        scaler.load_state_dict(saved["scaler"])
+    rngs = saved["rng"]
+    if dist_info.rank < len(rngs):  # a rank the saved run did not have keeps its own seed
+        set_rng_state(rngs[dist_info.rank])
+
+
+def show_preflight(run: Run, rep: Reporter) -> None:
+    """One screen of facts before training: size, data, memory and time estimates."""
+    cfg, model = run.cfg, run.model
+    probe = None if cfg.compile else probe_step_seconds(model, run.sampler, cfg, run.device, run.amp)
+    pre = Preflight(
+        params=model.num_parameters(),
+        params_non_embedding=model.num_parameters(non_embedding=True),
+        tokens_per_step=run.tokens_per_step,
+        train_tokens=run.data.train_tokens,
+        val_tokens=run.data.val_tokens,
+        max_steps=run.max_steps,
+        max_time=cfg.max_time,
+        memory_bytes=estimate_memory(
+            run.model_config, model.num_parameters(), cfg.batch_size, run.amp is not None
+        ),
+        available_bytes=available_memory(run.device),
+        step_seconds=probe * cfg.grad_accum if probe is not None else None,
+    )
+    amp = f"{str(run.amp).removeprefix('torch.')} autocast" if run.amp else "float32"
+    facts = {
+        "device": f"{run.device}, {amp}",
+        "run folder": str(run.run_dir),
+        "corpus": str(run.data.info.get("corpus", ""))
+        + (" (token cache reused)" if run.data.info.get("cached") else ""),
+        "tokenizer": f"{run.data.tokenizer.kind}, {run.data.tokenizer.vocab_size} tokens",
+    }
+    if run.dist.enabled:
+        facts["processes"] = f"{run.dist.world_size} (DDP)"
+    if rep.preflight is not None:
+        rep.preflight(pre, facts)
+    else:
+        run.info(
+            f"{fmt_count(pre.params)} parameters, {run.tokens_per_step} tokens/step, "
+            f"{run.data.train_tokens} train tokens"
+        )

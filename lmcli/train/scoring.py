@@ -1,0 +1,91 @@
+"""The losses training reads: a batch's scored logits, and the validation loss across ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lmcli.config import TrainConfig
+from lmcli.data.train_data import TrainData
+from lmcli.data.windows import IGNORE, Batch
+from lmcli.device import autocast
+from lmcli.distributed import Dist
+
+
+def forward_scored(
+    model: torch.nn.Module, batch: Batch, cfg: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (N, V) and targets (N,) of the positions the loss reads.
+
+    Language modelling scores every position; translation only target tokens, so the vocabulary
+    projection skips source and padding positions.
+    """
+    prefix = batch.prefix_len if cfg.prefix_lm else None
+    if cfg.task == "translation":
+        mask = batch.y != IGNORE
+        return model(batch.x, prefix_len=prefix, output_mask=mask), batch.y[mask]
+    logits = model(batch.x, prefix_len=prefix)
+    return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch, cfg: TrainConfig) -> torch.Tensor:
+    """The training loss of a batch: mean cross-entropy of its scored tokens (label smoothed)."""
+    logits, targets = forward_scored(model, batch, cfg)
+    return F.cross_entropy(logits.float(), targets, label_smoothing=cfg.label_smoothing)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: torch.nn.Module,
+    data: TrainData,
+    cfg: TrainConfig,
+    device: torch.device,
+    amp: torch.dtype | None,
+    dist_info: Dist,
+) -> float:
+    """Mean validation loss (nats per scored token) over a fixed validation set, across ranks."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, scored tokens)
+    limit = cfg.eval_batches * cfg.batch_size * dist_info.world_size  # the same windows at any world size
+    for batch in data.val_batches(cfg.batch_size, limit, dist_info.rank, dist_info.world_size):
+        with autocast(device, amp):
+            logits, targets = forward_scored(model, batch.to(device), cfg)
+        nll = F.cross_entropy(logits.float(), targets, reduction="sum")
+        total += torch.stack(
+            [nll.double(), torch.tensor(targets.numel(), dtype=torch.float64, device=device)]
+        )
+    if dist_info.enabled:
+        torch.distributed.all_reduce(total)
+    model.train(was_training)
+    return (total[0] / total[1]).item()
+
+
+def wants_bleu(cfg: TrainConfig, step: int) -> bool:
+    """Whether this validation also decodes validation pairs for BLEU (translation only)."""
+    if cfg.task != "translation" or not cfg.bleu_samples:
+        return False
+    return not cfg.bleu_interval or step % cfg.bleu_interval == 0
+
+
+def probe_step_seconds(
+    model: torch.nn.Module, sampler: Any, cfg: TrainConfig, device: torch.device, amp: torch.dtype | None
+) -> float:
+    """Time one forward/backward micro-step without touching the RNG, weights or data position."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        b = sampler.batch(0, cfg.batch_size).to(device)
+        times = []
+        for _ in range(2):  # the first call warms up allocators and kernels
+            t0 = time.perf_counter()
+            with autocast(device, amp):
+                logits, targets = forward_scored(model, b, cfg)
+                loss = F.cross_entropy(logits.float(), targets)
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return times[-1] * 1.15  # the optimizer step and data loading add a little

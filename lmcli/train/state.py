@@ -1,0 +1,64 @@
+"""What a resumed run needs beyond weights and optimizer: the trainer's counters and every RNG.
+
+``TrainState`` is saved inside ``trainer_state.pt`` next to the optimizer and scaler states and
+the RNG states of every rank (``rng_state``), all as tensors and plain lists, so
+``torch.load(weights_only=True)`` reads them without unpickling arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainState:
+    """The trainer's counters: where the run is, and the best it has done."""
+
+    step: int = 0  # optimizer steps taken
+    cursor: int = 0  # training windows (or pairs) consumed, by all ranks together
+    best_val: float = math.inf  # the lowest validation loss so far
+    elapsed: float = 0.0  # seconds of training before this session
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "cursor": self.cursor, "best_val": self.best_val, "elapsed": self.elapsed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.best_val = float(state.get("best_val", math.inf))
+        self.elapsed = float(state.get("elapsed", 0.0))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG's state, as tensors and plain lists (safe for ``torch.load(weights_only=True)``)."""
+    np_state = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_version, list(py_state), py_gauss],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
