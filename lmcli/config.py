@@ -316,6 +316,9 @@ class TrainConfig:
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option("auto", "Autocast dtype (auto: bf16 on CUDA, float32 elsewhere).")
     compile: bool = option(False, "torch.compile the model.")
+    deterministic: bool = option(
+        False, "Use torch's deterministic algorithms (ops that have none warn); slower on a GPU."
+    )
 
     DEFAULT_STEPS: ClassVar[int] = 800  # used when no stop condition is given
 

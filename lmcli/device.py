@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 
@@ -48,3 +50,25 @@ def configure_backend(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """With ``enabled``, torch's deterministic algorithms for the scope (ops without one warn).
+
+    On the CPU lmcli's training is bit-for-bit repeatable without it; on CUDA some kernels
+    (atomic adds in backward passes, cuBLAS workspaces) are not, unless this is on.
+    """
+    if not enabled:
+        yield
+        return
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

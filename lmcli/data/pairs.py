@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from lmcli.data.corpus import load_hf_dataset, open_text
-from lmcli.data.windows import IGNORE, Batch
+from lmcli.data.windows import IGNORE, Batch, EpochStream
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
@@ -310,43 +310,33 @@ def collate(pairs: PairSet, indices: list[int] | np.ndarray, pad_id: int) -> Bat
     return Batch(x, y, prefix)
 
 
-class PairSampler:
+class PairSampler(EpochStream):
     """Batches of whole pairs, without replacement within an epoch, bucketed by length.
 
     Each epoch shuffles the pairs (seeded), sorts them by length within pools of 32 batches,
     cuts the pools into batches and shuffles the batches, so a batch holds pairs of similar length
-    (little padding) while the order stays random. Like ``WindowSampler``, the position is one
-    number: pairs consumed.
+    (little padding) while the order stays random. The position is pairs consumed.
     """
 
     def __init__(self, pairs: PairSet, batch_size: int, seed: int, pad_id: int) -> None:
-        self.pairs, self.batch_size, self.seed, self.pad_id = pairs, batch_size, seed, pad_id
-        self.n_windows = len(pairs)  # "windows" per epoch, as WindowSampler counts them
-        self._epoch: tuple[int, np.ndarray] | None = None
+        super().__init__(len(pairs), seed)
+        self.pairs, self.batch_size, self.pad_id = pairs, batch_size, pad_id
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._epoch is None or self._epoch[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            perm = rng.permutation(self.n_windows)
-            pool = 32 * self.batch_size
-            pieces = []
-            for start in range(0, len(perm), pool):
-                chunk = perm[start : start + pool]
-                chunk = chunk[np.argsort(self.pairs.length[chunk], kind="stable")]
-                pieces.extend(chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
-            order = rng.permutation(len(pieces))
-            self._epoch = (epoch, np.concatenate([pieces[i] for i in order]))
-        return self._epoch[1]
+    def order(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(self.n_windows)
+        pool = 32 * self.batch_size
+        pieces = []
+        for start in range(0, len(perm), pool):
+            chunk = perm[start : start + pool]
+            chunk = chunk[np.argsort(self.pairs.length[chunk], kind="stable")]
+            pieces.extend(chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
+        order = rng.permutation(len(pieces))
+        return np.concatenate([pieces[i] for i in order])
 
     def indices(self, first: int, count: int) -> list[int]:
-        out = []
-        for g in range(first, first + count):
-            epoch, index = divmod(g, self.n_windows)
-            out.append(int(self._order(epoch)[index]))
-        return out
+        """Pair indices ``first .. first+count-1`` of the stream."""
+        return self.take(first, count)
 
     def batch(self, first: int, count: int) -> Batch:
         return collate(self.pairs, self.indices(first, count), self.pad_id)
-
-    def epoch_of(self, cursor: int) -> float:
-        return cursor / self.n_windows

@@ -49,51 +49,67 @@ def require_window(n_tokens: int, block_size: int, what: str = "corpus") -> None
         )
 
 
-class WindowSampler:
+class EpochStream:
+    """Items drawn epoch after epoch, each epoch in its own seeded order (``order(epoch)``).
+
+    The stream is cut into global batches; rank ``r`` of ``W`` takes its own slice of each, so
+    ranks never share data. The position is one number, ``cursor`` (items consumed), so
+    resuming, even at another world size, continues the same stream.
+    """
+
+    def __init__(self, n_items: int, seed: int) -> None:
+        self.n_windows = n_items  # items per epoch (windows, or pairs)
+        self.seed = seed
+        self._epoch: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """What epoch ``epoch`` draws, in the order it draws it."""
+        raise NotImplementedError
+
+    def take(self, first: int, count: int) -> list[int]:
+        """Items ``first .. first+count-1`` of the stream."""
+        out = []
+        for g in range(first, first + count):
+            epoch, index = divmod(g, self.n_windows)
+            if self._epoch is None or self._epoch[0] != epoch:
+                self._epoch = (epoch, self.order(epoch))
+            out.append(int(self._epoch[1][index]))
+        return out
+
+    def epoch_of(self, cursor: int) -> float:
+        return cursor / self.n_windows
+
+
+class WindowSampler(EpochStream):
     """Training batches drawn without replacement from the corpus's windows.
 
     Each epoch visits every window index ``k`` once, in a seeded random order; window ``k`` starts
     at ``k*T + jitter``, a seeded random shift in ``[0, T)`` that is new every epoch, so a token
-    meets many positions and contexts across epochs. The stream of windows, epoch after epoch,
-    is cut into global batches; rank ``r`` of ``W`` takes its own slice of each, so ranks never
-    share data. The position is one number, ``cursor`` (windows consumed), so resuming, even at
-    another world size, continues the same stream.
+    meets many positions and contexts across epochs.
     """
 
     def __init__(self, tokens: np.ndarray, block_size: int, seed: int) -> None:
         n = len(tokens)
         require_window(n, block_size)
+        super().__init__((n - 1) // block_size, seed)
         self.tokens = tokens
         self.block_size = block_size
-        self.seed = seed
-        self.n_windows = (n - 1) // block_size
         self.last_start = n - 1 - block_size  # the latest start with a full window and target
-        self._epoch: tuple[int, np.ndarray] | None = None
 
-    def _starts(self, epoch: int) -> np.ndarray:
+    def order(self, epoch: int) -> np.ndarray:
         """Window starts of an epoch, in the order they are drawn."""
-        if self._epoch is None or self._epoch[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            order = rng.permutation(self.n_windows)
-            jitter = rng.integers(0, self.block_size, size=self.n_windows)
-            starts = np.minimum(order * self.block_size + jitter, self.last_start)
-            self._epoch = (epoch, starts)
-        return self._epoch[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(self.n_windows)
+        jitter = rng.integers(0, self.block_size, size=self.n_windows)
+        return np.minimum(order * self.block_size + jitter, self.last_start)
 
     def window_starts(self, first: int, count: int) -> list[int]:
         """Token offsets of windows ``first .. first+count-1`` of the global stream."""
-        starts = []
-        for g in range(first, first + count):
-            epoch, index = divmod(g, self.n_windows)
-            starts.append(int(self._starts(epoch)[index]))
-        return starts
+        return self.take(first, count)
 
     def batch(self, first: int, count: int) -> Batch:
         """Inputs and targets, each (count, T), for windows ``first .. first+count-1``."""
         return Batch(*windows_to_batch(self.tokens, self.window_starts(first, count), self.block_size))
-
-    def epoch_of(self, cursor: int) -> float:
-        return cursor / self.n_windows
 
 
 def windows_to_batch(

@@ -26,7 +26,7 @@ import torch
 from lmcli.checkpoint import copy_checkpoint, last_checkpoint, load_checkpoint, save_checkpoint
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.data.train_data import TrainData, load_train_data
-from lmcli.device import autocast, autocast_dtype, configure_backend
+from lmcli.device import autocast, autocast_dtype, configure_backend, deterministic_algorithms
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
@@ -112,8 +112,9 @@ def train(
     rep = reporter or Reporter()
     dist_info, device = init_distributed(cfg.device)
     try:
-        run = open_run(model_config, cfg, resume, rep, progress, dist_info, device)
-        return fit(run, rep)
+        with deterministic_algorithms(cfg.deterministic):
+            run = open_run(model_config, cfg, resume, rep, progress, dist_info, device)
+            return fit(run, rep)
     finally:
         shutdown_distributed()
 
