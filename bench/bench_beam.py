@@ -3,7 +3,7 @@
 
 Several inputs of 12-30 tokens (the length of translation sources) are decoded as one
 left-padded batch on both sides, at most ``MAX_NEW`` new tokens each. The
-random weights are drawn wide (as in tests/test_beam.py's parity test) so that predictions are
+random weights are drawn wide (as in tests/generate/test_beam.py's parity test) so that predictions are
 confident and the two implementations, whose arithmetic differs in the last bits, choose the same
 beams; the suite checks that the best hypothesis of every input is the same token ids on both
 sides. Tokens/s counts the tokens of the best hypotheses (``<eos>`` included when it ended one).

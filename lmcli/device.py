@@ -66,9 +66,12 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
+    workspace_set = "CUBLAS_WORKSPACE_CONFIG" in os.environ
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        if not workspace_set:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

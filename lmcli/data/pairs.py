@@ -324,7 +324,7 @@ class PairSampler(EpochStream):
 
     def order(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, epoch])
-        perm = rng.permutation(self.n_windows)
+        perm = rng.permutation(self.epoch_size)
         pool = 32 * self.batch_size
         pieces = []
         for start in range(0, len(perm), pool):

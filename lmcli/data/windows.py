@@ -58,7 +58,7 @@ class EpochStream:
     """
 
     def __init__(self, n_items: int, seed: int) -> None:
-        self.n_windows = n_items  # items per epoch (windows, or pairs)
+        self.epoch_size = n_items  # items per epoch: windows, or pairs
         self.seed = seed
         self._epoch: tuple[int, np.ndarray] | None = None
 
@@ -70,14 +70,14 @@ class EpochStream:
         """Items ``first .. first+count-1`` of the stream."""
         out = []
         for g in range(first, first + count):
-            epoch, index = divmod(g, self.n_windows)
+            epoch, index = divmod(g, self.epoch_size)
             if self._epoch is None or self._epoch[0] != epoch:
                 self._epoch = (epoch, self.order(epoch))
             out.append(int(self._epoch[1][index]))
         return out
 
     def epoch_of(self, cursor: int) -> float:
-        return cursor / self.n_windows
+        return cursor / self.epoch_size
 
 
 class WindowSampler(EpochStream):
@@ -99,8 +99,8 @@ class WindowSampler(EpochStream):
     def order(self, epoch: int) -> np.ndarray:
         """Window starts of an epoch, in the order they are drawn."""
         rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(self.n_windows)
-        jitter = rng.integers(0, self.block_size, size=self.n_windows)
+        order = rng.permutation(self.epoch_size)
+        jitter = rng.integers(0, self.block_size, size=self.epoch_size)
         return np.minimum(order * self.block_size + jitter, self.last_start)
 
     def window_starts(self, first: int, count: int) -> list[int]:

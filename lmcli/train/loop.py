@@ -414,7 +414,7 @@ def open_run(
         device=device,
         amp=amp,
         dist=dist_info,
-        max_steps=max_steps_of(cfg, sampler.n_windows, dist_info.world_size),
+        max_steps=max_steps_of(cfg, sampler.epoch_size, dist_info.world_size),
         metrics=MetricsLog(run_dir / "metrics.jsonl"),
         info=info,
         created=not run_dir.exists(),
