@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tests_support import TEXT, tiny_model_and_tokenizer
+from helpers import TINY_TEXT, tiny_model, tiny_tokenizer
 
 from lmcli.errors import LmcliError
 from lmcli.evaluate import evaluate_lines, evaluate_text, score_ids, windows
@@ -28,8 +28,8 @@ def reference_nll(model, ids: list[int], context: int, stride: int) -> tuple[int
 
 @pytest.mark.parametrize("stride", [48, 16, 5, 1])
 def test_perplexity_equals_a_token_by_token_reference(stride: int) -> None:
-    model, tok = tiny_model_and_tokenizer(block_size=48)
-    ids = [tok.bos_id, *tok.encode(TEXT * 2)]
+    model, tok = tiny_model(block_size=48), tiny_tokenizer()
+    ids = [tok.bos_id, *tok.encode(TINY_TEXT[:154])]  # 155 ids: a few contexts of 48
     count, nll = score_ids(model, ids, context=48, stride=stride, batch_size=3)
     ref_count, ref_nll = reference_nll(model, ids, 48, stride)
     assert count == ref_count == len(ids) - 1
@@ -46,8 +46,8 @@ def test_windows_score_every_token_exactly_once() -> None:
 
 
 def test_stride_equal_to_context_is_plain_blocks() -> None:
-    model, tok = tiny_model_and_tokenizer(block_size=16)
-    ids = [tok.bos_id, *tok.encode(TEXT)]
+    model, tok = tiny_model(block_size=16), tiny_tokenizer()
+    ids = [tok.bos_id, *tok.encode(TINY_TEXT[:77])]  # 78 ids: 5 blocks of 16, the last one short
     _, nll = score_ids(model, ids, 16, 16)
     blocks = 0.0
     with torch.no_grad():
@@ -58,7 +58,7 @@ def test_stride_equal_to_context_is_plain_blocks() -> None:
 
 
 def test_report_figures_and_bits_per_byte() -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     text = "the cat sat. é"
     s = evaluate_text(model, tok, text)
     assert s.tokens == len(tok.encode(text)) and s.bytes == len(text.encode("utf-8"))
@@ -68,7 +68,7 @@ def test_report_figures_and_bits_per_byte() -> None:
 
 
 def test_per_line_scores_each_line_alone() -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     lines = ["the cat sat.", "", "a bird sang in the tree."]
     s = evaluate_lines(model, tok, lines)
     assert [r["line"] for r in s.lines] == [1, 3]
@@ -80,13 +80,13 @@ def test_per_line_scores_each_line_alone() -> None:
 
 @pytest.mark.parametrize("text", ["", "   \n"])
 def test_empty_text_is_refused(text: str) -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     with pytest.raises(LmcliError, match="empty"):
         evaluate_text(model, tok, text)
 
 
 @pytest.mark.parametrize("stride", [0, 49])
 def test_stride_outside_1_to_context_is_refused(stride: int) -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     with pytest.raises(LmcliError, match="stride must be between 1 and the context"):
         score_ids(model, [tok.bos_id, 5, 6], context=48, stride=stride)

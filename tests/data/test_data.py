@@ -121,7 +121,7 @@ def test_empty_corpus_is_an_error(tmp_path: Path) -> None:
 def test_sampler_draws_without_replacement_within_an_epoch() -> None:
     tokens = np.arange(1001, dtype=np.uint16)
     sampler = WindowSampler(tokens, block_size=10, seed=3)
-    assert sampler.n_windows == 100
+    assert sampler.epoch_size == 100
     epoch0 = sampler.window_starts(0, 100)
     assert sorted(s // 10 for s in epoch0) == list(range(100))  # every window index exactly once
     assert len({s % 10 for s in epoch0}) > 5  # shifted by a random jitter, not one fixed grid
@@ -190,8 +190,16 @@ def test_dataset_with_missing_column_names_the_columns(tmp_path: Path) -> None:
 
 
 def test_unreachable_hub_dataset_is_a_one_line_error(monkeypatch) -> None:
+    import datasets.config
+    import huggingface_hub.constants
+
+    # the libraries read these variables when first imported: set their settings too, so the
+    # test never waits on the network whatever ran before it
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(LmcliError, match="cannot load dataset") as err:
         DatasetCorpus("no-such-user/no-such-dataset-xyz", "train", "text")
     assert "\n" not in str(err.value)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tiny_tokenizer
 
 from lmcli.data.pairs import (
     IGNORE,
@@ -39,7 +40,7 @@ def write_pairs(tmp: Path, n: int = 40) -> tuple[Path, Path]:
 
 
 def char_tok() -> Tokenizer:
-    return Tokenizer.train("char", iter([" ".join(WORDS)]))
+    return tiny_tokenizer(" ".join(WORDS))
 
 
 def test_aligned_files_read_in_order_including_gz(tmp_path: Path) -> None:

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TEXT
-from safetensors.torch import load_file
+from helpers import TINY_TEXT, assert_same_weights, tiny_model, tiny_tokenizer, weights
 
 from lmcli.checkpoint import load_checkpoint, save_checkpoint
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
-from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 from lmcli.train import Reporter, train
 from lmcli.train.metrics import MetricsLog
@@ -46,16 +45,6 @@ def config(tmp_path: Path, name: str, **kw) -> TrainConfig:
 
 def quiet() -> Reporter:
     return Reporter(info=lambda msg: None)
-
-
-def weights(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
-    return load_file(str(run / which / "model.safetensors"))
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
 def test_loss_falls_and_the_run_folder_is_complete(tmp_path: Path) -> None:
@@ -174,11 +163,33 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
 
 
 def test_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path: Path) -> None:
-    tok = Tokenizer.train("char", iter([TINY_TEXT]))
-    model = Transformer(replace(MODEL, vocab_size=tok.vocab_size))
+    tok = tiny_tokenizer()
+    model = tiny_model(seed=None, **asdict(replace(MODEL, vocab_size=tok.vocab_size)))
     compiled = torch.compile(model)  # only wrapped: its state_dict has _orig_mod. names
     assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
     save_checkpoint(tmp_path / "c", compiled, TrainConfig(), tok, meta={"step": 0})
     loaded = load_checkpoint(tmp_path / "c").model
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2)
+
+
+def test_deterministic_flag_turns_on_torchs_deterministic_algorithms_for_the_run(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import lmcli.train.loop as loop
+
+    seen = []
+    original = loop.batch_loss
+
+    def spy(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "batch_loss", spy)
+    train(MODEL, config(tmp_path, "plain", max_steps=2), reporter=quiet(), progress=False)
+    result = train(
+        MODEL, config(tmp_path, "det", max_steps=2, deterministic=True), reporter=quiet(), progress=False
+    )
+    assert seen == [False, False, True, True]
+    assert not torch.are_deterministic_algorithms_enabled()  # only for the run
+    assert json.loads((result.run_dir / "config.json").read_text())["train"]["deterministic"] is True

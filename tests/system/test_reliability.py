@@ -14,11 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TEXT
-from safetensors.torch import load_file
+from helpers import (
+    TINY_TEXT,
+    assert_same_weights,
+    read_metrics,
+    run_cli,
+    tiny_model,
+    tiny_tokenizer,
+    weights,
+)
 
 from lmcli.checkpoint import load_checkpoint, save_checkpoint
-from lmcli.cli import main
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
 from lmcli.train import Reporter, train
@@ -59,14 +65,6 @@ def lmcli(*args: str) -> subprocess.Popen:
     )
 
 
-def same_weights(a: Path, b: Path) -> bool:
-    wa, wb = (
-        load_file(str(a / "last" / "model.safetensors")),
-        load_file(str(b / "last" / "model.safetensors")),
-    )
-    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
 def wait_for_step(run: Path, at_least: int, proc: subprocess.Popen, timeout: float = 60.0) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -99,7 +97,7 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: 
     assert seen <= step < 200, "killed before the end"
     resumed = lmcli("train", "--resume", str(tmp_path / "killed"), "-q")
     assert resumed.wait(120) == 0, resumed.stderr.read()
-    assert same_weights(tmp_path / "full", tmp_path / "killed")
+    assert_same_weights(weights(tmp_path / "full"), weights(tmp_path / "killed"))
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -119,11 +117,9 @@ def test_signals_save_print_the_resume_command_and_exit(tmp_path: Path, sig: int
 
 
 def tiny_checkpoint(path: Path) -> None:
-    from lmcli.model import Transformer
-    from lmcli.tokenizer import Tokenizer
-
-    tok = Tokenizer.train("char", iter([TINY_TEXT]))
-    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    """A checkpoint folder at ``path``; unseeded, so each call writes other weights."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok.vocab_size, seed=None, block_size=16, n_layer=1, n_embd=16)
     save_checkpoint(path, model, TrainConfig(), tok, meta={"step": 1}, state={"step": 1})
 
 
@@ -169,7 +165,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_old_checkpoint(
     (tmp_path / "c.txt").write_text(TINY_TEXT)
     out = tmp_path / "run"
     assert (
-        _main(["train", str(tmp_path / "c.txt"), "--out", str(out), *ARGS, "--max-steps", "5"], capsys)[0]
+        run_cli(["train", str(tmp_path / "c.txt"), "--out", str(out), *ARGS, "--max-steps", "5"], capsys)[0]
         == 0
     )
     before = (out / "last" / "model.safetensors").read_bytes()
@@ -178,17 +174,10 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_old_checkpoint(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("lmcli.checkpoint.save_file", full)
-    code, err = _main(["train", "--resume", str(out), "--max-steps", "10", "-q"], capsys)
+    code, _, err = run_cli(["train", "--resume", str(out), "--max-steps", "10", "-q"], capsys)
     assert code == 2 and err.strip().splitlines()[-1] == "error: No space left on device"
     assert (out / "last" / "model.safetensors").read_bytes() == before
     assert not list(out.glob(".tmp-*"))
-
-
-def _main(argv: list[str], capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-        raise SystemExit(0)
-    return info.value.code or 0, capsys.readouterr().err
 
 
 class Boom:
@@ -244,8 +233,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     good = load_checkpoint(tmp_path / "run" / "last")
     assert good.meta["step"] == 10
     assert all(torch.isfinite(p).all() for p in good.model.parameters())
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all("grad_norm" in r for r in records if "train_loss" in r)
+    assert all("grad_norm" in r for r in read_metrics(tmp_path / "run") if "train_loss" in r)
 
 
 def test_a_nan_between_log_points_never_reaches_a_saved_checkpoint(tmp_path: Path, monkeypatch) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import TINY_TEXT, make_run
-from tests_support import FAST_TRAIN_ARGS, assert_one_line_error
-from tests_support import run_cli as run
+from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run
+from helpers import run_cli as run
 
 FAST = [*FAST_TRAIN_ARGS, "--max-steps", "2"]
 
@@ -39,6 +38,21 @@ def test_resume_with_another_model_shape_is_refused(tmp_path: Path, capsys) -> N
     assert run(["train", str(tmp_path / "c.txt"), "--out", str(out), *FAST], capsys)[0] == 0
     code, _, err = run(["train", "--resume", str(out), "--n-embd", "32"], capsys)
     assert_one_line_error(code, err, "cannot resume with a different model shape (n-embd 16 -> 32)")
+
+
+def test_resume_with_another_rope_base_or_norm_eps_is_refused(tmp_path: Path, capsys) -> None:
+    (tmp_path / "c.txt").write_text(TINY_TEXT)
+    out = tmp_path / "run"
+    assert (
+        run(["train", str(tmp_path / "c.txt"), "--out", str(out), "--position", "rope", *FAST], capsys)[0]
+        == 0
+    )
+    code, _, err = run(["train", "--resume", str(out), "--rope-base", "500"], capsys)
+    assert_one_line_error(
+        code, err, "cannot resume with a different model shape (rope-base 10000.0 -> 500.0)"
+    )
+    code, _, err = run(["train", "--resume", str(out), "--norm-eps", "1e-6"], capsys)
+    assert_one_line_error(code, err, "cannot resume with a different model shape (norm-eps 1e-05 -> 1e-06)")
 
 
 def test_resume_of_a_folder_without_checkpoint_is_refused(tmp_path: Path, capsys) -> None:

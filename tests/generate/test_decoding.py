@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
 import torch
+from helpers import tiny_model, tiny_tokenizer
 
-from lmcli.config import ModelConfig, SampleConfig
+from lmcli import fastpath
+from lmcli.config import SampleConfig
 from lmcli.generate.decoding import prefill, step
 from lmcli.generate.kv_cache import KVCache
 from lmcli.generate.sampling import generate
 from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
 
 VARIANTS = list(itertools.product(("learned", "sinusoidal", "rope", "alibi"), ("pre", "post")))
 
-
-def tiny(**kw) -> Transformer:
-    cfg = dict(vocab_size=23, block_size=24, n_layer=2, n_head=2, n_embd=32)
-    cfg.update(kw)
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(**cfg)).eval()
+VOCAB, BLOCK = 23, 24  # 2 layers, 2 heads, width 32, seed 0: tiny_model's
+ALPHABET = "abcdefghijklmnopqr"  # a char tokenizer of it has 23 tokens
 
 
 def greedy_uncached(model: Transformer, ids: list[int], n: int) -> list[int]:
@@ -42,14 +40,18 @@ ARCHITECTURES = [dict(position=pos, norm_placement=placement) for pos, placement
 ]
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "fastpath"])
 @pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: "-".join(str(v) for v in a.values()))
-def test_cached_step_logits_equal_full_forward(arch: dict) -> None:
-    """A prompt, then one token at a time through the cache (each step takes the lean path
-    through every layer): the logits must be those of one full forward, at every position."""
-    model = tiny(**arch)
+def test_cached_step_logits_equal_full_forward(arch: dict, fast: bool) -> None:
+    """A prompt, then one token at a time through the cache (plain: the model's forward; fastpath:
+    the one-token LayerSteps of an inference scope): the logits must be those of one full
+    forward, at every position."""
+    model = tiny_model(VOCAB, block_size=BLOCK, **arch)
     idx = torch.randint(0, 23, (3, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(idx)
+    with fastpath.inference(model) if fast else contextlib.nullcontext(), torch.no_grad():
+        assert (model.fast_step is not None) == fast
         cache = KVCache.for_model(model, 3)
         parts = [model(idx[:, :7], cache)] + [model(idx[:, t : t + 1], cache) for t in range(7, 20)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
@@ -57,8 +59,8 @@ def test_cached_step_logits_equal_full_forward(arch: dict) -> None:
 
 @pytest.mark.parametrize("position", ["learned", "rope", "alibi"])
 def test_greedy_tokens_with_and_without_cache_are_identical(position: str) -> None:
-    model = tiny(position=position)
-    tok = Tokenizer.train("char", iter(["abcdefghijklmnopqr"]))
+    model = tiny_model(VOCAB, block_size=BLOCK, position=position)
+    tok = tiny_tokenizer(ALPHABET)
     prompt = [tok.bos_id, 7, 8, 9]
     out = generate(model, tok, [prompt], SampleConfig(temperature=0, max_new_tokens=15))[0]
     expected = greedy_uncached(model, prompt, 15)[len(prompt) :]
@@ -68,7 +70,7 @@ def test_greedy_tokens_with_and_without_cache_are_identical(position: str) -> No
 
 
 def test_left_padded_batch_equals_one_prompt_at_a_time() -> None:
-    model = tiny()
+    model = tiny_model(VOCAB, block_size=BLOCK)
     prompts = [[2, 5, 6, 7, 8, 9], [2, 11], [2, 12, 13, 14]]
     cache, logits = prefill(model, prompts, pad_id=0)
     batched = [logits]
@@ -102,8 +104,8 @@ def test_reorder_and_expand_move_cache_rows() -> None:
 
 
 def test_generation_continues_past_the_context_with_a_sliding_window() -> None:
-    model = tiny(block_size=12)
-    tok = Tokenizer.train("char", iter(["abcdefghijklmnopqr"]))
+    model = tiny_model(VOCAB, block_size=12)
+    tok = tiny_tokenizer(ALPHABET)
     out = generate(model, tok, [[tok.bos_id, 7]], SampleConfig(temperature=1.0, max_new_tokens=40, seed=0))[0]
     assert out.finish_reason in ("length", "eos")
     long = generate(model, tok, [[tok.bos_id, 7]], SampleConfig(temperature=0, max_new_tokens=40))[0]

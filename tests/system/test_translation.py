@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gzip
-import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, run_cli
 
 from lmcli.checkpoint import load_checkpoint
 from lmcli.cli import main
@@ -96,10 +96,6 @@ def test_a_small_model_learns_to_reverse_words_exactly(tmp_path: Path) -> None:
     assert out.read_text().split("\n") == [*(w[::-1] for w in inputs), ""]
 
 
-def read_metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_label_smoothing_changes_the_training_loss_not_the_validation_loss(tmp_path: Path) -> None:
     losses = {}
     for smoothing in (0.0, 0.3):
@@ -128,16 +124,10 @@ def test_prefix_lm_trains(tmp_path: Path) -> None:
     assert load_checkpoint(tmp_path / "run").train_config.prefix_lm
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    return info.value.code, capsys.readouterr().err
-
-
 def test_line_count_mismatch_is_one_line_naming_both_counts(tmp_path: Path, capsys) -> None:
     (tmp_path / "s.txt").write_text("a\nb\nc\n")
     (tmp_path / "t.txt").write_text("a\nb\n")
-    code, err = run_cli(
+    code, _, err = run_cli(
         [
             "train",
             "--task",

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests_support import tiny_model_and_tokenizer
+from helpers import tiny_model, tiny_tokenizer
 from torch import nn
 
 import lmcli.fastpath.cpu as cpu_module
@@ -24,7 +24,7 @@ from lmcli.generate.sampling import draw, generate
 
 
 def test_cache_grows_past_its_first_buffer_and_reorders_every_column() -> None:
-    model, _ = tiny_model_and_tokenizer(block_size=48)
+    model = tiny_model(block_size=48)
     idx = torch.randint(5, 20, (2, 41), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(idx[:, :40])
@@ -39,7 +39,7 @@ def test_cache_grows_past_its_first_buffer_and_reorders_every_column() -> None:
 
 
 def test_padded_decoding_needs_no_mask_rebuild_and_matches_one_row() -> None:
-    model, _ = tiny_model_and_tokenizer()
+    model = tiny_model()
     cache, logits = prefill(model, [[2, 5, 6, 7], [2, 9]], pad_id=0)
     assert cache.padding.has_padding and cache.padding.max_start == 2
     nxt = torch.tensor([11, 12])
@@ -58,7 +58,7 @@ def test_draw_takes_the_same_tokens_as_multinomial() -> None:
 
 
 def test_min_new_tokens_holds_back_eos() -> None:
-    model, tok = tiny_model_and_tokenizer(seed=3)
+    model, tok = tiny_model(seed=3), tiny_tokenizer()
     with torch.no_grad():
         model.lm_head.weight[tok.eos_id] += 3.0  # <eos> very likely at every step
     cfg = SampleConfig(temperature=1.0, max_new_tokens=12, seed=0)
@@ -69,7 +69,7 @@ def test_min_new_tokens_holds_back_eos() -> None:
 
 
 def test_step_threads_and_the_inference_scope_change_no_token(monkeypatch) -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     cfg = SampleConfig(temperature=1.0, max_new_tokens=30, seed=4)
     threads = torch.get_num_threads()
     with fastpath.step_threads(model, 1):
@@ -93,7 +93,7 @@ def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time() ->
     from lmcli.config import BeamConfig
     from lmcli.generate.beam import beam_search
 
-    model, tok = tiny_model_and_tokenizer(block_size=20)
+    model, tok = tiny_model(block_size=20), tiny_tokenizer()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(12.0)  # confident predictions: no near-ties for batching to flip
@@ -110,7 +110,7 @@ def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time() ->
 @pytest.mark.parametrize("variant", [{}, {"mlp": "swiglu", "norm": "rmsnorm"}, {"norm_placement": "post"}])
 def test_packed_weights_give_the_plain_products_and_follow_weight_changes(monkeypatch, variant) -> None:
     monkeypatch.setattr(packed_module, "PACK_MIN_WEIGHT", 1)  # pack even this tiny model's weights
-    model, _ = tiny_model_and_tokenizer(**variant)
+    model = tiny_model(**variant)
     idx = torch.randint(5, 20, (4, 12), generator=torch.Generator().manual_seed(0))
     plain = model(idx).detach()  # autograd on: always F.linear
     with fastpath.inference(model), torch.no_grad():
@@ -137,7 +137,7 @@ def test_inference_gelu_equals_the_tanh_gelu() -> None:
 
 def test_a_model_in_an_inference_scope_can_be_copied_and_pickled(monkeypatch) -> None:
     monkeypatch.setattr(packed_module, "PACK_MIN_WEIGHT", 1)
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     idx = torch.randint(5, 20, (4, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(idx)

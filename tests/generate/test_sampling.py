@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests_support import tiny_model_and_tokenizer
+from helpers import tiny_model, tiny_tokenizer
 
 from lmcli.config import SampleConfig
 from lmcli.errors import LmcliError
@@ -61,7 +61,7 @@ def test_repetition_penalty_lowers_seen_tokens() -> None:
 
 
 def test_same_seed_same_text_whatever_the_batch() -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     cfg = SampleConfig(temperature=1.0, max_new_tokens=25, num_samples=2, seed=11)
     alone, _ = sample_texts(model, tok, ["the cat"], cfg)
     batched, _ = sample_texts(model, tok, ["a bird sang", "the cat"], cfg)
@@ -73,7 +73,7 @@ def test_same_seed_same_text_whatever_the_batch() -> None:
 
 
 def test_stop_strings_cut_the_text() -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     free, _ = sample_texts(model, tok, ["the"], SampleConfig(temperature=1.0, max_new_tokens=40, seed=3))
     stop = free[0].text[5:7]
     cut, _ = sample_texts(

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TEXT
-from safetensors.torch import load_file
+from helpers import TINY_TEXT, read_metrics, weights
 
 from lmcli.cli import main as lmcli_main
 
@@ -43,17 +42,9 @@ METRIC_RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "last" / "model.safetensors"))
-
-
 def assert_close_runs(a: Path, b: Path) -> None:
     """Same steps logged; train loss, gradient norm, validation loss and weights within tolerance."""
-    ma, mb = metrics(a), metrics(b)
+    ma, mb = read_metrics(a), read_metrics(b)
     assert [(r["step"], sorted(r)) for r in ma] == [(r["step"], sorted(r)) for r in mb]
     for ra, rb in zip(ma, mb, strict=True):
         for key in ("train_loss", "grad_norm", "val_loss"):
@@ -128,15 +119,15 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(runs: dict) -> N
     run = ddp_run(runs)
     assert json.loads((run / "config.json").read_text())["train"]["batch_size"] == B
     assert_close_runs(run, runs["single"])
-    losses = [r["train_loss"] for r in metrics(run) if "train_loss" in r]
+    losses = [r["train_loss"] for r in read_metrics(run) if "train_loss" in r]
     assert losses[-1] < losses[0] - 0.3, "the model learns: the weights compared have moved far"
 
 
 def test_only_rank_0_writes_and_prints(runs: dict) -> None:
     run = ddp_run(runs)
-    steps = [r["step"] for r in metrics(run) if "train_loss" in r]
+    steps = [r["step"] for r in read_metrics(run) if "train_loss" in r]
     assert steps == list(range(1, STEPS + 1)), "one metrics line per step, not one per rank"
-    assert [r["step"] for r in metrics(run) if "val_loss" in r] == [10, 20]
+    assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [10, 20]
     names = {p.name for p in run.iterdir()} - {"loss.png"}  # loss.png only with matplotlib
     assert names == {"best", "config.json", "last", "metrics.jsonl"}, "no temporary or stray files"
     assert json.loads((run / "last" / "meta.json").read_text())["step"] == STEPS
@@ -151,7 +142,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(runs: dict) -> None:
     longer = ["--max-steps", str(STEPS + MORE), "--batch-size", str(2 * B), "-q"]
     cli("train", "--resume", str(run), *longer)
     cli("train", "--resume", str(runs["single"]), *longer)
-    records = metrics(run)
+    records = read_metrics(run)
     assert [r["step"] for r in records if "train_loss" in r] == list(range(1, STEPS + MORE + 1))
     assert all(math.isfinite(r["train_loss"]) for r in records if "train_loss" in r)
     assert json.loads((run / "last" / "meta.json").read_text())["step"] == STEPS + MORE

@@ -6,26 +6,21 @@ import itertools
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
-from lmcli.model import Transformer
 
 VARIANTS = list(
     itertools.product(("learned", "sinusoidal", "rope", "alibi"), ("layernorm", "rmsnorm"), ("pre", "post"))
 )
 
-
-def tiny(**kw) -> Transformer:
-    cfg = dict(vocab_size=13, block_size=16, n_layer=2, n_head=2, n_embd=16)
-    cfg.update(kw)
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(**cfg)).eval()
+SHAPE = dict(vocab_size=13, block_size=16, n_embd=16)  # 2 layers, 2 heads, seed 0: tiny_model's
 
 
 @pytest.mark.parametrize("position,norm,placement", VARIANTS)
 def test_future_tokens_never_change_earlier_logits(position: str, norm: str, placement: str) -> None:
-    model = tiny(position=position, norm=norm, norm_placement=placement)
+    model = tiny_model(**SHAPE, position=position, norm=norm, norm_placement=placement)
     idx = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(1))
     base = model(idx)
     for t in range(16):
@@ -38,20 +33,20 @@ def test_future_tokens_never_change_earlier_logits(position: str, norm: str, pla
 
 @pytest.mark.parametrize("mlp", ["gelu", "relu", "swiglu"])
 def test_mlp_variants_run_and_differ(mlp: str) -> None:
-    model = tiny(mlp=mlp)
+    model = tiny_model(**SHAPE, mlp=mlp)
     out = model(torch.zeros(1, 4, dtype=torch.long))
     assert out.shape == (1, 4, 13) and torch.isfinite(out).all()
 
 
 def test_tied_head_shares_the_embedding_and_untied_does_not() -> None:
-    tied, untied = tiny(), tiny(tie_embeddings=False)
+    tied, untied = tiny_model(**SHAPE), tiny_model(**SHAPE, tie_embeddings=False)
     assert tied.lm_head.weight is tied.wte.weight
     assert untied.lm_head.weight is not untied.wte.weight
     assert untied.num_parameters() - tied.num_parameters() == 13 * 16
 
 
 def test_prefix_positions_attend_bidirectionally_only_within_the_prefix() -> None:
-    model = tiny()
+    model = tiny_model(**SHAPE)
     idx = torch.randint(0, 13, (1, 10), generator=torch.Generator().manual_seed(2))
     prefix = torch.tensor([4])
     base = model(idx, prefix_len=prefix)
@@ -65,7 +60,7 @@ def test_prefix_positions_attend_bidirectionally_only_within_the_prefix() -> Non
 
 def test_sequence_longer_than_context_is_refused() -> None:
     with pytest.raises(ValueError, match="exceeds the context"):
-        tiny()(torch.zeros(1, 17, dtype=torch.long))
+        tiny_model(**SHAPE)(torch.zeros(1, 17, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
@@ -84,7 +79,7 @@ def test_bad_model_configs_are_refused_with_a_clear_message(kw: dict, message: s
 
 
 def test_output_mask_computes_the_same_logits_at_fewer_positions() -> None:
-    model = tiny()
+    model = tiny_model(**SHAPE)
     idx = torch.randint(0, 13, (3, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.rand(3, 9, generator=torch.Generator().manual_seed(4)) > 0.5
     torch.testing.assert_close(model(idx, output_mask=mask), model(idx)[mask])

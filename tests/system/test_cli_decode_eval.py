@@ -6,25 +6,19 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_run
-from tests_support import assert_one_line_error
-from tests_support import run_cli as run
+from helpers import assert_one_line_error, make_run
+from helpers import run_cli as run
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    return make_run(tmp_path / "run")
-
-
-def test_sample_streams_one_prompt_and_writes_jsonl(run_dir: Path, capsys) -> None:
+def test_sample_streams_one_prompt_and_writes_jsonl(tiny_run: Path, capsys) -> None:
     code, out, _ = run(
-        ["sample", str(run_dir), "-p", "the cat", "--max-new-tokens", "12", "--seed", "1"], capsys
+        ["sample", str(tiny_run), "-p", "the cat", "--max-new-tokens", "12", "--seed", "1"], capsys
     )
     assert code == 0 and out.startswith("the cat") and len(out.rstrip("\n")) > len("the cat")
     code, out, _ = run(
         [
             "sample",
-            str(run_dir),
+            str(tiny_run),
             "-p",
             "the",
             "-p",
@@ -66,18 +60,18 @@ def test_sample_defaults_to_the_newest_run_and_empty_prompt(tmp_path: Path, caps
     assert set(out) <= set("xyz \n") and out.strip()  # only run-b's characters
 
 
-def test_unknown_characters_warn(run_dir: Path, capsys) -> None:
-    code, _, err = run(["sample", str(run_dir), "-p", "the ☃", "--max-new-tokens", "3"], capsys)
+def test_unknown_characters_warn(tiny_run: Path, capsys) -> None:
+    code, _, err = run(["sample", str(tiny_run), "-p", "the ☃", "--max-new-tokens", "3"], capsys)
     assert code == 0 and "1 character(s) unknown to the tokenizer" in err
 
 
-def test_beam_writes_one_line_per_input_in_order(run_dir: Path, tmp_path: Path, capsys) -> None:
+def test_beam_writes_one_line_per_input_in_order(tiny_run: Path, tmp_path: Path, capsys) -> None:
     (tmp_path / "in.txt").write_text("the cat\n\na bird sang\nthe\n")
     out_file = tmp_path / "out.txt"
     code, _, err = run(
         [
             "beam",
-            str(run_dir),
+            str(tiny_run),
             "-i",
             str(tmp_path / "in.txt"),
             "-o",
@@ -96,7 +90,7 @@ def test_beam_writes_one_line_per_input_in_order(run_dir: Path, tmp_path: Path, 
     code, out, _ = run(
         [
             "beam",
-            str(run_dir),
+            str(tiny_run),
             "-i",
             str(tmp_path / "in.txt"),
             "--nbest",
@@ -117,10 +111,10 @@ def test_beam_writes_one_line_per_input_in_order(run_dir: Path, tmp_path: Path, 
     )
 
 
-def test_beam_reads_stdin_and_scores_bleu(run_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+def test_beam_reads_stdin_and_scores_bleu(tiny_run: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     (tmp_path / "ref.txt").write_text("x\ny\n")
     code, out, err = run(
-        ["beam", str(run_dir), "--reference", str(tmp_path / "ref.txt"), "--max-new-tokens", "4"],
+        ["beam", str(tiny_run), "--reference", str(tmp_path / "ref.txt"), "--max-new-tokens", "4"],
         capsys,
         stdin="the\na\n",
         monkeypatch=monkeypatch,
@@ -128,22 +122,23 @@ def test_beam_reads_stdin_and_scores_bleu(run_dir: Path, tmp_path: Path, capsys,
     assert code == 0 and len(out.splitlines()) == 2 and "BLEU" in err and "chrF" in err
 
 
-def test_eval_reports_and_per_line_jsonl(run_dir: Path, tmp_path: Path, capsys) -> None:
+def test_eval_reports_and_per_line_jsonl(tiny_run: Path, tmp_path: Path, capsys) -> None:
     (tmp_path / "t.txt").write_text("the cat sat on the mat.\nthe dog sat.\n")
-    code, out, _ = run(["eval", str(run_dir), str(tmp_path / "t.txt"), "--json", "--stride", "8"], capsys)
+    code, out, _ = run(["eval", str(tiny_run), str(tmp_path / "t.txt"), "--json", "--stride", "8"], capsys)
     report = json.loads(out)
     assert code == 0 and report["tokens"] == len("the cat sat on the mat.\nthe dog sat.\n")
     assert report["bits_per_byte"] > 0 and report["perplexity"] > 1
     code, out, _ = run(
-        ["eval", str(run_dir), str(tmp_path / "t.txt"), "--per-line", "-o", str(tmp_path / "l.jsonl")], capsys
+        ["eval", str(tiny_run), str(tmp_path / "t.txt"), "--per-line", "-o", str(tmp_path / "l.jsonl")],
+        capsys,
     )
     assert code == 0 and len((tmp_path / "l.jsonl").read_text().splitlines()) == 2
 
 
-def test_export_then_eval_the_hf_folder(run_dir: Path, tmp_path: Path, capsys) -> None:
+def test_export_then_eval_the_hf_folder(tiny_run: Path, tmp_path: Path, capsys) -> None:
     (tmp_path / "t.txt").write_text("the cat sat on the mat.\n")
-    assert run(["export", str(run_dir), str(tmp_path / "hf"), "--format", "hf"], capsys)[0] == 0
-    _, ours, _ = run(["eval", str(run_dir), str(tmp_path / "t.txt"), "--json"], capsys)
+    assert run(["export", str(tiny_run), str(tmp_path / "hf"), "--format", "hf"], capsys)[0] == 0
+    _, ours, _ = run(["eval", str(tiny_run), str(tmp_path / "t.txt"), "--json"], capsys)
     _, theirs, _ = run(["eval", str(tmp_path / "hf"), str(tmp_path / "t.txt"), "--json"], capsys)
     assert json.loads(ours)["perplexity"] == pytest.approx(json.loads(theirs)["perplexity"], rel=1e-6)
 
@@ -189,10 +184,10 @@ def _corrupt(run_dir: Path, how: str) -> None:
         (["export", "{run}", "{tmp}/x", "--format", "onnx"], "invalid format 'onnx'"),
     ],
 )
-def test_bad_input_gives_one_line_and_exit_2(run_dir: Path, tmp_path: Path, capsys, argv, message) -> None:
+def test_bad_input_gives_one_line_and_exit_2(tiny_run: Path, tmp_path: Path, capsys, argv, message) -> None:
     (tmp_path / "t.txt").write_text("the cat\nthe dog\n")
     (tmp_path / "empty.txt").write_text("")
-    argv = [a.format(run=run_dir, tmp=tmp_path) for a in argv]
+    argv = [a.format(run=tiny_run, tmp=tmp_path) for a in argv]
     code, _, err = run(argv, capsys)
     assert_one_line_error(code, err, message)
 
@@ -205,9 +200,9 @@ def test_bad_input_gives_one_line_and_exit_2(run_dir: Path, tmp_path: Path, caps
         ("vocab", "has 18 tokens but the model expects 25"),
     ],
 )
-def test_broken_checkpoints_give_one_line(run_dir: Path, capsys, how: str, message: str) -> None:
-    _corrupt(run_dir, how)
-    code, _, err = run(["sample", str(run_dir), "-p", "x"], capsys)
+def test_broken_checkpoints_give_one_line(tiny_run: Path, capsys, how: str, message: str) -> None:
+    _corrupt(tiny_run, how)
+    code, _, err = run(["sample", str(tiny_run), "-p", "x"], capsys)
     assert_one_line_error(code, err, message)
 
 

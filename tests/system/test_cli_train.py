@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import TINY_TEXT
-from tests_support import FAST_TRAIN_ARGS, assert_one_line_error
-from tests_support import run_cli as run
+from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error
+from helpers import run_cli as run
 
 FAST = [*FAST_TRAIN_ARGS, "--max-steps", "4"]
 

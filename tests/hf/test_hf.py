@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import make_run  # noqa: E402
+from helpers import make_run, tiny_tokenizer  # noqa: E402
 
 from lmcli.checkpoint import load_checkpoint, load_model  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
@@ -20,9 +20,7 @@ from lmcli.hf import export_hf, load_hf_folder  # noqa: E402
 
 def hf_gpt2(tmp: Path) -> Path:
     """A tiny random GPT-2 saved as a local Hugging Face folder, with a byte-level BPE tokenizer."""
-    from lmcli.tokenizer import Tokenizer
-
-    tok = Tokenizer.train("bpe", iter(["the cat sat on the mat " * 50]), vocab_size=300)
+    tok = tiny_tokenizer("the cat sat on the mat " * 50, "bpe", vocab_size=300)
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         vocab_size=tok.vocab_size,

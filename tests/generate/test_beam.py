@@ -7,17 +7,16 @@ import math
 
 import pytest
 import torch
-from tests_support import tiny_model_and_tokenizer
+from helpers import tiny_model, tiny_tokenizer
 
-from lmcli.config import BeamConfig, ModelConfig
+from lmcli.config import BeamConfig
 from lmcli.generate.beam import banned_ngram_tokens, beam_search
 from lmcli.model import Transformer
 
 
 def peaky(vocab: int, seed: int) -> Transformer:
     """A random model with distinct, confident predictions (no near-ties between candidates)."""
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig(vocab_size=vocab, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    model = tiny_model(vocab, seed, block_size=16, n_embd=16)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.4)
@@ -25,7 +24,7 @@ def peaky(vocab: int, seed: int) -> Transformer:
 
 
 def test_beam_size_one_is_greedy() -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     prompts = [[tok.bos_id, 5, 6], [tok.bos_id, 9]]
     hyps = beam_search(
         model, prompts, BeamConfig(beam_size=1, max_new_tokens=12), eos_id=tok.eos_id, pad_id=tok.pad_id
@@ -88,7 +87,7 @@ def test_same_best_hypothesis_and_score_as_hugging_face(k: int, alpha: float) ->
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.3)
-    ours = Transformer(ModelConfig(vocab_size=30, block_size=32, n_embd=32, n_layer=2, n_head=4)).eval()
+    ours = tiny_model(30, seed=None, block_size=32, n_embd=32, n_layer=2, n_head=4)  # the GPT-2's shape
     state = from_gpt2_state(hf.state_dict())
     state.setdefault("lm_head.weight", state["wte.weight"])
     load_state(ours, state, "HF GPT-2")
@@ -118,7 +117,7 @@ def test_same_best_hypothesis_and_score_as_hugging_face(k: int, alpha: float) ->
 
 
 def test_nbest_is_sorted_and_limits_hold() -> None:
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     cfg = BeamConfig(beam_size=4, nbest=4, max_new_tokens=50, max_len_a=1.0, max_len_b=2, min_new_tokens=3)
     hyps = beam_search(
         model, [[tok.bos_id, 5, 6, 7]], cfg, eos_id=tok.eos_id, pad_id=tok.pad_id, input_lens=[3]
@@ -131,7 +130,7 @@ def test_nbest_is_sorted_and_limits_hold() -> None:
 def test_no_repeat_ngram() -> None:
     assert banned_ngram_tokens([1, 2, 3, 1, 2], 3) == {3}
     assert banned_ngram_tokens([1, 2, 3], 1) == {1, 2, 3}
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model(), tiny_tokenizer()
     hyp = beam_search(
         model,
         [[tok.bos_id]],

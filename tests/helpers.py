@@ -1,0 +1,100 @@
+"""What tests share: the tiny corpus, one tiny-model builder, run folders, the CLI in-process.
+
+Imported as a plain module (``from helpers import ...``) from any test folder: pytest puts tests/ on
+sys.path when it loads tests/conftest.py. Models and run folders are built in the test, never
+downloaded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmcli.checkpoint import save_checkpoint
+from lmcli.cli import main
+from lmcli.config import ModelConfig, TrainConfig
+from lmcli.model import Transformer
+from lmcli.tokenizer import Tokenizer
+
+# The tiny corpus: 2020 characters; a char tokenizer of it has 25 tokens (5 of them special).
+TINY_TEXT = (
+    "the cat sat on the mat.\nthe dog sat on the log.\n"
+    "a bird sang in the tree.\nthe sun rose over the hill.\n"
+) * 20
+
+# The shape tiny_model gives unless told otherwise.
+TINY_SHAPE = dict(block_size=48, n_layer=2, n_head=2, n_embd=32)
+
+# A one-layer model trained for a few steps: CLI runs that finish in about a second.
+FAST_TRAIN_ARGS = [
+    *("--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16"),
+    *("--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--warmup-steps", "1", "-q"),
+]
+
+
+def tiny_tokenizer(text: str = TINY_TEXT, kind: str = "char", vocab_size: int = 300) -> Tokenizer:
+    """A ``kind`` tokenizer trained on ``text`` (``vocab_size`` only matters for bpe)."""
+    return Tokenizer.train(kind, iter([text]), vocab_size=vocab_size)
+
+
+def tiny_model(vocab_size: int | None = None, seed: int | None = 0, **config) -> Transformer:
+    """A random Transformer in eval mode: TINY_SHAPE with ``config`` overriding any field.
+
+    ``vocab_size`` defaults to that of ``tiny_tokenizer()``; ``seed`` seeds torch before the
+    weights are drawn (None: draw them from torch's global generator as it stands).
+    """
+    if vocab_size is None:
+        vocab_size = tiny_tokenizer().vocab_size
+    if seed is not None:
+        torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=vocab_size, **{**TINY_SHAPE, **config})).eval()
+
+
+def make_run(out: Path, text: str = TINY_TEXT, kind: str = "char", seed: int = 0, **config) -> Path:
+    """A run folder (``out/last`` and ``out/best``): a tiny model, context 32 unless told otherwise,
+    with a ``kind`` tokenizer of ``text``."""
+    tok = tiny_tokenizer(text, kind)
+    model = tiny_model(tok.vocab_size, seed, **{"block_size": 32, **config})
+    for name in ("last", "best"):
+        save_checkpoint(out / name, model, TrainConfig(), tok, meta={"step": 0})
+    return out
+
+
+def run_cli(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    """``lmcli ARGV`` in this process, reading ``stdin`` if given: (exit code, stdout, stderr)."""
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+def assert_one_line_error(code: int, err: str, message: str) -> None:
+    """Exit code 2 and one ``error: ...`` line holding ``message`` (warnings aside), no traceback."""
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def weights(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
+    """The weights of a run folder's ``which`` checkpoint."""
+    return load_file(str(run / which / "model.safetensors"))
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """A run folder's metrics.jsonl, one dict a line."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
