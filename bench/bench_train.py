@@ -96,7 +96,7 @@ def run() -> list[Row]:
     peak = max(peaks)
     tokens_per_call = STEPS_PER_TIMING * BATCH * BLOCK
     tps = {k: tokens_per_call / times[k] for k in ("lmcli", "hf")}
-    n_matmul = n_params - model.wpe.weight.numel()  # position lookups are not matmuls
+    n_matmul = n_params - sum(p.numel() for p in model.positions.parameters())  # lookups, not matmuls
     fpt = flops_per_token(n_matmul, model.config.n_layer, BLOCK, model.config.n_embd)
     achieved = tps["lmcli"] * fpt / 1e9
     hf_achieved = tps["hf"] * fpt / 1e9
