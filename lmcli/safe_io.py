@@ -1,0 +1,105 @@
+"""Writing into folders that may hold planted files: run folders are shared, so they are input.
+
+Every file lmcli writes in a run folder or a cache goes through a temporary name that is
+*created* (``O_EXCL``: an existing file or a planted symlink at that name makes it fail instead
+of being followed), then renamed over the destination (a rename replaces a symlink at the
+destination itself, never what it points to). Temporary names carry the writer's pid, so a
+later start can remove the leftovers of writers that died (``remove_stale_temps``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from lmcli.errors import LmcliError
+
+TEMP_MARK = ".lmtmp"  # every temporary name ends with .<pid>.<random>.lmtmp
+_TEMP = re.compile(r"\.(\d+)\.[A-Za-z0-9_]+\.lmtmp$")
+
+
+def _prefix(dest: Path) -> str:
+    return f".{dest.name}.{os.getpid()}."
+
+
+def temp_file(dest: Path) -> Path:
+    """A new, empty temporary file beside ``dest``, created exclusively (never a followed link)."""
+    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    os.close(fd)
+    return Path(name)
+
+
+def temp_dir(dest: Path) -> Path:
+    """A new, private temporary folder beside ``dest``."""
+    return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
+
+
+def atomic_write(dest: Path, data: bytes | str) -> None:
+    """Write ``dest`` whole or not at all, through an exclusive temporary file and a rename."""
+    dest = Path(dest)
+    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(name, dest)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+def open_append(path: Path):  # noqa: ANN201 - a text file object
+    """``path`` opened for appending, never through a symlink (a link there is an error)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if Path(path).is_symlink():
+            raise LmcliError(f"{path} is a symbolic link: refusing to write through it") from None
+        raise
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def refuse_symlinks(folder: Path) -> None:
+    """One line naming the first symbolic link found in ``folder`` (or the folder itself)."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        raise LmcliError(f"{folder} is a symbolic link: a run folder must not contain links")
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            path = Path(root) / name
+            if path.is_symlink():
+                raise LmcliError(f"{path} is a symbolic link: a run folder must not contain links")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(folder: Path) -> int:
+    """Remove the temporary files and folders that writers which died left in ``folder``
+    (their pid no longer runs); return how many were removed."""
+    removed = 0
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return 0
+    for path in entries:
+        match = _TEMP.search(path.name)
+        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed += 1
+    return removed
