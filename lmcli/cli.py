@@ -24,6 +24,7 @@ from lmcli.config import (
     EvalConfig,
     ModelConfig,
     SampleConfig,
+    ServeConfig,
     TrainConfig,
     field_names,
     from_dict,
@@ -75,6 +76,7 @@ def _root(
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder
+    lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
     """
 
 
@@ -363,6 +365,34 @@ def export(
     if format != "hf":
         raise LmcliError(f"invalid format {format!r}: choose hf")
     typer.echo(f"wrote {export_hf(run_dir, out_dir)}")
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+@app.command()
+@config_options(ServeConfig, DeviceConfig)
+def serve(
+    run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
+    *,
+    options: dict[str, Any],
+) -> None:
+    """Serve a model over HTTP: OpenAI-compatible completions and chat, and a chat page at /.
+
+    Stops on SIGTERM or Ctrl-C: no new connections, in-flight requests get --grace seconds.
+    """
+    try:
+        from lmcli.serve.server import serve as run_server
+    except ImportError as exc:
+        raise LmcliError(f"lmcli serve needs the serve extra (pip install 'lmcli[serve]'): {exc}") from None
+
+    cfg = build(ServeConfig, options)
+    if cfg.api_key is None and os.environ.get("LMCLI_API_KEY"):
+        cfg = build(ServeConfig, {**options, "api_key": os.environ["LMCLI_API_KEY"]})
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
+        print(f"warning: listening on {cfg.host} without --api-key: anyone who reaches it can use it", file=sys.stderr)
+    ckpt = _load(run_dir, options)
+    run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 # ----------------------------------------------------------------------------- entry point

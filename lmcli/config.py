@@ -433,6 +433,38 @@ class DeviceConfig:
         check_fields(self)
 
 
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of `lmcli serve`: where it listens, who may call it, and its limits."""
+
+    host: str = option("127.0.0.1", "Address to listen on (loopback by default).")
+    port: int = option(8000, "Port to listen on (0: any free port).", ge=0, le=65535)
+    api_key: str | None = option(
+        None,
+        "Require 'Authorization: Bearer KEY' on every endpoint but /health and the page.",
+        default_help="$LMCLI_API_KEY, else none",
+    )
+    model_name: str | None = option(
+        None, "Model id shown by /v1/models.", default_help="the run folder's name"
+    )
+    max_batch: int = option(32, "Sequences decoded together (rows of the batched KV cache).", gt=0)
+    max_tokens: int = option(1024, "Most tokens one request may generate (per choice).", gt=0)
+    max_queue: int = option(64, "Requests waiting for a row; beyond it: 503 with Retry-After.", ge=0)
+    max_body: int = option(1 << 20, "Largest request body in bytes; beyond it: 413.", gt=0)
+    timeout: float = option(
+        300.0, "Per-request time limit (queue wait included): 90s, 5m.", gt=0, parse=parse_duration
+    )
+    grace: float = option(
+        10.0, "On SIGTERM/Ctrl-C: time to finish in-flight requests before cancelling them.",
+        ge=0, parse=parse_duration,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.host.strip():
+            raise LmcliError("host must not be empty")
+
+
 # ----------------------------------------------------------------------------- dicts and files
 
 

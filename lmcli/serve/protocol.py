@@ -1,0 +1,329 @@
+"""OpenAI's request and response shapes: request bodies to a ``Job``, events to JSON.
+
+Parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``
+and ``min_p`` (extensions), ``stop``, ``seed``, ``n``, ``stream`` (with
+``stream_options.include_usage``), ``logprobs`` (completions: an integer 0-5; chat: true, with
+``top_logprobs``), ``echo`` (completions). The sampling values are checked by ``SampleConfig``,
+the same declarations ``lmcli sample`` checks its flags with. Unknown parameters are ignored.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lmcli import chat_template
+from lmcli.config import SampleConfig
+from lmcli.errors import LmcliError
+from lmcli.serve.scheduler import Job, TokenLogprob, Update
+from lmcli.tokenizer import Tokenizer
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_LOGPROBS = 5
+MAX_STOPS = 16
+# request field -> SampleConfig field
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop"}
+
+
+class ApiError(Exception):
+    """An error response: HTTP status, OpenAI error type, message, and the parameter at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Model:
+    """What the API needs of the served model."""
+
+    name: str
+    tokenizer: Tokenizer
+    block_size: int
+    template: str | None  # a Hugging Face chat template, or None: lmcli's
+    created: int
+
+
+@dataclass
+class Request:
+    """A parsed request: the job for the scheduler and how to answer."""
+
+    kind: str  # "completion" or "chat"
+    job: Job
+    stream: bool
+    include_usage: bool
+    echo: list[str]  # completions with echo: each prompt's text, put before its choices' text
+    id: str
+    created: int
+
+
+def _param(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kind is not bool:
+        raise ApiError(400, f"{name} must be {_kind_name(kind)}, got {value!r}", param=name)
+    if not isinstance(value, kind):
+        raise ApiError(400, f"{name} must be {_kind_name(kind)}, got {value!r}", param=name)
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "text", list: "a list"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if set(kinds) == {int, float}:
+        return "a number"
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _sample_config(body: dict[str, Any], n: int, max_tokens: int, seed: int) -> SampleConfig:
+    """The request's sampling settings, each checked as ``lmcli sample`` checks its flag."""
+    given: dict[str, Any] = {"max_new_tokens": max_tokens, "num_samples": n, "seed": seed}
+    defaults = {"temperature": 1.0}  # OpenAI's default, where lmcli sample's is 0.8
+    for api, field in SAMPLING.items():
+        value = body.get(api, defaults.get(api))
+        if value is None:
+            continue
+        if api == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise ApiError(400, "stop must be text or a list of text", param="stop")
+            if len(value) > MAX_STOPS:
+                raise ApiError(400, f"stop takes at most {MAX_STOPS} strings", param="stop")
+            value = tuple(value)
+        try:
+            SampleConfig(**{field: value})
+        except LmcliError as exc:
+            raise ApiError(400, f"invalid {api}: {exc}", param=api) from None
+        given[field] = value
+    return SampleConfig(**given)
+
+
+def _common(body: dict[str, Any], prompt_len: int, model: Model, max_tokens_cap: int, default: int | None) -> tuple[int, int, int]:
+    """n, max_tokens and seed; max_tokens must fit the context after the longest prompt."""
+    n = _param(body, "n", int, 1)
+    if n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}", param="n")
+    room = model.block_size - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_len} tokens; this model's context is {model.block_size} tokens",
+            param="messages" if default is None else "prompt",
+            code="context_length_exceeded",
+        )
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _param(body, name, int, None)
+    if max_tokens is None:
+        max_tokens = min(default if default is not None else room, room, max_tokens_cap)
+    if max_tokens < 1:
+        raise ApiError(400, f"{name} must be at least 1, got {max_tokens}", param=name)
+    if max_tokens > max_tokens_cap:
+        raise ApiError(400, f"{name} is {max_tokens}; this server allows at most {max_tokens_cap}", param=name)
+    if prompt_len + max_tokens > model.block_size:
+        raise ApiError(
+            400,
+            f"this model's context is {model.block_size} tokens; the prompt has {prompt_len} "
+            f"and {name} asks for {max_tokens} more",
+            param=name,
+            code="context_length_exceeded",
+        )
+    seed = _param(body, "seed", int, None)
+    if seed is None:
+        seed = secrets.randbits(31)
+    if not -(2**63) <= seed < 2**63:
+        raise ApiError(400, "seed must fit in 64 bits", param="seed")
+    return n, max_tokens, seed
+
+
+def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[str]]:
+    """A completion's prompts (text, texts, token ids, or lists of ids) as ids with ``<bos>``."""
+    prompt = body.get("prompt")
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "prompt must be text, a list of texts, or token ids", param="prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [prompt]
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append([tok.bos_id, *tok.encode(p)])
+            texts.append(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if not all(0 <= t < tok.vocab_size for t in p):
+                raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
+            ids.append(list(p))
+            texts.append(tok.decode(p))
+        else:
+            raise ApiError(400, "prompt must be text, a list of texts, or token ids", param="prompt")
+    return ids, texts
+
+
+def parse(kind: str, body: Any, model: Model, *, max_tokens: int, max_batch: int, timeout: float) -> Request:
+    """A request body (parsed JSON) as a ``Request``, or an ``ApiError``."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    stream = _param(body, "stream", bool, False)
+    options = _param(body, "stream_options", dict, {})
+    include_usage = bool(options.get("include_usage")) if stream else False
+    echo: list[str] = []
+    if kind == "chat":
+        try:
+            prompts = [chat_template.encode(body.get("messages"), model.template, model.tokenizer)]
+        except LmcliError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        default = None
+        top: int | None = None
+        if _param(body, "logprobs", bool, False):
+            top = _param(body, "top_logprobs", int, 0)
+            if not 0 <= top <= 20:
+                raise ApiError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
+    else:
+        prompts, texts = _prompts(body, model)
+        default = COMPLETION_DEFAULT_MAX_TOKENS
+        top = _param(body, "logprobs", int, None)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+        if _param(body, "echo", bool, False):
+            echo = texts
+    n, new, seed = _common(body, max(len(p) for p in prompts), model, max_tokens, default)
+    cfg = _sample_config(body, n, new, seed)
+    job = Job(prompts, cfg, top, timeout)
+    if job.rows > max_batch:
+        raise ApiError(400, f"this request needs {job.rows} rows (prompts x n); the server has {max_batch}", param="n")
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    return Request(kind, job, stream, include_usage, echo, prefix + secrets.token_hex(12), int(time.time()))
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class Choices:
+    """The choices of a response as they grow: text, log-probs, finish reasons."""
+
+    def __init__(self, req: Request, tokenizer: Tokenizer) -> None:
+        self.req, self.tok = req, tokenizer
+        n = req.job.cfg.num_samples
+        self.count = req.job.rows
+        self.text = [req.echo[i // n] if req.echo else "" for i in range(self.count)]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.count)]
+        self.finish: list[str | None] = [None] * self.count
+        self.started = [False] * self.count
+
+    def add(self, u: Update) -> None:
+        self.text[u.index] += u.text
+        self.logprobs[u.index] += u.logprobs
+        if u.finish_reason is not None:
+            self.finish[u.index] = u.finish_reason
+
+    def _token(self, t: int) -> str:
+        return self.tok.decode([t], skip_special_tokens=False)
+
+    def completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if self.req.job.top_logprobs is None:
+            return None
+        tokens = [self._token(e.token) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.req.job.top_logprobs is None:
+            return None
+
+        def item(t: int, lp: float) -> dict[str, Any]:
+            s = self._token(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+    def response(self, model: str, done_usage: dict[str, int]) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        req = self.req
+        if req.kind == "chat":
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": self.text[i]},
+                    "logprobs": self.chat_logprobs(self.logprobs[i]),
+                    "finish_reason": self.finish[i],
+                }
+                for i in range(self.count)
+            ]
+            obj = "chat.completion"
+        else:
+            n = req.job.cfg.num_samples
+            choices = [
+                {
+                    "index": i,
+                    "text": self.text[i],
+                    "logprobs": self.completion_logprobs(self.logprobs[i], len(req.echo[i // n]) if req.echo else 0),
+                    "finish_reason": self.finish[i],
+                }
+                for i in range(self.count)
+            ]
+            obj = "text_completion"
+        return {"id": req.id, "object": obj, "created": req.created, "model": model, "choices": choices, "usage": done_usage}
+
+    def chunk(self, model: str, u: Update | None = None, *, echo_index: int | None = None) -> dict[str, Any]:
+        """One streamed chunk for update ``u`` (or, with ``echo_index``, that choice's echoed prompt)."""
+        req = self.req
+        if req.kind == "chat":
+            assert u is not None
+            delta: dict[str, Any] = {"content": u.text} if u.text or u.finish_reason is None else {}
+            if not self.started[u.index]:
+                delta = {"role": "assistant", "content": u.text}
+                self.started[u.index] = True
+            choice = {"index": u.index, "delta": delta, "logprobs": self.chat_logprobs(u.logprobs), "finish_reason": u.finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            if echo_index is not None:
+                n = req.job.cfg.num_samples
+                choice = {"index": echo_index, "text": req.echo[echo_index // n], "logprobs": None, "finish_reason": None}
+            else:
+                assert u is not None
+                offset = len(self.text[u.index]) - len(u.text)
+                choice = {
+                    "index": u.index,
+                    "text": u.text,
+                    "logprobs": self.completion_logprobs(u.logprobs, offset),
+                    "finish_reason": u.finish_reason,
+                }
+            obj = "text_completion"
+        return {"id": req.id, "object": obj, "created": req.created, "model": model, "choices": [choice]}
+
+    def usage_chunk(self, model: str, done_usage: dict[str, int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.req.id, "object": obj, "created": self.req.created, "model": model, "choices": [], "usage": done_usage}
