@@ -133,8 +133,6 @@ def _common(body: dict[str, Any], prompt_len: int, model: Model, max_tokens_cap:
         max_tokens = min(default if default is not None else room, room, max_tokens_cap)
     if max_tokens < 1:
         raise ApiError(400, f"{name} must be at least 1, got {max_tokens}", param=name)
-    if max_tokens > max_tokens_cap:
-        raise ApiError(400, f"{name} is {max_tokens}; this server allows at most {max_tokens_cap}", param=name)
     if prompt_len + max_tokens > model.block_size:
         raise ApiError(
             400,
@@ -143,6 +141,8 @@ def _common(body: dict[str, Any], prompt_len: int, model: Model, max_tokens_cap:
             param=name,
             code="context_length_exceeded",
         )
+    if max_tokens > max_tokens_cap:
+        raise ApiError(400, f"{name} is {max_tokens}; this server allows at most {max_tokens_cap}", param=name)
     seed = _param(body, "seed", int, None)
     if seed is None:
         seed = secrets.randbits(31)
