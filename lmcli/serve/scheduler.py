@@ -156,8 +156,13 @@ def _malloc_trim() -> Callable[[], None]:
 class Scheduler:
     """The decoding thread and its batch (see the module docstring)."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_batch: int, max_queue: int) -> None:
+    def __init__(
+        self, model: Transformer, tokenizer: Tokenizer, *, max_batch: int, max_queue: int, threads: int | None = None
+    ) -> None:
+        """``threads``: torch's CPU threads for this thread's work (default: all cores but one,
+        which the web server's event loop needs; more threads than free cores slow every step)."""
         self.model, self.tokenizer = model, tokenizer
+        self.threads = threads or max(1, torch.get_num_threads() - 1)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.device = next(model.parameters()).device
         self.cache: BatchCache = empty_cache(model)
@@ -224,18 +229,23 @@ class Scheduler:
         return sum(r is not None for r in self.slots)
 
     def _run(self) -> None:
-        with torch.inference_mode(), fastpath.inference(self.model):
-            while True:
-                with self.cond:
-                    while not self.stopping and not self.queue and not self._alive():
-                        self.cond.wait()
-                    if self.stopping:
-                        break
-                try:
-                    self._iteration()
-                except Exception as exc:  # a bug must not take the server down: fail what runs
-                    self._fail_all("internal", f"internal error: {type(exc).__name__}: {exc}")
-        self._fail_all("shutdown", "the server is shutting down")
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)  # torch's count is per process: restored at the end
+        try:
+            with torch.inference_mode(), fastpath.inference(self.model):
+                while True:
+                    with self.cond:
+                        while not self.stopping and not self.queue and not self._alive():
+                            self.cond.wait()
+                        if self.stopping:
+                            break
+                    try:
+                        self._iteration()
+                    except Exception as exc:  # a bug must not take the server down: fail what runs
+                        self._fail_all("internal", f"internal error: {type(exc).__name__}: {exc}")
+            self._fail_all("shutdown", "the server is shutting down")
+        finally:
+            torch.set_num_threads(previous)
 
     def _iteration(self) -> None:
         self._retire()

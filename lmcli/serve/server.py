@@ -59,7 +59,9 @@ class _Server(uvicorn.Server):
 
 def _setup(ckpt: Checkpoint, cfg: ServeConfig, log_level: str) -> tuple[Any, Scheduler, socket.socket]:
     model = describe(ckpt, cfg)
-    scheduler = Scheduler(ckpt.model, ckpt.tokenizer, max_batch=cfg.max_batch, max_queue=cfg.max_queue)
+    scheduler = Scheduler(
+        ckpt.model, ckpt.tokenizer, max_batch=cfg.max_batch, max_queue=cfg.max_queue, threads=cfg.threads
+    )
     app = create_app(model, scheduler, cfg)
     sock = bind(cfg.host, cfg.port)
     config = uvicorn.Config(
