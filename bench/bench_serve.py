@@ -45,13 +45,22 @@ def _free_port() -> int:
 def _prompts(n: int) -> list[str]:
     g = torch.Generator().manual_seed(0)
     letters = "abcdefghijklmnopqrstuvwxyz "
-    return ["".join(letters[i] for i in torch.randint(0, len(letters), (16,), generator=g).tolist()) for _ in range(n)]
+    return [
+        "".join(letters[i] for i in torch.randint(0, len(letters), (16,), generator=g).tolist())
+        for _ in range(n)
+    ]
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt: str, seed: int) -> dict[str, Any]:
     """One streamed request: its tokens, time to first token, chunk gaps, and whether it completed."""
-    body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0.8, "seed": seed, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": NEW,
+        "temperature": 0.8,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first, last, gaps, tokens, done, finished = None, None, [], 0, False, False
     try:
@@ -78,7 +87,12 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, seed: int) -> d
                     finished = finished or c.get("finish_reason") is not None
     except httpx.HTTPError as exc:
         return {"error": type(exc).__name__}
-    return {"tokens": tokens, "ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "complete": done and finished}
+    return {
+        "tokens": tokens,
+        "ttft": (first or time.perf_counter()) - t0,
+        "gaps": gaps,
+        "complete": done and finished,
+    }
 
 
 async def _load(url: str, prompts: list[str], concurrent: bool) -> tuple[list[dict[str, Any]], float]:
@@ -88,10 +102,15 @@ async def _load(url: str, prompts: list[str], concurrent: bool) -> tuple[list[di
         if concurrent:
 
             async def client_task(c: int) -> list[dict[str, Any]]:
-                return [await _one(client, url, prompts[c * PER_CLIENT + i], c * PER_CLIENT + i) for i in range(PER_CLIENT)]
+                return [
+                    await _one(client, url, prompts[c * PER_CLIENT + i], c * PER_CLIENT + i)
+                    for i in range(PER_CLIENT)
+                ]
 
             clients = len(prompts) // PER_CLIENT
-            results = [r for rs in await asyncio.gather(*(client_task(c) for c in range(clients))) for r in rs]
+            results = [
+                r for rs in await asyncio.gather(*(client_task(c) for c in range(clients))) for r in rs
+            ]
         else:
             results = [await _one(client, url, p, i) for i, p in enumerate(prompts)]
         return results, time.perf_counter() - t0
@@ -112,8 +131,23 @@ def run() -> list[Row]:
         save_checkpoint(run_dir / "best", model, TrainConfig(), tok, meta={"step": 0})
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "lmcli", "serve", str(run_dir), "--port", str(port), "--device", "cpu",
-               "--max-batch", str(MAX_BATCH), "--max-queue", str(CLIENTS * PER_CLIENT), "--grace", "5"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lmcli",
+            "serve",
+            str(run_dir),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-batch",
+            str(MAX_BATCH),
+            "--max-queue",
+            str(CLIENTS * PER_CLIENT),
+            "--grace",
+            "5",
+        ]
         server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
             deadline = time.monotonic() + 120
@@ -157,7 +191,8 @@ def run() -> list[Row]:
         "seconds_one_at_a_time": t_alone,
     }
     note = (
-        f"{errors} errors, {incomplete} incomplete streams; concurrent TTFT p50 {extra['ttft_p50_ms']:.0f} ms, "
+        f"{errors} errors, {incomplete} incomplete streams; "
+        f"concurrent TTFT p50 {extra['ttft_p50_ms']:.0f} ms, "
         f"p99 {extra['ttft_p99_ms']:.0f} ms; inter-token p50 {extra['itl_p50_ms']:.1f} ms, "
         f"p99 {extra['itl_p99_ms']:.1f} ms (one at a time: TTFT p50 {extra['alone_ttft_p50_ms']:.0f} ms, "
         f"inter-token p50 {extra['alone_itl_p50_ms']:.1f} ms)"

@@ -390,7 +390,10 @@ def serve(
     if cfg.api_key is None and os.environ.get("LMCLI_API_KEY"):
         cfg = build(ServeConfig, {**options, "api_key": os.environ["LMCLI_API_KEY"]})
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
-        print(f"warning: listening on {cfg.host} without --api-key: anyone who reaches it can use it", file=sys.stderr)
+        print(
+            f"warning: listening on {cfg.host} without --api-key: anyone who reaches it can use it",
+            file=sys.stderr,
+        )
     ckpt = _load(run_dir, options)
     run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
 

@@ -455,11 +455,16 @@ class ServeConfig:
         300.0, "Per-request time limit (queue wait included): 90s, 5m.", gt=0, parse=parse_duration
     )
     threads: int | None = option(
-        None, "CPU threads of the decoding thread.", gt=0, default_help="all cores but one (for HTTP), at least 1"
+        None,
+        "CPU threads of the decoding thread.",
+        gt=0,
+        default_help="all cores but one (for HTTP), at least 1",
     )
     grace: float = option(
-        10.0, "On SIGTERM/Ctrl-C: time to finish in-flight requests before cancelling them.",
-        ge=0, parse=parse_duration,
+        10.0,
+        "On SIGTERM/Ctrl-C: time to finish in-flight requests before cancelling them.",
+        ge=0,
+        parse=parse_duration,
     )
 
     def __post_init__(self) -> None:

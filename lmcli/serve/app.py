@@ -52,7 +52,12 @@ class ApiKey:
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                err = ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", type="authentication_error", code="invalid_api_key")
+                err = ApiError(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer KEY)",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -96,8 +101,13 @@ class Api:
         return JSONResponse({"status": "ok", "model": self.model.name, **self.scheduler.stats()})
 
     async def models(self, request: HttpRequest) -> Response:
-        card = {"id": self.model.name, "object": "model", "created": self.model.created, "owned_by": "lmcli",
-                "context_length": self.model.block_size}
+        card = {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.model.created,
+            "owned_by": "lmcli",
+            "context_length": self.model.block_size,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: HttpRequest) -> Response:
@@ -130,8 +140,14 @@ class Api:
     async def _generate(self, kind: str, request: HttpRequest) -> Response:
         try:
             body = await self._body(request)
-            req = protocol.parse(kind, body, self.model, max_tokens=self.cfg.max_tokens,
-                                 max_batch=self.cfg.max_batch, timeout=self.cfg.timeout)
+            req = protocol.parse(
+                kind,
+                body,
+                self.model,
+                max_tokens=self.cfg.max_tokens,
+                max_batch=self.cfg.max_batch,
+                timeout=self.cfg.timeout,
+            )
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[list[Event]] = asyncio.Queue()
 
@@ -141,8 +157,13 @@ class Api:
             try:
                 handle = self.scheduler.submit(req.job, deliver)
             except QueueFull as exc:
-                raise ApiError(503, f"the server is busy ({exc}); retry shortly", type="server_error",
-                               code="overloaded", headers={"Retry-After": "1"}) from None
+                raise ApiError(
+                    503,
+                    f"the server is busy ({exc}); retry shortly",
+                    type="server_error",
+                    code="overloaded",
+                    headers={"Retry-After": "1"},
+                ) from None
         except ApiError as err:
             return error_response(err)
         choices = Choices(req, self.model.tokenizer)
@@ -154,7 +175,9 @@ class Api:
             )
         return await self._whole(request, choices, queue, handle)
 
-    async def _whole(self, request: HttpRequest, choices: Choices, queue: asyncio.Queue, handle: Any) -> Response:
+    async def _whole(
+        self, request: HttpRequest, choices: Choices, queue: asyncio.Queue, handle: Any
+    ) -> Response:
         """Wait for the end of the request (or of the client) and answer with one JSON body."""
         gone = asyncio.create_task(_disconnected(request))
         try:
@@ -169,7 +192,11 @@ class Api:
                     if isinstance(event, Update):
                         choices.add(event)
                     elif isinstance(event, Done):
-                        return JSONResponse(choices.response(self.model.name, protocol.usage(event.prompt_tokens, event.completion_tokens)))
+                        return JSONResponse(
+                            choices.response(
+                                self.model.name, protocol.usage(event.prompt_tokens, event.completion_tokens)
+                            )
+                        )
                     elif isinstance(event, Failed):
                         return error_response(_failure(event))
         except asyncio.CancelledError:
@@ -178,7 +205,9 @@ class Api:
         finally:
             gone.cancel()
 
-    async def _stream(self, req: protocol.Request, choices: Choices, queue: asyncio.Queue, handle: Any) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, req: protocol.Request, choices: Choices, queue: asyncio.Queue, handle: Any
+    ) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per update (updates waiting together are merged), then
         an optional usage chunk, then ``data: [DONE]``. A client that leaves cancels the request."""
         name = self.model.name
@@ -199,7 +228,13 @@ class Api:
                 if isinstance(end, Failed):
                     out.append(_sse(_failure(end).body()))
                 elif isinstance(end, Done) and req.include_usage:
-                    out.append(_sse(choices.usage_chunk(name, protocol.usage(end.prompt_tokens, end.completion_tokens))))
+                    out.append(
+                        _sse(
+                            choices.usage_chunk(
+                                name, protocol.usage(end.prompt_tokens, end.completion_tokens)
+                            )
+                        )
+                    )
                 if end is not None:
                     out.append(b"data: [DONE]\n\n")
                 if out:
@@ -263,7 +298,11 @@ def create_app(model: Model, scheduler: Scheduler, cfg: ServeConfig) -> Starlett
     ]
     middleware = [Middleware(CatchAll)]
     if cfg.host in LOOPBACK:  # only loopback names: a page elsewhere cannot rebind a DNS name to us
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "[::1]", "::1"]))
+        middleware.append(
+            Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "[::1]", "::1"])
+        )
     if cfg.api_key:
         middleware.append(Middleware(ApiKey, key=cfg.api_key))
-    return Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_found})
+    return Starlette(
+        routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_found}
+    )

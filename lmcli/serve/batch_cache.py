@@ -40,8 +40,12 @@ class BatchCache(KVCache):
         if keep:
             n = min(old_len, width)  # the columns that move: [old_len - n, old_len) -> [width - n, width)
             idx = torch.tensor(keep, device=self.k.device)
-            k[:, : len(keep), :, width - n : width] = self.k[:, :, :, old_len - n : old_len].index_select(1, idx)
-            v[:, : len(keep), :, width - n : width] = self.v[:, :, :, old_len - n : old_len].index_select(1, idx)
+            k[:, : len(keep), :, width - n : width] = self.k[:, :, :, old_len - n : old_len].index_select(
+                1, idx
+            )
+            v[:, : len(keep), :, width - n : width] = self.v[:, :, :, old_len - n : old_len].index_select(
+                1, idx
+            )
             starts += [s + width - old_len for s in kept_starts]
         row = len(keep)
         for cache, copies in joining:

@@ -24,7 +24,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 5
 MAX_STOPS = 16
 # request field -> SampleConfig field
-SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "stop": "stop"}
+SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop": "stop",
+}
 
 
 class ApiError(Exception):
@@ -114,7 +120,9 @@ def _sample_config(body: dict[str, Any], n: int, max_tokens: int, seed: int) -> 
     return SampleConfig(**given)
 
 
-def _common(body: dict[str, Any], prompt_len: int, model: Model, max_tokens_cap: int, default: int | None) -> tuple[int, int, int]:
+def _common(
+    body: dict[str, Any], prompt_len: int, model: Model, max_tokens_cap: int, default: int | None
+) -> tuple[int, int, int]:
     """n, max_tokens and seed; max_tokens must fit the context after the longest prompt."""
     n = _param(body, "n", int, 1)
     if n < 1:
@@ -142,7 +150,9 @@ def _common(body: dict[str, Any], prompt_len: int, model: Model, max_tokens_cap:
             code="context_length_exceeded",
         )
     if max_tokens > max_tokens_cap:
-        raise ApiError(400, f"{name} is {max_tokens}; this server allows at most {max_tokens_cap}", param=name)
+        raise ApiError(
+            400, f"{name} is {max_tokens}; this server allows at most {max_tokens_cap}", param=name
+        )
     seed = _param(body, "seed", int, None)
     if seed is None:
         seed = secrets.randbits(31)
@@ -207,7 +217,9 @@ def parse(kind: str, body: Any, model: Model, *, max_tokens: int, max_batch: int
     cfg = _sample_config(body, n, new, seed)
     job = Job(prompts, cfg, top, timeout)
     if job.rows > max_batch:
-        raise ApiError(400, f"this request needs {job.rows} rows (prompts x n); the server has {max_batch}", param="n")
+        raise ApiError(
+            400, f"this request needs {job.rows} rows (prompts x n); the server has {max_batch}", param="n"
+        )
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Request(kind, job, stream, include_usage, echo, prefix + secrets.token_hex(12), int(time.time()))
 
@@ -267,7 +279,12 @@ class Choices:
             s = self._token(t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+        return {
+            "content": [
+                {**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
 
     def response(self, model: str, done_usage: dict[str, int]) -> dict[str, Any]:
         """The whole (non-streamed) response."""
@@ -289,13 +306,22 @@ class Choices:
                 {
                     "index": i,
                     "text": self.text[i],
-                    "logprobs": self.completion_logprobs(self.logprobs[i], len(req.echo[i // n]) if req.echo else 0),
+                    "logprobs": self.completion_logprobs(
+                        self.logprobs[i], len(req.echo[i // n]) if req.echo else 0
+                    ),
                     "finish_reason": self.finish[i],
                 }
                 for i in range(self.count)
             ]
             obj = "text_completion"
-        return {"id": req.id, "object": obj, "created": req.created, "model": model, "choices": choices, "usage": done_usage}
+        return {
+            "id": req.id,
+            "object": obj,
+            "created": req.created,
+            "model": model,
+            "choices": choices,
+            "usage": done_usage,
+        }
 
     def chunk(self, model: str, u: Update | None = None, *, echo_index: int | None = None) -> dict[str, Any]:
         """One streamed chunk for update ``u`` (or, with ``echo_index``, that choice's echoed prompt)."""
@@ -306,12 +332,22 @@ class Choices:
             if not self.started[u.index]:
                 delta = {"role": "assistant", "content": u.text}
                 self.started[u.index] = True
-            choice = {"index": u.index, "delta": delta, "logprobs": self.chat_logprobs(u.logprobs), "finish_reason": u.finish_reason}
+            choice = {
+                "index": u.index,
+                "delta": delta,
+                "logprobs": self.chat_logprobs(u.logprobs),
+                "finish_reason": u.finish_reason,
+            }
             obj = "chat.completion.chunk"
         else:
             if echo_index is not None:
                 n = req.job.cfg.num_samples
-                choice = {"index": echo_index, "text": req.echo[echo_index // n], "logprobs": None, "finish_reason": None}
+                choice = {
+                    "index": echo_index,
+                    "text": req.echo[echo_index // n],
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
             else:
                 assert u is not None
                 offset = len(self.text[u.index]) - len(u.text)
@@ -326,4 +362,11 @@ class Choices:
 
     def usage_chunk(self, model: str, done_usage: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        return {"id": self.req.id, "object": obj, "created": self.req.created, "model": model, "choices": [], "usage": done_usage}
+        return {
+            "id": self.req.id,
+            "object": obj,
+            "created": self.req.created,
+            "model": model,
+            "choices": [],
+            "usage": done_usage,
+        }

@@ -157,7 +157,13 @@ class Scheduler:
     """The decoding thread and its batch (see the module docstring)."""
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, *, max_batch: int, max_queue: int, threads: int | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        max_batch: int,
+        max_queue: int,
+        threads: int | None = None,
     ) -> None:
         """``threads``: torch's CPU threads for this thread's work (default: all cores but one,
         which the web server's event loop needs; more threads than free cores slow every step)."""
@@ -356,7 +362,9 @@ class Scheduler:
             )
             k = max((r.handle.job.top_logprobs or 0) for r in rows)
             top = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1) if k else None
-            for g, (i, r, tok, lp) in enumerate(zip(idx, rows, tokens.tolist(), logprobs.tolist(), strict=True)):
+            for g, (i, r, tok, lp) in enumerate(
+                zip(idx, rows, tokens.tolist(), logprobs.tolist(), strict=True)
+            ):
                 tops: list[tuple[int, float]] = []
                 if top is not None and r.handle.job.top_logprobs:
                     kk = r.handle.job.top_logprobs

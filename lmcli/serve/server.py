@@ -31,7 +31,9 @@ def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
     from lmcli.chat_template import find_template
 
     name = cfg.model_name or (ckpt.path.parent.name if ckpt.path.name in ("best", "last") else ckpt.path.name)
-    return Model(name, ckpt.tokenizer, ckpt.model.config.block_size, find_template(ckpt.path), int(time.time()))
+    return Model(
+        name, ckpt.tokenizer, ckpt.model.config.block_size, find_template(ckpt.path), int(time.time())
+    )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -90,7 +92,9 @@ def serve(ckpt: Checkpoint, cfg: ServeConfig, *, announce: Callable[[str], None]
 
 
 @contextmanager
-def running(ckpt: Checkpoint, cfg: ServeConfig, *, log_level: str = "error") -> Iterator[tuple[str, Scheduler]]:
+def running(
+    ckpt: Checkpoint, cfg: ServeConfig, *, log_level: str = "error"
+) -> Iterator[tuple[str, Scheduler]]:
     """The server in a background thread on ``cfg.host:cfg.port`` (0: a free port): its base URL
     and scheduler; stopped (gracefully, within ``cfg.grace``) when the block ends."""
     logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)

@@ -11,9 +11,8 @@ from helpers import run_cli
 
 openai = pytest.importorskip("openai")
 
-from lmcli.config import ServeConfig  # noqa: E402
+from lmcli.config import SampleConfig, ServeConfig  # noqa: E402
 from lmcli.generate.sampling import sample_texts  # noqa: E402
-from lmcli.config import SampleConfig  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
 
 
@@ -63,7 +62,9 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     text = free.choices[0].text
     assert len(text) >= 6, text
     stop = text[3:5]
-    cut = client.completions.create(model="run", prompt="the", max_tokens=30, seed=2, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model="run", prompt="the", max_tokens=30, seed=2, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     streamed = client.completions.create(
@@ -85,22 +86,46 @@ def test_seeded_output_equals_lmcli_sample(client: openai.OpenAI, served_run, ch
     """The same prompt, seed and settings give `lmcli sample`'s text, also while batched."""
     code, out, _ = run_cli(
         [
-            "sample", str(served_run), "-p", "the cat", "--json", "--max-new-tokens", "20",
-            "--temperature", "0.7", "--top-k", "10", "--top-p", "0.9", "--seed", "42", "--num-samples", "2",
+            "sample",
+            str(served_run),
+            "-p",
+            "the cat",
+            "--json",
+            "--max-new-tokens",
+            "20",
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "10",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "42",
+            "--num-samples",
+            "2",
         ],
         capsys,
     )
     assert code == 0
     expected = [json.loads(line)["text"] for line in out.splitlines()]
     got = client.completions.create(
-        model="run", prompt="the cat", max_tokens=20, temperature=0.7, top_p=0.9, seed=42, n=2,
+        model="run",
+        prompt="the cat",
+        max_tokens=20,
+        temperature=0.7,
+        top_p=0.9,
+        seed=42,
+        n=2,
         extra_body={"top_k": 10},
     )
     assert [c.text for c in got.choices] == expected
     # eight requests at once, each in a batch with the others: each still equals its lone run
     prompts = ["the cat", "a bird sang", "the sun", "", "the dog sat", "over", "a", "the hill"]
     cfgs = [SampleConfig(max_new_tokens=16, temperature=0.8, seed=s, min_p=0.05) for s in range(8)]
-    alone = [sample_texts(checkpoint.model, checkpoint.tokenizer, [p], c)[0][0].text for p, c in zip(prompts, cfgs)]
+    alone = [
+        sample_texts(checkpoint.model, checkpoint.tokenizer, [p], c)[0][0].text
+        for p, c in zip(prompts, cfgs, strict=True)
+    ]
 
     def ask(i: int) -> str:
         r = client.completions.create(
@@ -134,7 +159,9 @@ def test_invalid_values_are_400s(server: str, body: dict, param: str) -> None:
 
 
 def test_unknown_parameters_are_ignored(server: str) -> None:
-    r = httpx.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": [1], "user": "u"})
+    r = httpx.post(
+        server + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": [1], "user": "u"}
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 

@@ -52,7 +52,9 @@ def test_lmcli_template_keeps_typed_special_strings_as_text() -> None:
     assert ids[-1] == tok.sep_id
 
 
-@pytest.mark.parametrize("messages", [[], "hi", [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}]])
+@pytest.mark.parametrize(
+    "messages", [[], "hi", [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}]]
+)
 def test_bad_messages(messages) -> None:
     with pytest.raises(LmcliError):
         chat_template.render(messages, None, tiny_tokenizer())

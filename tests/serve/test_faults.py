@@ -47,8 +47,25 @@ def _wait_idle(url: str, timeout: float = 10) -> dict:
 @pytest.fixture(scope="module")
 def proc(served_run: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "lmcli", "serve", str(served_run), "--port", str(port), "--max-batch", "4",
-           "--max-queue", "4", "--max-body", "65536", "--grace", "5", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmcli",
+        "serve",
+        str(served_run),
+        "--port",
+        str(port),
+        "--max-batch",
+        "4",
+        "--max-queue",
+        "4",
+        "--max-body",
+        "65536",
+        "--grace",
+        "5",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -58,7 +75,9 @@ def proc(served_run: Path) -> Iterator[tuple[subprocess.Popen, str]]:
             httpx.get(url + "/health", timeout=1)
             break
         except httpx.TransportError:
-            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else "slow"
+            assert p.poll() is None and time.monotonic() < deadline, (
+                p.stderr.read() if p.poll() is not None else "slow"
+            )
             time.sleep(0.1)
     yield p, url
     if p.poll() is None:
@@ -72,8 +91,12 @@ def _complete(url: str, **body) -> httpx.Response:
 
 def _faults(url: str) -> None:
     # a client that leaves mid-stream: its row is freed at once
-    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "a", "max_tokens": 60, "stream": True,
-                      "stop": "\x00never"}, timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"prompt": "a", "max_tokens": 60, "stream": True, "stop": "\x00never"},
+        timeout=30,
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
     _wait_idle(url, timeout=3)
@@ -86,7 +109,10 @@ def _faults(url: str) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     # 200 requests at once against 4 rows and a queue of 4: the rest get 503 + Retry-After
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
-    with httpx.Client(limits=limits, timeout=120) as client, concurrent.futures.ThreadPoolExecutor(32) as pool:
+    with (
+        httpx.Client(limits=limits, timeout=120) as client,
+        concurrent.futures.ThreadPoolExecutor(32) as pool,
+    ):
         body = {"prompt": "the", "max_tokens": 4}
         results = list(pool.map(lambda _: client.post(url + "/v1/completions", json=body), range(208)))
     codes = [r.status_code for r in results]
@@ -114,8 +140,12 @@ def test_faults_leave_the_server_up_and_memory_at_baseline(proc) -> None:
 
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0(proc) -> None:
     p, url = proc
-    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "the", "max_tokens": 40, "stream": True,
-                      "stop": "\x00never", "temperature": 0}, timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"prompt": "the", "max_tokens": 40, "stream": True, "stop": "\x00never", "temperature": 0},
+        timeout=30,
+    ) as r:
         lines = r.iter_lines()
         first = next(lines)
         p.send_signal(signal.SIGTERM)

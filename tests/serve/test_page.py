@@ -18,7 +18,8 @@ if not Path(CHROMIUM).exists():
 def test_page_streams_a_reply_and_resets(server: str) -> None:
     settings = {"temperature": 0.8, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 24, "seed": 7}
     expected = httpx.post(
-        server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "the cat"}], **settings}
+        server + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "the cat"}], **settings},
     ).json()["choices"][0]["message"]["content"]
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
