@@ -183,3 +183,20 @@ def test_api_key_guards_everything_but_health(checkpoint) -> None:
         assert c.completions.create(model="run", prompt="a", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_cli_errors_are_one_line(served_run, capsys) -> None:
+    from helpers import assert_one_line_error
+
+    code, _, err = run_cli(["serve", str(served_run), "--port", "70000"], capsys)
+    assert_one_line_error(code, err, "port must be in [0, 65535]")
+    code, _, err = run_cli(["serve", str(served_run), "--max-batch", "0"], capsys)
+    assert_one_line_error(code, err, "max-batch must be positive")
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(["serve", str(served_run), "--port", str(port)], capsys)
+    assert_one_line_error(code, err, f"cannot listen on 127.0.0.1:{port}")
