@@ -17,6 +17,7 @@ from typing import Any
 from lmcli import chat_template
 from lmcli.config import SampleConfig
 from lmcli.errors import LmcliError
+from lmcli.generate.decoding import make_prompt
 from lmcli.serve.scheduler import Job, TokenLogprob, Update
 from lmcli.tokenizer import Tokenizer
 
@@ -63,6 +64,7 @@ class Model:
     block_size: int
     template: str | None  # a Hugging Face chat template, or None: lmcli's
     created: int
+    translation: bool = False  # prompts are sources: <bos> source <sep>, as `lmcli sample` reads them
 
 
 @dataclass
@@ -174,7 +176,10 @@ def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            ids.append([tok.bos_id, *tok.encode(p)])
+            if model.translation:
+                ids.append(make_prompt(p, tok, model.block_size, translation=True).ids)
+            else:
+                ids.append([tok.bos_id, *tok.encode(p)])
             texts.append(p)
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             if not all(0 <= t < tok.vocab_size for t in p):
@@ -195,6 +200,8 @@ def parse(kind: str, body: Any, model: Model, *, max_tokens: int, max_batch: int
     include_usage = bool(options.get("include_usage")) if stream else False
     echo: list[str] = []
     if kind == "chat":
+        if model.translation:
+            raise ApiError(400, "this is a translation model: use /v1/completions with the source as prompt")
         try:
             prompts = [chat_template.encode(body.get("messages"), model.template, model.tokenizer)]
         except LmcliError as exc:

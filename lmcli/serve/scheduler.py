@@ -164,10 +164,12 @@ class Scheduler:
         max_batch: int,
         max_queue: int,
         threads: int | None = None,
+        prefix_lm: bool = False,
     ) -> None:
         """``threads``: torch's CPU threads for this thread's work (default: all cores but one,
-        which the web server's event loop needs; more threads than free cores slow every step)."""
-        self.model, self.tokenizer = model, tokenizer
+        which the web server's event loop needs; more threads than free cores slow every step).
+        ``prefix_lm``: prompts (translation sources) attend to themselves both ways, as in training."""
+        self.model, self.tokenizer, self.prefix_lm = model, tokenizer, prefix_lm
         self.threads = threads or max(1, torch.get_num_threads() - 1)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.device = next(model.parameters()).device
@@ -310,7 +312,7 @@ class Scheduler:
         pad = self.tokenizer.pad_id
         for h, prefilled in joining:
             for ids in h.job.prompts:
-                cache, logits = prefill(self.model, [ids], pad)
+                cache, logits = prefill(self.model, [ids], pad, prefix_lm=self.prefix_lm)
                 prefilled.append((cache, logits))
         holes = [i for i, r in enumerate(self.slots) if r is None]
         needed = sum(h.job.rows for h, _ in joining)

@@ -31,9 +31,9 @@ def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
     from lmcli.chat_template import find_template
 
     name = cfg.model_name or (ckpt.path.parent.name if ckpt.path.name in ("best", "last") else ckpt.path.name)
-    return Model(
-        name, ckpt.tokenizer, ckpt.model.config.block_size, find_template(ckpt.path), int(time.time())
-    )
+    translation = ckpt.train_config.task == "translation"
+    template = find_template(ckpt.path)
+    return Model(name, ckpt.tokenizer, ckpt.model.config.block_size, template, int(time.time()), translation)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -62,7 +62,12 @@ class _Server(uvicorn.Server):
 def _setup(ckpt: Checkpoint, cfg: ServeConfig, log_level: str) -> tuple[Any, Scheduler, socket.socket]:
     model = describe(ckpt, cfg)
     scheduler = Scheduler(
-        ckpt.model, ckpt.tokenizer, max_batch=cfg.max_batch, max_queue=cfg.max_queue, threads=cfg.threads
+        ckpt.model,
+        ckpt.tokenizer,
+        max_batch=cfg.max_batch,
+        max_queue=cfg.max_queue,
+        threads=cfg.threads,
+        prefix_lm=ckpt.train_config.prefix_lm,
     )
     app = create_app(model, scheduler, cfg)
     sock = bind(cfg.host, cfg.port)

@@ -200,3 +200,23 @@ def test_cli_errors_are_one_line(served_run, capsys) -> None:
         port = busy.getsockname()[1]
         code, _, err = run_cli(["serve", str(served_run), "--port", str(port)], capsys)
     assert_one_line_error(code, err, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
+    from helpers import tiny_model, tiny_tokenizer
+
+    from lmcli.checkpoint import load_model, save_checkpoint
+    from lmcli.config import TrainConfig
+
+    tok = tiny_tokenizer()
+    save_checkpoint(
+        tmp_path / "mt" / "best", tiny_model(tok.vocab_size), TrainConfig(task="translation"), tok, meta={}
+    )
+    ckpt = load_model(tmp_path / "mt")
+    cfg = SampleConfig(max_new_tokens=10, temperature=0.9, seed=4)
+    expected = sample_texts(ckpt.model, ckpt.tokenizer, ["the cat"], cfg, translation=True)[0][0].text
+    with running(ckpt, ServeConfig(port=0, grace=1)) as (url, _):
+        body = {"prompt": "the cat", "max_tokens": 10, "temperature": 0.9, "seed": 4}
+        assert httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert chat.status_code == 400 and "translation model" in chat.json()["error"]["message"]
