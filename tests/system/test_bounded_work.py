@@ -22,7 +22,9 @@ def test_bpe_trains_on_one_long_line_about_as_fast_as_on_ordinary_text() -> None
     rng = random.Random(0)
     size = 300_000
     dna = "".join(rng.choice("ACGT") for _ in range(size))
-    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    words = [
+        "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9))) for _ in range(5000)
+    ]
     text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(size // 60))[:size]
     text_seconds, _ = _cpu_seconds_to_train_bpe(text, 1000)
     dna_seconds, tok = _cpu_seconds_to_train_bpe(dna, 1000)
