@@ -147,10 +147,12 @@ def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
 
 
 def _warn_prompts(prompts: list[Any]) -> None:
-    unknown = sum(p.unknown for p in prompts)
+    _warn_inputs(sum(p.unknown for p in prompts), sum(p.truncated for p in prompts))
+
+
+def _warn_inputs(unknown: int, cut: int) -> None:
     if unknown:
         print(f"warning: {unknown} character(s) unknown to the tokenizer became <unk>", file=sys.stderr)
-    cut = sum(p.truncated for p in prompts)
     if cut:
         print(f"warning: {cut} input(s) longer than the context were cut to fit", file=sys.stderr)
 
@@ -163,7 +165,9 @@ def _warn_prompts(prompts: list[Any]) -> None:
 def sample(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
-    prompt_file: Path | None = typer.Option(None, help="Prompts, one per line, decoded as one batch."),
+    prompt_file: Path | None = typer.Option(
+        None, help="Prompts, one per line, decoded in batches; samples print in order as they finish."
+    ),
     json_out: bool = typer.Option(
         False, "--json", help="JSONL: prompt, text, per-token log-probs, settings."
     ),
@@ -171,7 +175,7 @@ def sample(
     options: dict[str, Any],
 ) -> None:
     """Generate text from a trained model (an empty prompt starts from <bos>)."""
-    from lmcli.generate.sampling import sample_texts
+    from lmcli.generate.sampling import iter_samples
 
     cfg = build(SampleConfig, options)
     ckpt = _load(run_dir, options)
@@ -187,7 +191,7 @@ def sample(
     if stream and not translation:
         typer.echo(texts[0], nl=False)
     on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
-    out, prompts = sample_texts(
+    samples = iter_samples(
         ckpt.model,
         ckpt.tokenizer,
         texts,
@@ -196,32 +200,33 @@ def sample(
         prefix_lm=ckpt.train_config.prefix_lm,
         on_text=on_text,
     )
-    _warn_prompts(prompts)
+    unknown = cut = 0
+    for g, p in samples:  # printed as each batch finishes: memory flat in the number of prompts
+        if g.sample_index == 0:
+            unknown, cut = unknown + p.unknown, cut + p.truncated
+        if not stream:
+            _print_sample(g, texts, cfg, json_out, translation)
+    _warn_inputs(unknown, cut)
     if stream:
         typer.echo("")
+
+
+def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, translation: bool) -> None:
+    if json_out:
+        record = {
+            "prompt": texts[g.prompt_index],
+            "prompt_index": g.prompt_index,
+            "sample": g.sample_index,
+            "text": g.text,
+            "tokens": g.ids,
+            "logprobs": [round(x, 6) for x in g.logprobs],
+            "finish_reason": g.finish_reason,
+            "settings": to_dict(cfg),
+        }
+        typer.echo(json.dumps(record, ensure_ascii=False))
     else:
-        _print_samples(out, texts, cfg, json_out, translation)
-
-
-def _print_samples(
-    out: list[Any], texts: list[str], cfg: SampleConfig, json_out: bool, translation: bool
-) -> None:
-    for g in out:
-        if json_out:
-            record = {
-                "prompt": texts[g.prompt_index],
-                "prompt_index": g.prompt_index,
-                "sample": g.sample_index,
-                "text": g.text,
-                "tokens": g.ids,
-                "logprobs": [round(x, 6) for x in g.logprobs],
-                "finish_reason": g.finish_reason,
-                "settings": to_dict(cfg),
-            }
-            typer.echo(json.dumps(record, ensure_ascii=False))
-        else:
-            typer.echo(f"--- prompt {g.prompt_index}, sample {g.sample_index} ({g.finish_reason}) ---")
-            typer.echo(("" if translation else texts[g.prompt_index]) + g.text)
+        typer.echo(f"--- prompt {g.prompt_index}, sample {g.sample_index} ({g.finish_reason}) ---")
+        typer.echo(("" if translation else texts[g.prompt_index]) + g.text)
 
 
 # ----------------------------------------------------------------------------- beam
@@ -316,19 +321,37 @@ def eval_command(
 
     cfg = build(EvalConfig, options)
     ckpt = _load(run_dir, options)
-    score, what = evaluate_run(ckpt, cfg, tuple(paths or ()), progress=not json_out)
+    if cfg.per_line and (output is not None or not json_out):
+        # each line's record is written as it is scored: memory stays flat however many lines
+        score, what = _eval_per_line(ckpt, cfg, tuple(paths or ()), output)
+    else:
+        score, what = evaluate_run(ckpt, cfg, tuple(paths or ()), progress=not json_out)
     if score.unknown:
         print(f"warning: {score.unknown} character(s) unknown to the tokenizer became <unk>", file=sys.stderr)
-    if cfg.per_line:
-        lines = "".join(json.dumps(rec) + "\n" for rec in score.lines)
-        if output is not None:
-            output.write_text(lines)
-        elif not json_out:
-            sys.stdout.write(lines)
     if json_out:
         typer.echo(json.dumps({"evaluated": what, **score.report()}))
     else:
         _print_score(score, what, to_stderr=cfg.per_line and output is None)
+
+
+def _eval_per_line(ckpt: Any, cfg: EvalConfig, paths: tuple[str, ...], output: Path | None) -> Any:
+    """``evaluate_run`` with each line's JSON record written to ``output`` (whole or not at all)
+    or stdout as it is scored."""
+    from lmcli.evaluate import evaluate_run
+    from lmcli.safe_io import temp_file
+
+    if output is None:
+        return evaluate_run(ckpt, cfg, paths, progress=False, on_line=lambda rec: print(json.dumps(rec)))
+    tmp = temp_file(output)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            result = evaluate_run(
+                ckpt, cfg, paths, progress=False, on_line=lambda rec: f.write(json.dumps(rec) + "\n")
+            )
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result
 
 
 def _print_score(score: Any, what: str, to_stderr: bool) -> None:

@@ -31,6 +31,8 @@ Task = Literal["lm", "translation"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
+INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
+SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
 
 C = TypeVar("C")
 
@@ -158,9 +160,15 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     return value
 
 
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _check_range(name: str, value: float, bounds: tuple[float | None, ...]) -> None:
     gt, ge, lt, le = bounds
     lo, hi = (gt if gt is not None else ge), (lt if lt is not None else le)
+    if lo is None and hi is None and isinstance(value, float) and not math.isfinite(value):
+        raise LmcliError(f"{flag_name(name)} must be a finite number, got {value}")
     bad = (
         (isinstance(value, float) and not math.isfinite(value))
         or (gt is not None and value <= gt)
@@ -173,12 +181,12 @@ def _check_range(name: str, value: float, bounds: tuple[float | None, ...]) -> N
     name = flag_name(name)
     if hi is not None and lo is not None:
         left, right = "(" if gt is not None else "[", ")" if lt is not None else "]"
-        raise LmcliError(f"{name} must be in {left}{lo:g}, {hi:g}{right}, got {value}")
+        raise LmcliError(f"{name} must be in {left}{_num(lo)}, {_num(hi)}{right}, got {value}")
     if gt == 0:
         raise LmcliError(f"{name} must be positive, got {value}")
     if lo is not None:
-        raise LmcliError(f"{name} must be {'>' if gt is not None else '>='} {lo:g}, got {value}")
-    raise LmcliError(f"{name} must be {'<' if lt is not None else '<='} {hi:g}, got {value}")
+        raise LmcliError(f"{name} must be {'>' if gt is not None else '>='} {_num(lo)}, got {value}")
+    raise LmcliError(f"{name} must be {'<' if lt is not None else '<='} {_num(hi)}, got {value}")
 
 
 def check_fields(cfg: Any) -> None:
@@ -192,6 +200,8 @@ def check_fields(cfg: Any) -> None:
         value = _coerce(f.name, value, hints[f.name])
         if value is not None and "range" in f.metadata and not isinstance(value, str | tuple | bool):
             _check_range(f.name, value, f.metadata["range"])
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
+            raise LmcliError(f"{flag_name(f.name)} must be below 2**63 in size (64 bits), got {value}")
         object.__setattr__(cfg, f.name, value)
 
 
@@ -312,7 +322,7 @@ class TrainConfig:
     save_interval: int = option(0, "Checkpoint every N steps.", ge=0, default_help="at every validation")
     keep_last: int = option(0, "Periodic step-N checkpoints to keep besides last and best.", ge=0)
     log_interval: int = option(10, "Log metrics every N steps.", gt=0)
-    seed: int = option(1337, "Random seed (weights, data order, dropout).")
+    seed: int = option(1337, "Random seed (weights, data order, dropout).", ge=0, le=SEED_MAX)
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option("auto", "Autocast dtype (auto: bf16 on CUDA, float32 elsewhere).")
     compile: bool = option(False, "torch.compile the model.")
@@ -363,7 +373,7 @@ class SampleConfig:
     min_p: float = option(0.0, "Drop tokens below min-p x the top one.", ge=0, lt=1)
     repetition_penalty: float = option(1.0, "> 1 discourages tokens already present.", gt=0)
     num_samples: int = option(1, "Samples per prompt.", gt=0)
-    seed: int = option(1337, "Same seed, same text.")
+    seed: int = option(1337, "Same seed, same text.", ge=0, le=SEED_MAX)
     stop: tuple[str, ...] = option((), "Stop when this text appears (repeatable).")
 
     def __post_init__(self) -> None:
@@ -375,7 +385,7 @@ class BeamConfig:
     """Settings of `lmcli beam` (scores follow Hugging Face: sum of log-probs / length^alpha)."""
 
     beam_size: int = option(5, "Beams per input.", ge=1)
-    length_penalty: float = option(1.0, "alpha in score = logprob / length^alpha.")
+    length_penalty: float = option(1.0, "alpha in score = logprob / length^alpha.", ge=-10, le=10)
     max_new_tokens: int = option(200, "New-token limit.", gt=0)
     max_len_a: float = option(0.0, "Limit new tokens to a * input_tokens + b (with --max-len-b).", ge=0)
     max_len_b: int = option(0, "See --max-len-a.", ge=0)

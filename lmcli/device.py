@@ -75,3 +75,13 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         if not workspace_set:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def memory_of(device: torch.device) -> int | None:
+    """Bytes of memory of ``device`` (a GPU's own, else the machine's RAM), None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        return None

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,9 @@ from lmcli.config import EvalConfig
 from lmcli.data.windows import IGNORE
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.tokenizer import Tokenizer, split_pieces
+
+LINE_BLOCK = 4096  # --per-line: lines read, sorted by length and scored at a time
 
 if TYPE_CHECKING:
     from lmcli.checkpoint import Checkpoint
@@ -87,34 +89,80 @@ def windows(n: int, context: int, stride: int) -> Iterator[tuple[int, int, int]]
         begin += stride
 
 
-def _batches(items: list, size: int) -> Iterator[list]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+def _batches(items: Iterable, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
-@fastpath.scoped
-@torch.inference_mode()
+def stream_windows(
+    chunks: Iterable[list[int]], context: int, stride: int
+) -> Iterator[tuple[int, int, int, list[int]]]:
+    """The windows of ``windows`` over ids that arrive in chunks, each with its ids
+    (``ids[begin:end]``): the same windows, in the same order, holding only about a window of
+    ids at a time however long the stream."""
+    if not 1 <= stride <= context:
+        raise LmcliError(f"stride must be between 1 and the context ({context}), got {stride}")
+    source = iter(chunks)
+    buf: list[int] = []  # ids[base:]
+    base, prev_end, begin, ended = 0, 1, 0, False
+    while True:
+        while not ended and base + len(buf) < begin + context + 1:
+            more = next(source, None)
+            if more is None:
+                ended = True
+            else:
+                buf.extend(more)
+        known = base + len(buf)  # all of the ids once ``ended``; else at least a full window
+        if prev_end >= known:
+            return
+        end = min(begin + context + 1, known)
+        yield begin, end, end - prev_end, buf[begin - base : end - base]
+        prev_end = end
+        begin += stride
+        if begin - base >= 1 << 16:  # drop the ids no window needs any more, now and then
+            del buf[: begin - base]
+            base = begin
+
+
 def score_ids(
     model: Transformer, ids: list[int], context: int, stride: int, batch_size: int = 8, progress: bool = False
 ) -> tuple[int, float]:
     """(tokens scored, total NLL) of ``ids`` (starting with <bos>) by sliding windows."""
-    if len(ids) < 2:
-        raise LmcliError("text is too short: at least one token is needed after <bos>")
+    return score_stream(model, [ids], context, stride, batch_size, progress)
+
+
+@fastpath.scoped
+@torch.inference_mode()
+def score_stream(
+    model: Transformer,
+    chunks: Iterable[list[int]],
+    context: int,
+    stride: int,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> tuple[int, float]:
+    """(tokens scored, total NLL) of ids arriving in chunks (the first id is <bos>) by sliding
+    windows; memory is flat in the number of ids."""
     if context > model.config.block_size:
         raise LmcliError(f"context {context} exceeds the model's block size {model.config.block_size}")
     device = next(model.parameters()).device
-    spans = list(windows(len(ids), context, stride))
-    data = torch.tensor(ids, dtype=torch.long)
     total, count = 0.0, 0
-    bar = _bar(progress, len(spans))
-    for chunk in _batches(spans, batch_size):
-        width = max(end - begin - 1 for begin, end, _ in chunk)
+    bar = _bar(progress)
+    for chunk in _batches(stream_windows(chunks, context, stride), batch_size):
+        width = max(end - begin - 1 for begin, end, _, _ in chunk)
         x = torch.zeros(len(chunk), width, dtype=torch.long)
         y = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
-        for row, (begin, end, scored) in enumerate(chunk):
+        for row, (begin, end, scored, ids) in enumerate(chunk):
             n = end - begin - 1
-            x[row, :n] = data[begin : end - 1]
-            y[row, n - scored : n] = data[end - scored : end]  # right padding is harmless: causal
+            data = torch.tensor(ids, dtype=torch.long)
+            x[row, :n] = data[:-1]
+            y[row, n - scored : n] = data[n + 1 - scored :]  # right padding is harmless: causal
         logits = model(x.to(device))
         nll = F.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1), reduction="sum"
@@ -125,15 +173,17 @@ def score_ids(
             bar.update(len(chunk))
     if bar is not None:
         bar.close()
+    if count == 0:
+        raise LmcliError("text is too short: at least one token is needed after <bos>")
     return count, total
 
 
-def _bar(enabled: bool, total: int):  # noqa: ANN202 - a tqdm bar or None
-    if not enabled or total < 20:
+def _bar(enabled: bool):  # noqa: ANN202 - a tqdm bar or None
+    if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="window", desc="scoring", file=sys.stderr, leave=False, disable=None)
+    return tqdm(unit="window", desc="scoring", file=sys.stderr, leave=False, disable=None)
 
 
 def evaluate_text(
@@ -147,13 +197,48 @@ def evaluate_text(
     progress: bool = False,
 ) -> Score:
     """Perplexity and bits per byte of one text, as ``<bos> text``, by sliding windows."""
-    if not text.strip():
-        raise LmcliError("the text to evaluate is empty")
+    return evaluate_chunks(
+        model, tokenizer, [text], context=context, stride=stride, batch_size=batch_size, progress=progress
+    )
+
+
+def evaluate_chunks(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    chunks: Iterable[str],
+    *,
+    context: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> Score:
+    """``evaluate_text`` of the text that ``chunks`` make up, read as it is scored: memory stays
+    flat however long the text. It is encoded in the pieces the token cache uses
+    (``split_pieces``); a text of one piece is encoded whole, as ``evaluate_text`` always did."""
+    score = Score()
+    has_text = False
+
+    def ids() -> Iterator[list[int]]:
+        nonlocal has_text
+        yield [tokenizer.bos_id]
+        for chunk in chunks:
+            has_text = has_text or bool(chunk.strip())
+            score.bytes += len(chunk.encode("utf-8"))
+            for piece in split_pieces(chunk):
+                body = tokenizer.encode(piece)
+                score.unknown += tokenizer.count_unknown(body)
+                yield body
+
     context = context or model.config.block_size
-    body = tokenizer.encode(text)
-    ids = [tokenizer.bos_id, *body]
-    count, nll = score_ids(model, ids, context, stride or context, batch_size, progress)
-    return Score(count, nll, len(text.encode("utf-8")), tokenizer.count_unknown(body))
+    try:
+        score.tokens, score.nll = score_stream(model, ids(), context, stride or context, batch_size, progress)
+    except LmcliError:
+        if not has_text:
+            raise LmcliError("the text to evaluate is empty") from None
+        raise
+    if not has_text:
+        raise LmcliError("the text to evaluate is empty")
+    return score
 
 
 @fastpath.scoped
@@ -161,24 +246,50 @@ def evaluate_text(
 def evaluate_lines(
     model: Transformer,
     tokenizer: Tokenizer,
-    lines: list[str],
+    lines: Iterable[str],
     *,
     batch_size: int = 32,
     context: int | None = None,
+    on_line: Callable[[dict], None] | None = None,
 ) -> Score:
-    """Score each non-empty line on its own as ``<bos> line <eos>``; per-line results in ``lines``."""
+    """Score each non-empty line on its own as ``<bos> line <eos>``; per-line results in
+    ``lines``, or, with ``on_line``, handed to it in line order as they are scored (then memory
+    stays flat however many lines). Lines are read ``LINE_BLOCK`` at a time."""
+    score = Score()
+    block: list[str] = []
+    first = 1
+    for line in lines:
+        block.append(line)
+        if len(block) == LINE_BLOCK:
+            _score_line_block(model, tokenizer, block, first, score, batch_size, context, on_line)
+            first, block = first + len(block), []
+    if block:
+        _score_line_block(model, tokenizer, block, first, score, batch_size, context, on_line)
+    if score.tokens == 0:
+        raise LmcliError("no non-empty lines to evaluate")
+    return score
+
+
+def _score_line_block(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    lines: list[str],
+    first: int,
+    score: Score,
+    batch_size: int,
+    context: int | None,
+    on_line: Callable[[dict], None] | None,
+) -> None:
+    """Score lines numbered ``first``, ``first + 1``, ... into ``score`` (see ``evaluate_lines``)."""
     context = context or model.config.block_size
     device = next(model.parameters()).device
-    score = Score()
     items = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(lines, first):
         if not line.strip():
             continue
         body = tokenizer.encode(line)
         score.unknown += tokenizer.count_unknown(body)
         items.append((number, line, [tokenizer.bos_id, *body, tokenizer.eos_id]))
-    if not items:
-        raise LmcliError("no non-empty lines to evaluate")
     results: dict[int, dict] = {}
     short = [it for it in items if len(it[2]) - 1 <= context]
     for number, line, ids in (it for it in items if len(it[2]) - 1 > context):  # longer than the context
@@ -197,11 +308,13 @@ def evaluate_lines(
             results[number] = _line_record(number, line, len(ids) - 1, nll[row].item())
     for number in sorted(results):
         rec = results[number]
-        score.lines.append(rec)
         score.tokens += rec["tokens"]
         score.nll += rec["nll"]
         score.bytes += len(rec.pop("_text").encode("utf-8")) + 1  # the line and its newline
-    return score
+        if on_line is not None:
+            on_line(rec)
+        else:
+            score.lines.append(rec)
 
 
 def _line_record(number: int, line: str, tokens: int, nll: float) -> dict:
@@ -241,11 +354,17 @@ def evaluate_pairs(
 
 
 def evaluate_run(
-    ckpt: Checkpoint, cfg: EvalConfig, paths: tuple[str, ...] = (), *, progress: bool = True
+    ckpt: Checkpoint,
+    cfg: EvalConfig,
+    paths: tuple[str, ...] = (),
+    *,
+    progress: bool = True,
+    on_line: Callable[[dict], None] | None = None,
 ) -> tuple[Score, str]:
     """Evaluate a loaded checkpoint on paths, a dataset, parallel files, or its own validation split.
 
-    Returns the score and a short description of what was evaluated.
+    Returns the score and a short description of what was evaluated. The text is read as it is
+    scored; with ``cfg.per_line`` and ``on_line``, each line's record goes to ``on_line``.
     """
     model, tok = ckpt.model, ckpt.tokenizer
     context = cfg.context or model.config.block_size
@@ -256,14 +375,31 @@ def evaluate_run(
         if ckpt.train_config.task == "translation":
             pairs, what = _pairs_to_evaluate(ckpt, cfg)
             return evaluate_pairs(model, tok, pairs, ckpt.train_config.prefix_lm, cfg.batch_size), what
-        text, what = _text_to_evaluate(ckpt, cfg, paths)
+        chunks, what = _text_to_evaluate(ckpt, cfg, paths)
         if cfg.per_line:
-            lines = text.splitlines()
-            return evaluate_lines(model, tok, lines, batch_size=cfg.batch_size, context=context), what
-        score = evaluate_text(
-            model, tok, text, context=context, stride=stride, batch_size=cfg.batch_size, progress=progress
+            lines = split_lines(chunks)
+            score = evaluate_lines(
+                model, tok, lines, batch_size=cfg.batch_size, context=context, on_line=on_line
+            )
+            return score, what
+        score = evaluate_chunks(
+            model, tok, chunks, context=context, stride=stride, batch_size=cfg.batch_size, progress=progress
         )
         return score, what
+
+
+def split_lines(chunks: Iterable[str]) -> Iterator[str]:
+    """The lines of the text ``chunks`` make up, as ``str.splitlines`` of the whole text gives them."""
+    carry = ""
+    for chunk in chunks:
+        parts = (carry + chunk).splitlines(keepends=True)
+        carry = ""
+        if parts and (parts[-1].endswith("\r") or parts[-1].splitlines()[0] == parts[-1]):
+            carry = parts.pop()  # unfinished, or a "\r" that a "\n" may follow
+        for part in parts:
+            yield part.splitlines()[0] if part.splitlines() else ""
+    if carry:
+        yield from carry.splitlines()
 
 
 def _pairs_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig) -> tuple[PairSet, str]:
@@ -282,17 +418,38 @@ def _pairs_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig) -> tuple[PairSet, str]
     return data.val, "the run's validation pairs, target tokens only"
 
 
-def _text_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig, paths: tuple[str, ...]) -> tuple[str, str]:
-    """The text to score: paths, a dataset, or the run's own validation split."""
+def _text_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig, paths: tuple[str, ...]) -> tuple[Iterator[str], str]:
+    """The text to score, as chunks read lazily: paths, a dataset, or the run's own validation split."""
     from lmcli.data.corpus import open_corpus
     from lmcli.data.train_data import load_train_data
 
     if paths or cfg.dataset:
         corpus = open_corpus(paths, cfg.dataset, cfg.split, cfg.text_column)
-        docs = ["".join(doc) for doc in corpus.documents()]
-        return ("\n".join(docs) if cfg.dataset else "".join(docs)), corpus.description
+        return _corpus_chunks(corpus.documents(), "\n" if cfg.dataset else ""), corpus.description
     if ckpt.meta.get("source") == "huggingface":
         raise LmcliError("give text to evaluate: a Hugging Face model folder has no validation split")
     block_size = ckpt.model.config.block_size
     data = load_train_data(ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False)
-    return ckpt.tokenizer.decode(data.val.tolist()), "the run's validation split"
+    return _decoded_chunks(ckpt.tokenizer, data.val), "the run's validation split"
+
+
+def _corpus_chunks(documents: Iterator[Iterator[str]], separator: str) -> Iterator[str]:
+    """The chunks of every document, ``separator`` between documents."""
+    for i, doc in enumerate(documents):
+        if i and separator:
+            yield separator
+        yield from doc
+
+
+def _decoded_chunks(tokenizer: Tokenizer, ids: Any, size: int = 1 << 16) -> Iterator[str]:
+    """The text of ``ids`` (a token array), decoded ``size`` tokens at a time; a cut that falls
+    inside a character waits for the tokens that complete it."""
+    start = 0
+    while start < len(ids):
+        end = min(start + size, len(ids))
+        text = tokenizer.decode(ids[start:end].tolist())
+        while text.endswith("\ufffd") and end < len(ids) and end - start < size + 8:
+            end += 1
+            text = tokenizer.decode(ids[start:end].tolist())
+        yield text
+        start = end

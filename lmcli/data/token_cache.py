@@ -20,9 +20,8 @@ import numpy as np
 
 from lmcli.data.corpus import CHUNK_BYTES, Corpus, FileCorpus
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.tokenizer import PIECE_CHARS, Tokenizer, split_pieces
 
-PIECE_CHARS = 1 << 12  # encode_batch items: 2-4 KiB pieces encode ~30% faster than lines or 64 KiB
 CACHE_VERSION = 2  # 2: 4 KiB pieces cut at a line break, else before a space
 
 
@@ -126,7 +125,7 @@ def _batched(chunks: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
     size = 0
     for chunk in chunks:
         # encode_batch parallelizes over items, and is fastest on pieces of a few KiB
-        for piece in _split_lines(chunk, PIECE_CHARS):
+        for piece in split_pieces(chunk, PIECE_CHARS):
             batch.append(piece)
             size += len(piece)
             if size >= max_bytes:
@@ -134,22 +133,6 @@ def _batched(chunks: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
                 batch, size = [], 0
     if batch:
         yield batch
-
-
-def _split_lines(text: str, target: int) -> Iterator[str]:
-    """``text`` in pieces of at most ``target`` characters, cut after a line break, or else
-    before a space (where a byte-level BPE word starts), or else anywhere."""
-    start = 0
-    while len(text) - start > target:
-        cut = text.rfind("\n", start, start + target) + 1
-        if cut <= start:
-            cut = text.rfind(" ", start + 1, start + target)
-        if cut <= start:
-            cut = start + target
-        yield text[start:cut]
-        start = cut
-    if start < len(text):
-        yield text[start:]
 
 
 def _progress_bar(enabled: bool, corpus: Corpus) -> Any:

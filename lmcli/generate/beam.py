@@ -18,6 +18,7 @@ from torch import Tensor
 from lmcli import fastpath
 from lmcli.config import BeamConfig
 from lmcli.generate.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
+from lmcli.generate.kv_cache import check_fits
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 
@@ -74,6 +75,7 @@ def beam_search(
     ``cfg.max_new_for(input_len)``: a * input_len + b new tokens at most.
     """
     k = cfg.beam_size
+    check_fits(model, len(prompts) * k, f"beam-size {k} x {len(prompts)} input(s)")
     limits = [cfg.max_new_for(n) for n in (input_lens or [len(p) for p in prompts])]
     pools: list[list[Hypothesis]] = [[] for _ in prompts]
     with fastpath.inference(model):

@@ -16,7 +16,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lmcli.device import memory_of
+from lmcli.errors import LmcliError
+
 GROW = 16  # the least number of columns added to the buffers at a time
+
+
+def check_fits(model: torch.nn.Module, rows: int, what: str) -> None:
+    """Refuse with one line a decoding batch of ``rows`` rows whose KV cache (a full context per
+    row) and next-token scores would not fit in the device's memory, before allocating any."""
+    cfg = model.config
+    param = next(model.parameters())
+    per_row = 2 * cfg.n_layer * cfg.block_size * cfg.n_embd * param.element_size() + 4 * cfg.vocab_size * 4
+    have = memory_of(param.device)
+    if have is not None and rows * per_row > have:
+        raise LmcliError(
+            f"{what} needs {rows:,} rows of {per_row / 2**20:.1f} MiB for decoding, more than the "
+            f"{have / 2**30:.1f} GiB of memory of {param.device.type}"
+        )
 
 
 class LeftPadding:

@@ -7,7 +7,7 @@ Reproducibility: sample ``j`` of every prompt draws from its own ``torch.Generat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +17,7 @@ from torch import Tensor
 from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.generate.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
+from lmcli.generate.kv_cache import check_fits
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 
@@ -122,6 +123,33 @@ def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
     return text[: min(hits)] if hits else None
 
 
+PENDING_TOKENS = 8  # tokens held back at most while they decode to half a character
+
+
+class TextTail:
+    """A row's text, decoded a few tokens at a time (the work per step does not grow with the
+    text): ``add`` returns the text that tokens ``ids[read:]`` add, decoded together with the
+    tokens before them (``ids[prefix:read]``) so that characters and words spanning tokens come
+    out as a full decode would give them. Only the last ``keep`` characters are held, which is
+    what a stop string check needs."""
+
+    def __init__(self, keep: int) -> None:
+        self.prefix = self.read = 0
+        self.keep = keep
+        self.tail = ""  # the last ``keep`` characters of the text so far
+
+    def add(self, tokenizer: Tokenizer, ids: list[int]) -> str:
+        """New text since the last call ('' while the last tokens end inside a character)."""
+        before = tokenizer.decode(ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        after = tokenizer.decode(ids[self.prefix :])
+        if after.endswith("\ufffd") and len(ids) - self.read < PENDING_TOKENS:
+            return ""  # half a character: wait for the rest of its bytes
+        new = after[len(before) :]
+        self.prefix, self.read = self.read, len(ids)
+        self.tail = (self.tail + new)[-self.keep :] if self.keep else ""
+        return new
+
+
 class NextToken:
     """``cfg``'s next-token rule with its per-row state: the seeded generators (one per row,
     ``seed + sample index``) and, with a repetition penalty, the tokens each row has seen."""
@@ -171,8 +199,10 @@ class Collector:
         self.out, self.tokenizer, self.stops, self.on_text = out, tokenizer, stops, on_text
         self.done = [False] * len(out)
         self.n_done = 0
-        self.streamed = [""] * len(out)
         self.watch_text = bool(stops) or on_text is not None
+        longest = max((len(s) for s in stops), default=1)
+        self.texts = [TextTail(longest - 1) for _ in out]  # a stop ends inside the new text
+        self.streamed = [0] * len(out)  # characters handed to on_text
 
     def add(self, tokens: Tensor, logprobs: Tensor, rows: list[list[int]]) -> bool:
         """Record one token per row; True once every row has ended."""
@@ -188,25 +218,28 @@ class Collector:
             g.ids.append(tok)
             g.logprobs.append(lp)
             if self.watch_text:
-                text = self.tokenizer.decode(g.ids)
-                cut = _cut_at_stop(text, self.stops)
-                if cut is not None:
-                    self._end(r, "stop")
-                    text = cut
-                self._stream(r, text, complete=False)
+                self._watch(r, g.ids)
         return self.n_done == len(self.out)
+
+    def _watch(self, r: int, ids: list[int]) -> None:
+        """Look for a stop string where the new text could complete one; stream the new text."""
+        text = self.texts[r]
+        held = text.tail
+        new = text.add(self.tokenizer, ids)
+        if not new:
+            return
+        window = held + new
+        cut = _cut_at_stop(window, self.stops)
+        if cut is not None:
+            self._end(r, "stop")
+            new = cut[len(held) :]
+        if self.on_text is not None and new:  # (text streamed before a stop's first token stays)
+            self.on_text(r, new)
+            self.streamed[r] += len(new)
 
     def _end(self, r: int, reason: str) -> None:
         self.done[r], self.out[r].finish_reason = True, reason
         self.n_done += 1
-
-    def _stream(self, r: int, text: str, complete: bool) -> None:
-        """Hand ``on_text`` what is new in ``text`` (not a half-decoded character, unless complete)."""
-        if self.on_text is None or len(text) <= len(self.streamed[r]):
-            return
-        if complete or not text.endswith("\ufffd"):
-            self.on_text(r, text[len(self.streamed[r]) :])
-            self.streamed[r] = text
 
     def finish(self) -> None:
         """Every row's final text (cut at its first stop string), streamed to the end."""
@@ -214,7 +247,9 @@ class Collector:
             text = self.tokenizer.decode(g.ids)
             cut = _cut_at_stop(text, self.stops)
             g.text = cut if cut is not None else text
-            self._stream(r, g.text, complete=True)
+            if self.on_text is not None and len(g.text) > self.streamed[r]:
+                self.on_text(r, g.text[self.streamed[r] :])
+                self.streamed[r] = len(g.text)
 
 
 @torch.inference_mode()
@@ -226,16 +261,20 @@ def generate(
     *,
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
+    samples: range | None = None,
 ) -> list[Generated]:
-    """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch.
+    """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch
+    (or only the samples numbered ``samples``, e.g. ``range(64, 128)``).
 
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
     ``prompt * num_samples + sample``). ``<eos>`` is never chosen before ``cfg.min_new_tokens``.
     """
-    n = cfg.num_samples
-    out = [Generated(p, j) for p in range(len(prompts)) for j in range(n)]
-    if cfg.max_new_tokens == 0 or not prompts:
+    samples = range(cfg.num_samples) if samples is None else samples
+    n = len(samples)
+    out = [Generated(p, j) for p in range(len(prompts)) for j in samples]
+    if cfg.max_new_tokens == 0 or not prompts or not n:
         return out
+    check_fits(model, len(out), f"{len(prompts)} prompt(s) x {n} sample(s)")
     collector = Collector(out, tokenizer, cfg.stop, on_text)
     with fastpath.inference(model):
         cache, logits = prefill(model, prompts, tokenizer.pad_id, prefix_lm=prefix_lm)
@@ -258,6 +297,56 @@ def generate(
     return out
 
 
+BATCH_ROWS = 64  # rows (prompt x sample) sampled together: memory bounded however many prompts
+
+
+def row_blocks(n_prompts: int, n_samples: int, rows: int = BATCH_ROWS) -> Iterator[tuple[range, range]]:
+    """(prompts, samples) blocks of at most ``rows`` rows that cover every (prompt, sample) in
+    prompt-major order."""
+    if n_samples >= rows:
+        for p in range(n_prompts):
+            for s in range(0, n_samples, rows):
+                yield range(p, p + 1), range(s, min(s + rows, n_samples))
+    else:
+        per = rows // n_samples
+        for p in range(0, n_prompts, per):
+            yield range(p, min(p + per, n_prompts)), range(n_samples)
+
+
+def iter_samples(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    cfg: SampleConfig,
+    *,
+    translation: bool = False,
+    prefix_lm: bool = False,
+    on_text: Callable[[int, str], None] | None = None,
+    rows: int = BATCH_ROWS,
+) -> Iterator[tuple[Generated, Prompt]]:
+    """Encode prompt texts (``<bos> text``, or ``<bos> source <sep>`` for a translation model)
+    and sample ``cfg.num_samples`` continuations of each, ``rows`` (prompt, sample) rows at a
+    time; yields each sample with its prompt, in order (prompt-major), as its block finishes.
+    Memory stays bounded however many prompts and samples are asked for; the same seed gives
+    the same text whatever the blocks (each sample draws from its own generator)."""
+    with fastpath.inference(model):  # one scope for every block
+        for block, samples in row_blocks(len(texts), cfg.num_samples, rows):
+            prompts = [make_prompt(texts[i], tokenizer, model.config.block_size, translation) for i in block]
+            row_text = None
+            if on_text is not None:
+                first = block.start * cfg.num_samples + samples.start  # rows of this block, globally
+
+                def row_text(row: int, piece: str, first: int = first, per: int = len(samples)) -> None:
+                    on_text(first + (row // per) * cfg.num_samples + row % per, piece)
+
+            ids = [p.ids for p in prompts]
+            out = generate(model, tokenizer, ids, cfg, prefix_lm=prefix_lm, on_text=row_text, samples=samples)
+            for g in out:
+                prompt = prompts[g.prompt_index]
+                g.prompt_index += block.start
+                yield g, prompt
+
+
 def sample_texts(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -268,8 +357,12 @@ def sample_texts(
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
 ) -> tuple[list[Generated], list[Prompt]]:
-    """Encode prompt texts (``<bos> text``, or ``<bos> source <sep>`` for a translation model)
-    and sample continuations of all of them as one batch."""
-    prompts = [make_prompt(t, tokenizer, model.config.block_size, translation) for t in texts]
-    out = generate(model, tokenizer, [p.ids for p in prompts], cfg, prefix_lm=prefix_lm, on_text=on_text)
-    return out, prompts
+    """Every sample of ``iter_samples`` as a list, and the encoded prompts."""
+    out: list[Generated] = []
+    prompts: dict[int, Prompt] = {}
+    for g, prompt in iter_samples(
+        model, tokenizer, texts, cfg, translation=translation, prefix_lm=prefix_lm, on_text=on_text
+    ):
+        out.append(g)
+        prompts[g.prompt_index] = prompt
+    return out, [prompts[i] for i in range(len(texts))]
