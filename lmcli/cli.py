@@ -75,6 +75,7 @@ def _root(
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder
+    lmcli verify  RUN_DIR       check a run folder's files, checksums and shapes
     """
 
 
@@ -363,6 +364,19 @@ def export(
     if format != "hf":
         raise LmcliError(f"invalid format {format!r}: choose hf")
     typer.echo(f"wrote {export_hf(run_dir, out_dir)}")
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+@app.command()
+def verify(run_dir: Path = typer.Argument(..., help="Run or checkpoint folder.")) -> None:
+    """Check a run folder without building a model: files, links, checksums, configs, weight
+    shapes and sizes against the config, tokenizer, trainer state. One line per checkpoint."""
+    from lmcli.verify import verify_run
+
+    for report in verify_run(run_dir):
+        typer.echo(report.line())
 
 
 # ----------------------------------------------------------------------------- entry point
