@@ -12,6 +12,7 @@ the ones that were trained (a checksum recomputed by whoever edited a file match
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,9 @@ def verify_checkpoint(ckpt: Path) -> CheckpointReport:
         )
     if os.path.lexists(ckpt / STATE):
         try:
-            state = torch.load(checked_file(ckpt / STATE), map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # about the pickle protocol of a foreign file
+                warnings.simplefilter("ignore")
+                state = torch.load(checked_file(ckpt / STATE), map_location="cpu", weights_only=True)
         except Exception as exc:  # unpickling refused or truncated file
             raise LmcliError(
                 f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
