@@ -45,9 +45,9 @@ def craft(run: Path, model: dict | None = None, train: dict | None = None, *, me
     return run
 
 
-# Runs lmcli commands (or ["load", PATH]: load_checkpoint alone) in one fresh process, each under a memory limit, and reports for each the
-# exit code, stderr, seconds, and how far the peak RSS (VmHWM, reset between commands) rose above
-# the RSS before the command.
+# Runs lmcli commands (or ["load", PATH]: load_checkpoint alone) in one fresh process, each under
+# a memory limit, and reports for each the exit code, stderr, seconds, and how far the peak RSS
+# (VmHWM, reset between commands) rose above the RSS before the command.
 DRIVER = textwrap.dedent(
     """
     import contextlib, io, json, resource, sys, time
