@@ -19,18 +19,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lmcli import __version__
-from lmcli.config import ModelConfig, TrainConfig, from_dict, to_dict
+from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_fields, to_dict
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
@@ -218,37 +221,188 @@ def find_latest_run(root: str | Path = "checkpoints") -> Path:
     return max(runs, key=lambda p: (p / META).stat().st_mtime).parent
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
+JSON_LIMIT = 64 << 20  # config.json and meta.json are a few KiB; more is not an lmcli file
+
+
+def checked_file(path: Path) -> Path:
+    """``path`` if it is a regular file, not a link: a run folder is input, and a link or a
+    device there (``/dev/zero``) would make a reader hang or read outside the folder."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        st = os.lstat(path)
     except FileNotFoundError:
         raise LmcliError(f"{path.parent} is missing {path.name}") from None
+    except OSError as exc:
+        raise LmcliError(f"cannot read {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise LmcliError(f"{path} is a symbolic link: a run folder must not contain links")
+    if not stat.S_ISREG(st.st_mode):
+        raise LmcliError(f"{path} is not a regular file")
+    return path
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from a run folder's file; one line if it is not one."""
+    try:
+        if checked_file(path).stat().st_size > JSON_LIMIT:
+            raise LmcliError(f"cannot read {what} {path}: larger than {JSON_LIMIT >> 20} MiB")
+        with open(path) as f:
+            data = json.load(f)
     except (OSError, ValueError) as exc:
         raise LmcliError(f"cannot read {what} {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise LmcliError(f"cannot read {what} {path}: not a JSON object")
+    return data
 
 
 def verify_checksums(ckpt: Path, meta: dict[str, Any]) -> None:
     """Compare each file with the sha256 recorded at save time; name the broken one."""
-    for name, digest in meta.get("sha256", {}).items():
+    recorded = meta.get("sha256", {})
+    if not isinstance(recorded, dict):
+        raise LmcliError(f"{ckpt / META}: sha256 is not a table of file names")
+    for name, digest in recorded.items():
+        if not isinstance(digest, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise LmcliError(f"{ckpt / META}: bad sha256 entry {name!r}")
         f = ckpt / name
-        if not f.exists():
+        if not os.path.lexists(f):
             raise LmcliError(f"checkpoint {ckpt} is missing {name}")
-        if _sha256(f) != digest:
+        if _sha256(checked_file(f)) != digest:
             raise LmcliError(f"checkpoint file {f} is corrupt (checksum mismatch)")
 
 
-def load_weights(model: Transformer, path: Path, device: torch.device | str = "cpu") -> None:
-    """Load ``model.safetensors`` into ``model``; a clear error for truncated or foreign files."""
+# safetensors dtype names of the tensors lmcli saves (a model is built in float32)
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# what a model computes from its config alone (position tables, a full-context attention bias)
+# may take the weights' size, or this much for small models with long contexts
+COMPUTED_FLOOR = 256 << 20
+_LAYER = re.compile(r"h\.(\d+)\.")
+
+
+@dataclass
+class WeightsHeader:
+    """What the header of a safetensors file says, read without its tensors."""
+
+    path: Path
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+    file_size: int
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.tensors.values())
+
+
+def read_header(path: Path) -> WeightsHeader:
+    """The tensor names, dtypes and shapes of ``path`` from its header alone (safetensors checks
+    that the offsets are in order and cover the file exactly)."""
     try:
-        state = clean_state_dict(load_file(str(path), device=str(device)))
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {}
+            for name in f.keys():
+                piece = f.get_slice(name)
+                tensors[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise LmcliError(f"{path.parent} is missing {path.name}") from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise LmcliError(f"cannot read weights {path}: {str(exc).splitlines()[0][:200]}") from None
-    load_state(model, state, str(path))
+    return WeightsHeader(path, tensors, size)
 
 
-def load_state(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
-    """Load weights named as on disk into ``model``; one line naming what does not fit."""
+def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    """The tensors a checkpoint of ``cfg`` holds, as on disk (name -> (dtype, shape)), and the
+    bytes the model computes from the config alone: its position tables plus the attention
+    mask of one full-context window. From a model built on the meta device (no allocation)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    dtypes = {v: k for k, v in _DTYPES.items()}
+    expected = {
+        DISK_NAMES.get(k, k): (dtypes[v.dtype], tuple(v.shape))
+        for k, v in clean_state_dict(model.state_dict()).items()
+        if not (cfg.tie_embeddings and k == "lm_head.weight")
+    }
+    computed = sum(b.numel() * b.element_size() for b in model.buffers())
+    mask, _ = model.attention_mask(cfg.block_size, None, None, torch.float32, torch.device("meta"))
+    if mask is not None:
+        computed += mask.numel() * mask.element_size()
+    return expected, computed
+
+
+def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
+    """One line when ``cfg`` does not describe the weights in ``header``, found before anything
+    as large as the config claims is built: layers and embedding first (the numbers a crafted
+    config inflates), then every tensor's name, shape and dtype, the total size, and the size
+    of what the model computes from the config alone (position tables, masks)."""
+    where = f"weights {header.path}"
+    layers = {int(m.group(1)) for name in header.tensors if (m := _LAYER.match(name))}
+    if cfg.n_layer != len(layers) or layers != set(range(len(layers))):
+        raise LmcliError(
+            f"{where} do not fit the model config "
+            f"(n-layer {cfg.n_layer}, layers in the weights: {len(layers)})"
+        )
+    wte = header.tensors.get("wte.weight")
+    if wte is None or wte[1] != (cfg.vocab_size, cfg.n_embd):
+        got = "no wte.weight" if wte is None else f"wte.weight of shape {wte[1]}"
+        raise LmcliError(
+            f"{where} do not fit the model config (vocabulary {cfg.vocab_size} x n-embd {cfg.n_embd}, "
+            f"the weights hold {got})"
+        )
+    expected, computed = expected_weights(cfg)
+    missing = sorted(set(expected) - set(header.tensors))
+    unexpected = sorted(set(header.tensors) - set(expected))
+    if missing or unexpected:
+        raise LmcliError(
+            f"{where} do not fit the model config "
+            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
+        )
+    for name, (dtype, shape) in expected.items():
+        got_dtype, got_shape = header.tensors[name]
+        if got_shape != shape:
+            raise LmcliError(f"{where}: {name} has shape {got_shape}, config expects {shape}")
+        if got_dtype != dtype:
+            raise LmcliError(f"{where}: {name} is {got_dtype}, expected {dtype}")
+    n_bytes = sum(math.prod(s) * _DTYPES[d].itemsize for d, s in expected.values())
+    if n_bytes > header.file_size:
+        raise LmcliError(f"{where}: {n_bytes} bytes of tensors in a file of {header.file_size} bytes")
+    if computed > max(n_bytes, COMPUTED_FLOOR):
+        raise LmcliError(
+            f"{where}: the model config's block-size {cfg.block_size} needs {computed:,} bytes of "
+            f"position tables and masks, more than the weights' {n_bytes:,}"
+        )
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
+    """A model of ``cfg`` whose parameters *are* the tensors of ``state`` (names as on disk):
+    built on the meta device, so nothing is drawn at random and nothing is copied; the position
+    tables are then computed on the state's device."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_state(model, state, "", assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.wte.weight  # assign made two parameters of one tensor
+    with torch.device("cpu"):  # where a freshly built model computes them, for the same values
+        model.positions.make_tables(cfg)
+    model.positions.to(model.wte.weight.device)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a tensor the format does not store and nothing computed: a bug, not bad input
+        raise RuntimeError(f"not materialized after loading: {', '.join(left[:3])}")
+    return model
+
+
+def load_weights(cfg: ModelConfig, path: Path, device: torch.device | str = "cpu") -> Transformer:
+    """The model of ``cfg`` with the weights in ``path``: the header is checked against the
+    config before anything is built, then the tensors are read once and become the model's."""
+    check_header(cfg, read_header(checked_file(path)))
+    try:
+        state = load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise LmcliError(f"cannot read weights {path}: {str(exc).splitlines()[0][:200]}") from None
+    return model_from_state(cfg, clean_state_dict(state))
+
+
+def load_state(
+    model: Transformer, state: dict[str, torch.Tensor], where: str, *, assign: bool = False
+) -> None:
+    """Load weights named as on disk into ``model``; one line naming what does not fit.
+    ``assign``: the tensors become the parameters (for a model built on the meta device)."""
     state = {MODULE_NAMES.get(k, k): v for k, v in state.items()}
     if model.config.tie_embeddings:
         state.setdefault("lm_head.weight", state.get("wte.weight"))
@@ -266,7 +420,7 @@ def load_state(model: Transformer, state: dict[str, torch.Tensor], where: str) -
                 f"weights {where}: {key} has shape {tuple(value.shape)}, "
                 f"config expects {tuple(expected[key].shape)}"
             )
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=assign)
 
 
 def load_checkpoint(
@@ -282,22 +436,22 @@ def load_checkpoint(
     if verify:
         verify_checksums(ckpt, meta)
     cfg = read_json(ckpt / CONFIG, "checkpoint config")
-    if "model" not in cfg:
+    if not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise LmcliError(f"{ckpt / CONFIG} has no model config")
     model_config = from_dict(ModelConfig, cfg["model"], source=str(ckpt / CONFIG))
-    train_data = dict(cfg.get("train", {}))
+    train_data = stored_fields(TrainConfig, dict(cfg.get("train", {})))  # no paths to write to
     train_config = from_dict(TrainConfig, train_data, source=str(ckpt / CONFIG))
-    tokenizer = Tokenizer.load(ckpt / TOKENIZER)
+    tokenizer = Tokenizer.load(checked_file(ckpt / TOKENIZER))
     if tokenizer.vocab_size != model_config.vocab_size:
         raise LmcliError(
             f"tokenizer in {ckpt} has {tokenizer.vocab_size} tokens but the model expects "
             f"{model_config.vocab_size}"
         )
-    model = Transformer(model_config)
-    load_weights(model, ckpt / WEIGHTS)
+    model = load_weights(model_config, ckpt / WEIGHTS)
     model.to(device).eval()
     state = None
-    if with_state and (ckpt / STATE).exists():
+    if with_state and os.path.lexists(ckpt / STATE):
+        checked_file(ckpt / STATE)
         try:
             state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
         except Exception as exc:  # unpickling refused or truncated file

@@ -77,6 +77,7 @@ def _root(
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder
     lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
+    lmcli verify  RUN_DIR       check a run folder's files, checksums and shapes
     """
 
 
@@ -419,6 +420,17 @@ def serve(
         )
     ckpt = _load(run_dir, options)
     run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
+# ----------------------------------------------------------------------------- verify
+
+
+@app.command()
+def verify(run_dir: Path = typer.Argument(..., help="Run or checkpoint folder.")) -> None:
+    """Check a run folder without building a model: files, links, checksums, configs, weight
+    shapes and sizes against the config, tokenizer, trainer state. One line per checkpoint."""
+    from lmcli.verify import verify_run
+
+    for report in verify_run(run_dir):
+        typer.echo(report.line())
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -53,6 +53,7 @@ def option(
     parse: Any = None,
     path: bool = False,
     resume: Literal["fixed", "free", "derived"] = "fixed",
+    stored: bool = True,
 ) -> Any:
     """A config field with everything the CLI, the checks and resume need to know about it.
 
@@ -63,7 +64,9 @@ def option(
     ``parse``: converts text (a flag's or a TOML string) to the field's type. ``path``: a local
     path, stored absolute so the run works from any folder. ``resume``: for model fields,
     whether ``--resume`` may change it (``free``), must keep it (``fixed``), or neither because
-    the data sets it (``derived``).
+    the data sets it (``derived``). ``stored=False``: a run folder's stored value is never
+    used (resume, eval): a path lmcli writes to comes from this machine's flags or defaults,
+    not from a run folder someone shared.
     """
     meta = {
         "help": help,
@@ -76,6 +79,7 @@ def option(
         "parse": parse,
         "path": path,
         "resume": resume,
+        "stored": stored,
     }
     return dataclasses.field(default=default, metadata=meta)
 
@@ -270,7 +274,9 @@ class TrainConfig:
         argument=True,
         path=True,
     )
-    out: str | None = option(None, "Run folder.", short="-o", default_help="checkpoints/run-<time>")
+    out: str | None = option(
+        None, "Run folder.", short="-o", default_help="checkpoints/run-<time>", stored=False
+    )
     task: Task = option("lm", "lm (language modelling) or translation (source <sep> target).")
     source: str | None = option(None, "Translation: line-aligned source file (.gz allowed).", path=True)
     target: str | None = option(None, "Translation: line-aligned target file (.gz allowed).", path=True)
@@ -291,7 +297,11 @@ class TrainConfig:
     )
     vocab_size: int = option(8000, "Vocabulary size for bpe.", gt=0)
     cache_dir: str | None = option(
-        None, "Token cache folder.", default_help="~/.cache/lmcli or $LMCLI_CACHE", path=True
+        None,
+        "Token cache folder.",
+        default_help="~/.cache/lmcli or $LMCLI_CACHE",
+        path=True,
+        stored=False,
     )
     init_from: str | None = option(
         None, "Start from a local Hugging Face GPT-2 folder (fine-tuning).", path=True
@@ -501,6 +511,12 @@ def from_dict(cls: type[C], data: dict[str, Any], *, source: str = "config") -> 
         return cls(**data)
     except TypeError as exc:
         raise LmcliError(f"{source}: {exc}") from None
+
+
+def stored_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The options of a config read from a run folder that may be used (``stored=True``)."""
+    dropped = {f.name for f in fields(cls) if not f.metadata.get("stored", True)}
+    return {k: v for k, v in data.items() if k not in dropped}
 
 
 def field_names(cls: type) -> set[str]:

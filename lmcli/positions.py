@@ -27,6 +27,17 @@ class Positions(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.max_len: int | None = cfg.block_size  # longest sequence; None = no limit
+        self.make_tables(cfg)
+
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+        """The fixed tables this scheme computes from the config (never stored in a checkpoint)."""
+        return {}
+
+    def make_tables(self, cfg: ModelConfig) -> None:
+        """(Re)compute the tables as non-persistent buffers, on the current default device: at
+        construction, and after a loader built the model on the meta device."""
+        for name, table in self.tables(cfg).items():
+            self.register_buffer(name, table, persistent=False)
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         return x
@@ -62,9 +73,8 @@ def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
 class Sinusoidal(Positions):
     """Fixed sin/cos embeddings added to the tokens."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
-        self.register_buffer("table", sinusoidal_table(cfg.block_size, cfg.n_embd), persistent=False)
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+        return {"table": sinusoidal_table(cfg.block_size, cfg.n_embd)}
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         return x + self.table[pos].to(x.dtype)
@@ -73,14 +83,12 @@ class Sinusoidal(Positions):
 class Rotary(Positions):
     """Rotary position embedding (rotate-half layout, as in Llama), applied to queries and keys."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
         D = cfg.head_dim
         inv = 1.0 / (cfg.rope_base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
         angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv)  # (n_pos, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (n_pos, D)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        return {"cos": angles.cos(), "sin": angles.sin()}
 
     def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate q and k (B, H, T, D) by positions pos (B or 1, T)."""
@@ -116,7 +124,9 @@ class ALiBi(Positions):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.max_len = None
-        self.register_buffer("slopes", alibi_slopes(cfg.n_head), persistent=False)
+
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+        return {"slopes": alibi_slopes(cfg.n_head)}
 
     def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
         """Float mask (B or 1, H, T, S) from a boolean one: -slope * |distance|, -inf where not allowed."""

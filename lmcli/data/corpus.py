@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +96,20 @@ def _read_file(path: Path, stats: TextStats) -> Iterator[str]:
                     yield text
                 if not block:
                     return
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
-        raise LmcliError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    except READ_ERRORS as exc:
+        raise LmcliError(read_error(path, exc)) from None
+
+
+# what reading a damaged file raises: OSError (BadGzipFile too), a truncated gzip EOFError, a
+# corrupt gzip body zlib.error
+READ_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def read_error(path: Path | str, exc: BaseException) -> str:
+    """One line naming ``path`` and what is wrong with it."""
+    if isinstance(exc, zlib.error | EOFError | gzip.BadGzipFile):
+        return f"cannot read {path}: corrupt or truncated gzip data ({exc})"
+    return f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
 
 
 class Corpus:
@@ -235,5 +248,5 @@ def read_lines(path: str | Path) -> list[str]:
     try:
         with open_text(Path(path)) as f:
             return [line.rstrip("\r\n") for line in f]
-    except (OSError, EOFError) as exc:  # e.g. a corrupt or truncated .gz, or a folder
-        raise LmcliError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    except READ_ERRORS as exc:  # e.g. a corrupt or truncated .gz, or a folder
+        raise LmcliError(read_error(path, exc)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcli.data.corpus import load_hf_dataset, open_text
+from lmcli.data.corpus import READ_ERRORS, load_hf_dataset, open_text, read_error
+from lmcli.data.token_cache import damaged, file_check, read_cache_json
 from lmcli.data.windows import IGNORE, Batch, EpochStream
 from lmcli.errors import LmcliError
+from lmcli.safe_io import atomic_write, remove_stale_temps, temp_file
 from lmcli.tokenizer import Tokenizer
 
 PAIR_CACHE_VERSION = 1
@@ -36,8 +39,11 @@ class PairStats:
 
 
 def _count_lines(path: Path) -> int:
-    with open_text(path) as f:
-        return sum(1 for _ in f)
+    try:
+        with open_text(path) as f:
+            return sum(1 for _ in f)
+    except READ_ERRORS as exc:
+        raise LmcliError(read_error(path, exc)) from None
 
 
 class PairCorpus:
@@ -87,9 +93,12 @@ class AlignedFiles(PairCorpus):
         )
 
     def pairs(self) -> Iterator[tuple[str, str]]:
-        with open_text(self.source) as fs, open_text(self.target) as ft:
-            for src, tgt in zip(fs, ft, strict=True):
-                yield src.rstrip("\n"), tgt.rstrip("\n")
+        try:
+            with open_text(self.source) as fs, open_text(self.target) as ft:
+                for src, tgt in zip(fs, ft, strict=True):
+                    yield src.rstrip("\n"), tgt.rstrip("\n")
+        except READ_ERRORS as exc:
+            raise LmcliError(read_error(f"{self.source} or {self.target}", exc)) from None
 
 
 class TableFile(PairCorpus):
@@ -104,6 +113,12 @@ class TableFile(PairCorpus):
         super().__init__({"table": _file_id(self.path), "columns": self.columns}, f"{self.path}")
 
     def pairs(self) -> Iterator[tuple[str, str]]:
+        try:
+            yield from self._rows()
+        except READ_ERRORS as exc:
+            raise LmcliError(read_error(self.path, exc)) from None
+
+    def _rows(self) -> Iterator[tuple[str, str]]:
         with open_text(self.path) as f:
             for number, line in enumerate(f, 1):
                 line = line.rstrip("\n")
@@ -233,12 +248,12 @@ def tokenize_pairs(
     ).hexdigest()[:20]
     cache_dir = Path(cache_dir)
     bin_path, idx_path = cache_dir / f"pairs-{key}.bin", cache_dir / f"pairs-{key}.json"
+    npy_path = cache_dir / f"pairs-{key}.npy"
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-    if bin_path.exists() and idx_path.exists():
-        meta = json.loads(idx_path.read_text())
-        index = np.load(cache_dir / f"pairs-{key}.npy")
-        tokens = np.memmap(bin_path, dtype=dtype, mode="r") if meta["n_tokens"] else np.zeros(0, dtype)
-        return PairSet(tokens, index[0], index[1], index[2], PairStats(**meta["stats"]), cached=True)
+    remove_stale_temps(cache_dir)
+    cached = _reuse_pairs(bin_path, idx_path, npy_path, dtype)
+    if cached is not None:
+        return cached
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     stats = PairStats()
@@ -246,8 +261,9 @@ def tokenize_pairs(
     lengths: list[int] = []
     prefixes: list[int] = []
     n_tokens = 0
-    tmp = cache_dir / f".pairs-{key}.{os.getpid()}.tmp"
+    tmp = tmp_npy = None
     try:
+        tmp = temp_file(bin_path)
         with open(tmp, "wb") as out:
             for batch in _chunks(corpus.pairs(), chunk):
                 kept = [(s, t) for s, t in batch if s.strip() and t.strip()]
@@ -268,15 +284,61 @@ def tokenize_pairs(
         if not offsets:
             raise LmcliError(f"no non-empty pairs in {corpus.description}")
         index = np.asarray([offsets, lengths, prefixes], dtype=np.int64)
-        np.save(cache_dir / f"pairs-{key}.npy", index)
+        tmp_npy = temp_file(npy_path)
+        with open(tmp_npy, "wb") as f:
+            np.save(f, index)
+        meta = {
+            "n_tokens": n_tokens,
+            "stats": stats.__dict__,
+            "check": {"tokens": file_check(tmp), "index": file_check(tmp_npy)},
+        }
+        os.replace(tmp_npy, npy_path)
         os.replace(tmp, bin_path)
-        idx_path.write_text(json.dumps({"n_tokens": n_tokens, "stats": stats.__dict__}))
+        atomic_write(idx_path, json.dumps(meta))
     except OSError as exc:
         raise LmcliError(f"cannot write pair cache in {cache_dir}: {exc.strerror}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        for path in (tmp, tmp_npy):
+            if path is not None:
+                path.unlink(missing_ok=True)
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
     return PairSet(tokens, index[0], index[1], index[2], stats)
+
+
+def _reuse_pairs(bin_path: Path, idx_path: Path, npy_path: Path, dtype: str) -> PairSet | None:
+    """The cached pairs, or None (with a warning when a cache was there but is damaged)."""
+    if not idx_path.exists() and not bin_path.exists():
+        return None
+    meta = read_cache_json(idx_path)
+    check = meta.get("check") if meta is not None else None
+    reason = "its .json is missing or unreadable"
+    if meta is not None and not isinstance(check, dict):
+        reason = "no checksum (written by an older lmcli)"
+    elif meta is not None:
+        reason = damaged(bin_path, {"check": check.get("tokens")}) or damaged(
+            npy_path, {"check": check.get("index")}
+        )
+        if reason is None:
+            try:
+                n = meta["n_tokens"]
+                index = np.load(npy_path, allow_pickle=False)
+                stats = PairStats(**meta["stats"])
+                offset, length, prefix = index  # (3, pairs)
+                if not (
+                    bin_path.stat().st_size == n * np.dtype(dtype).itemsize
+                    and index.dtype == np.int64
+                    and index.ndim == 2
+                    and (offset >= 0).all()
+                    and (offset + length <= n).all()
+                    and ((prefix >= 2) & (prefix <= length)).all()
+                ):
+                    raise ValueError("index out of range")
+                tokens = np.memmap(bin_path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+                return PairSet(tokens, offset, length, prefix, stats, cached=True)
+            except (OSError, ValueError, TypeError, KeyError):
+                reason = "its index does not fit its tokens"
+    print(f"warning: pair cache {bin_path} is damaged ({reason}): rebuilding it", file=sys.stderr)
+    return None
 
 
 def _chunks(it: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:

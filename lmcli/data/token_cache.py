@@ -3,6 +3,12 @@
 The file (uint16, or uint32 for large vocabularies) lives under the cache folder, keyed by a
 hash of the corpus and the tokenizer; a second run memory-maps it instead of tokenizing again.
 Tokenizing streams, so memory stays flat however large the corpus.
+
+A cache is input too: its ``.json`` records the file's size and a sha256 of its first and last
+MiB (``file_check``), so a cache that was truncated, overwritten or zeroed is rebuilt, with a
+warning, instead of training on garbage; the whole file is not hashed, so that reuse stays
+instant. Temporary files carry the writer's pid (``lmcli.safe_io``); those of writers that died
+are removed at the next start.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ import numpy as np
 
 from lmcli.data.corpus import CHUNK_BYTES, Corpus, FileCorpus
 from lmcli.errors import LmcliError
+from lmcli.safe_io import atomic_write, remove_stale_temps, temp_file
 from lmcli.tokenizer import PIECE_CHARS, Tokenizer, split_pieces
 
 CACHE_VERSION = 2  # 2: 4 KiB pieces cut at a line break, else before a space
+CHECK_BYTES = 1 << 20  # file_check hashes this much at each end of a cache file
+DTYPES = ("uint16", "uint32")
 
 
 @dataclass
@@ -64,20 +73,20 @@ def tokenize_corpus(
     key = hashlib.sha256(f"{CACHE_VERSION}:{corpus.key}:{tokenizer.fingerprint}".encode()).hexdigest()[:20]
     cache_dir = Path(cache_dir)
     bin_path, meta_path = cache_dir / f"tokens-{key}.bin", cache_dir / f"tokens-{key}.json"
-    if meta_path.exists() and bin_path.exists():
-        meta = json.loads(meta_path.read_text())
-        size = np.dtype(meta["dtype"]).itemsize * meta["n_tokens"]
-        if bin_path.stat().st_size == size:
-            return TokenFile(bin_path, meta["n_tokens"], meta["dtype"], meta, cached=True)
+    remove_stale_temps(cache_dir)
+    cached = _reuse(bin_path, meta_path, tokenizer.vocab_size)
+    if cached is not None:
+        return cached
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise LmcliError(f"cannot create cache folder {cache_dir}: {exc.strerror}") from None
     dtype = token_dtype(tokenizer.vocab_size)
-    tmp = cache_dir / f".tokens-{key}.{os.getpid()}.tmp"
     n_tokens = n_unknown = 0
     bar = _progress_bar(progress, corpus)
+    tmp: Path | None = None
     try:
+        tmp = temp_file(bin_path)
         with open(tmp, "wb") as out:
             for doc in corpus.documents():
                 for chunk in _batched(doc, CHUNK_BYTES):
@@ -106,17 +115,76 @@ def tokenize_corpus(
         }
         if stats.documents == 0 or n_tokens <= stats.documents:
             raise LmcliError(f"corpus is empty: {corpus.description}")
+        meta["check"] = file_check(tmp)
         os.replace(tmp, bin_path)
-        tmp_meta = meta_path.with_suffix(".json.tmp")
-        tmp_meta.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp_meta, meta_path)
+        atomic_write(meta_path, json.dumps(meta, indent=2))
     except OSError as exc:
         raise LmcliError(f"cannot write token cache in {cache_dir}: {exc.strerror}") from None
     finally:
         if bar is not None:
             bar.close()
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return TokenFile(bin_path, n_tokens, dtype, meta)
+
+
+def file_check(path: Path) -> dict[str, Any]:
+    """The size of ``path`` and a sha256 of its first and last ``CHECK_BYTES``."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(CHECK_BYTES))
+        f.seek(max(size - CHECK_BYTES, 0))
+        h.update(f.read(CHECK_BYTES))
+    return {"size": size, "sha256_ends": h.hexdigest()}
+
+
+def damaged(path: Path, meta: dict[str, Any]) -> str | None:
+    """Why a cache file does not match the check its ``.json`` recorded, or None."""
+    check = meta.get("check")
+    if not isinstance(check, dict):
+        return "no checksum (written by an older lmcli)"
+    try:
+        if not path.is_file() or path.is_symlink():
+            return "not a regular file"
+        if file_check(path) != check:
+            return "size or checksum mismatch"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def read_cache_json(path: Path) -> dict[str, Any] | None:
+    """A cache's ``.json`` as a dict, or None when it is missing, unreadable or not an object."""
+    try:
+        if path.is_symlink() or path.stat().st_size > 1 << 20:
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _reuse(bin_path: Path, meta_path: Path, vocab_size: int) -> TokenFile | None:
+    """The cached token file, or None (with a warning when one was there but is damaged)."""
+    if not meta_path.exists() and not bin_path.exists():
+        return None
+    meta = read_cache_json(meta_path)
+    if meta is None:
+        reason = "its .json is missing or unreadable"
+    else:
+        n, dtype, check = meta.get("n_tokens"), meta.get("dtype"), meta.get("check")
+        size = check.get("size") if isinstance(check, dict) else None
+        if type(n) is not int or n < 0 or dtype != token_dtype(vocab_size):
+            reason = "its .json does not describe a token file"
+        elif size is not None and np.dtype(dtype).itemsize * n != size:
+            reason = "its .json does not describe a token file"
+        else:
+            reason = damaged(bin_path, meta)
+            if reason is None:
+                return TokenFile(bin_path, n, dtype, meta, cached=True)
+    print(f"warning: token cache {bin_path} is damaged ({reason}): rebuilding it", file=sys.stderr)
+    return None
 
 
 def _batched(chunks: Iterator[str], max_bytes: int) -> Iterator[list[str]]:

@@ -9,7 +9,6 @@ windows of one token stream) or ``PairData`` (translation: whole ``<bos> source 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from lmcli.data.pairs import (
 from lmcli.data.token_cache import default_cache_dir, tokenize_corpus
 from lmcli.data.windows import Batch, WindowSampler, eval_windows, require_window, windows_to_batch
 from lmcli.errors import LmcliError
+from lmcli.safe_io import atomic_write
 from lmcli.tokenizer import Tokenizer
 
 Info = Callable[[str], None]
@@ -121,13 +121,14 @@ def tokenizer_for(cfg: TrainConfig, corpus: Corpus | PairCorpus, cache_dir: Path
     size = cfg.vocab_size if cfg.tokenizer == "bpe" else 0
     cached = cache_dir / f"tokenizer-{corpus.key}-{cfg.tokenizer}-{size}.json"
     if cached.exists():
-        return Tokenizer.load(cached)
+        try:
+            return Tokenizer.load(cached)
+        except LmcliError as exc:
+            _stderr(f"warning: {exc}: training it again")
     tok = Tokenizer.train(cfg.tokenizer, corpus.texts(), cfg.vocab_size)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tok.save(tmp)
-        os.replace(tmp, cached)
+        atomic_write(cached, tok.to_json())
     except OSError as exc:
         raise LmcliError(f"cannot write to cache folder {cache_dir}: {exc.strerror}") from None
     return tok

@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from lmcli.checkpoint import copy_checkpoint, last_checkpoint, load_checkpoint, save_checkpoint
+from lmcli.checkpoint import (
+    copy_checkpoint,
+    last_checkpoint,
+    load_checkpoint,
+    model_from_state,
+    model_state,
+    save_checkpoint,
+)
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.data.train_data import TrainData, load_train_data
 from lmcli.device import autocast, autocast_dtype, configure_backend, deterministic_algorithms
@@ -470,9 +477,7 @@ def build_model(
         wanted = replace(saved, **{name: getattr(model_config, name) for name in free})
         if wanted == saved:
             return resumed.model, saved
-        model = Transformer(wanted)
-        model.load_state_dict(resumed.model.state_dict())
-        return model, wanted
+        return model_from_state(wanted, model_state(resumed.model)), wanted
     if init is not None:
         return init[0], init[0].config
     model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.checkpoint import last_checkpoint, read_json
-from lmcli.config import TOKENIZER_KINDS, ModelConfig, TrainConfig, from_dict, split_options, to_dict
+from lmcli.config import (
+    TOKENIZER_KINDS,
+    ModelConfig,
+    TrainConfig,
+    from_dict,
+    split_options,
+    stored_fields,
+    to_dict,
+)
 from lmcli.errors import LmcliError
 
 
@@ -88,7 +96,7 @@ def resolve_configs(
     train: dict[str, Any] = {}
     if resume is not None:
         saved = read_json(last_checkpoint(resume) / "config.json", "run config")
-        model, train = dict(saved.get("model", {})), dict(saved.get("train", {}))
+        model, train = dict(saved.get("model", {})), stored_fields(TrainConfig, dict(saved.get("train", {})))
     for source, options in (("config file", file_options), ("options", cli_options)):
         m, t = split_options(options, source=source)
         model.update(m)

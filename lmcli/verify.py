@@ -1,0 +1,122 @@
+"""`lmcli verify`: a run or checkpoint folder's structure, checked without building a model.
+
+For every checkpoint (``last``, ``best``, ``step-N``, an interrupted swap's ``*.old``): no
+symbolic links, the files present and regular, ``meta.json`` records a sha256 for each and
+each matches, ``config.json`` holds valid configs, the safetensors header fits the model
+config (names, shapes, dtypes, sizes; ``lmcli.checkpoint.check_header``), the tokenizer loads
+and fits the vocabulary, and ``trainer_state.pt`` loads with ``weights_only`` (no code runs).
+The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
+the ones that were trained (a checksum recomputed by whoever edited a file matches again).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmcli.checkpoint import (
+    CONFIG,
+    META,
+    STATE,
+    TOKENIZER,
+    WEIGHTS,
+    check_header,
+    checked_file,
+    read_header,
+    read_json,
+    verify_checksums,
+)
+from lmcli.config import ModelConfig, TrainConfig, from_dict
+from lmcli.errors import LmcliError
+from lmcli.safe_io import refuse_symlinks
+from lmcli.tokenizer import Tokenizer
+
+REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)
+
+
+@dataclass
+class CheckpointReport:
+    """What verifying one checkpoint folder found (it passed)."""
+
+    path: Path
+    step: int | None
+    params: int
+    files: int  # files whose checksum matched
+
+    def line(self) -> str:
+        step = f"step {self.step}" if self.step is not None else "no step"
+        return f"ok  {self.path}: {step}, {self.params:,} parameters, {self.files} checksums match"
+
+
+def verify_checkpoint(ckpt: Path) -> CheckpointReport:
+    """Check one checkpoint folder; an ``LmcliError`` names the first problem."""
+    refuse_symlinks(ckpt)
+    meta = read_json(ckpt / META, "checkpoint metadata")
+    verify_checksums(ckpt, meta)
+    recorded = meta.get("sha256", {})
+    for name in REQUIRED:
+        checked_file(ckpt / name)
+        if name not in recorded:
+            raise LmcliError(f"{ckpt / META} records no checksum for {name}")
+    model_config = read_configs(ckpt / CONFIG)
+    header = read_header(ckpt / WEIGHTS)
+    check_header(model_config, header)
+    tokenizer = Tokenizer.load(ckpt / TOKENIZER)
+    if tokenizer.vocab_size != model_config.vocab_size:
+        raise LmcliError(
+            f"tokenizer in {ckpt} has {tokenizer.vocab_size} tokens but the model expects "
+            f"{model_config.vocab_size}"
+        )
+    if os.path.lexists(ckpt / STATE):
+        try:
+            with warnings.catch_warnings():  # about the pickle protocol of a foreign file
+                warnings.simplefilter("ignore")
+                state = torch.load(checked_file(ckpt / STATE), map_location="cpu", weights_only=True)
+        except Exception as exc:  # unpickling refused or truncated file
+            raise LmcliError(
+                f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
+            ) from None
+        if not isinstance(state, dict):
+            raise LmcliError(f"trainer state {ckpt / STATE} is not a table of tensors")
+    step = meta.get("step")
+    return CheckpointReport(ckpt, step if isinstance(step, int) else None, header.n_params, len(recorded))
+
+
+def read_configs(path: Path) -> ModelConfig:
+    """The model config of a ``config.json``, its train config checked too."""
+    cfg = read_json(path, "config")
+    if not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
+        raise LmcliError(f"{path} has no model config")
+    from_dict(TrainConfig, cfg.get("train", {}), source=str(path))
+    return from_dict(ModelConfig, cfg["model"], source=str(path))
+
+
+def checkpoints_of(path: Path) -> list[Path]:
+    """The checkpoint folders of a run folder (or ``path`` itself when it is one)."""
+    if os.path.lexists(path / META) or os.path.lexists(path / WEIGHTS):
+        return [path]
+    found = [
+        p
+        for p in sorted(path.iterdir())
+        if p.is_dir() and not p.name.startswith(".") and os.path.lexists(p / META)
+    ]
+    if not found:
+        raise LmcliError(f"{path} is not an lmcli run or checkpoint folder (no checkpoint with {META})")
+    return found
+
+
+def verify_run(path: str | Path) -> list[CheckpointReport]:
+    """Check a run folder (its ``config.json`` and every checkpoint) or one checkpoint folder."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise LmcliError(f"no such run or checkpoint folder: {path}")
+    if not path.is_dir() or path.is_symlink():
+        raise LmcliError(f"{path} is not a folder")
+    refuse_symlinks(path)
+    if os.path.lexists(path / CONFIG) and not os.path.lexists(path / META):  # a run's config
+        read_configs(path / CONFIG)
+    return [verify_checkpoint(ckpt) for ckpt in checkpoints_of(path)]

@@ -1,0 +1,222 @@
+"""A run folder is untrusted input when read: people share them.
+
+A crafted ``config.json`` (huge sizes, with its checksum in ``meta.json`` recomputed or with no
+``meta.json`` at all) must be refused in one line before anything of its size is allocated; paths
+stored in a run's config never choose where lmcli writes; ``lmcli verify`` checks a folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run, run_cli, tiny_model
+
+from lmcli.checkpoint import load_checkpoint
+
+MiB = 1 << 20
+
+
+def craft(run: Path, model: dict | None = None, train: dict | None = None, *, meta: bool = True) -> Path:
+    """Change the configs of every checkpoint of ``run`` (and of the run itself); recompute the
+    config's checksum in ``meta.json``, or (``meta=False``) delete ``meta.json``."""
+    for config in [run / "config.json", *run.glob("*/config.json")]:
+        if not config.exists():
+            continue
+        cfg = json.loads(config.read_text())
+        cfg["model"].update(model or {})
+        cfg["train"].update(train or {})
+        config.write_text(json.dumps(cfg))
+        meta_path = config.parent / "meta.json"
+        if meta_path.exists() and meta:
+            m = json.loads(meta_path.read_text())
+            m["sha256"]["config.json"] = hashlib.sha256(config.read_bytes()).hexdigest()
+            meta_path.write_text(json.dumps(m))
+        elif meta_path.exists():
+            meta_path.unlink()
+    return run
+
+
+# Runs lmcli commands (or ["load", PATH]: load_checkpoint alone) in one fresh process, each under
+# a memory limit, and reports for each the exit code, stderr, seconds, and how far the peak RSS
+# (VmHWM, reset between commands) rose above the RSS before the command.
+DRIVER = textwrap.dedent(
+    """
+    import contextlib, io, json, resource, sys, time
+    import torch, lmcli.checkpoint, lmcli.cli, lmcli.generate.sampling, lmcli.hf
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    limit = status("VmSize") + 1536 * 2**20  # an allocation of the crafted size fails at once
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    out = []
+    for argv in json.loads(sys.argv[1]):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before, err, start = status("VmRSS"), io.StringIO(), time.perf_counter()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                if argv[0] == "load":  # the loader alone
+                    model = lmcli.checkpoint.load_checkpoint(argv[1]).model
+                else:
+                    lmcli.cli.main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code or 0
+        seconds = time.perf_counter() - start
+        out.append({"code": code, "err": err.getvalue(), "seconds": seconds,
+                    "peak": status("VmHWM") - before})
+    print(json.dumps(out))
+    """
+)
+
+
+def run_measured(commands: list[list[str]], timeout: float = 180) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_crafted_configs_are_refused_before_any_allocation(tmp_path: Path) -> None:
+    """Today: `eval` grows to tens of GB, `sample` builds 20,000 layers, a huge block size asks
+    for terabytes. Each must be one line, exit 2, in well under a second, and a peak RSS far
+    below the weights' size; a genuine load's peak stays near one copy of the weights."""
+    big = make_run(tmp_path / "big", n_layer=4, n_embd=256, n_head=4)  # 3.2M parameters
+    weights_bytes = (big / "last" / "model.safetensors").stat().st_size
+    base = make_run(tmp_path / "base")
+    bases = {p: make_run(tmp_path / p, position=p) for p in ("sinusoidal", "rope", "alibi")}
+    cases = {  # name: (run to start from, config changes, recompute the checksum)
+        "wide and deep, checksum recomputed": (base, {"n_layer": 2000, "n_embd": 2048}, True),
+        "20,000 layers, no meta.json": (base, {"n_layer": 20000}, False),
+        "huge context and width": (bases["sinusoidal"], {"block_size": 10**8, "n_embd": 32768}, True),
+        "sinusoidal table of a huge context": (bases["sinusoidal"], {"block_size": 10**8}, True),
+        "rotary tables of a huge context": (bases["rope"], {"block_size": 10**9}, True),
+        "ALiBi bias of a huge context": (bases["alibi"], {"block_size": 10**9}, True),
+    }
+    runs = []
+    for i, (start, model, meta) in enumerate(cases.values()):
+        run = craft(shutil.copytree(start, tmp_path / f"evil{i}"), model, meta=meta)
+        runs.append(run / "last")
+    # the first two import what loading and the CLI need
+    commands = [["load", str(base)], ["verify", str(base)], ["load", str(big)]]
+    commands += [
+        ["eval", str(r)] if i % 2 else ["sample", str(r), "--max-new-tokens", "1"] for i, r in enumerate(runs)
+    ]
+    _, _, genuine, *crafted = run_measured(commands)
+    print(json.dumps({"weights_bytes": weights_bytes, "genuine": genuine, "crafted": crafted}, indent=1))
+
+    assert genuine["code"] == 0, genuine["err"]
+    # one copy of the weights (today: a random model, then the loaded tensors beside it)
+    assert genuine["peak"] < weights_bytes + 6 * MiB, (genuine["peak"], weights_bytes)
+    for name, result in zip(cases, crafted, strict=True):
+        lines = [ln for ln in result["err"].splitlines() if ln.strip()]
+        assert result["code"] == 2 and len(lines) == 1, (name, result)
+        assert lines[0].startswith("error: weights ") and "Traceback" not in result["err"], (name, result)
+        assert result["seconds"] < 2.0, (name, result["seconds"])  # well under 1 s when idle
+        assert result["peak"] < 16 * MiB, (name, result["peak"])
+
+
+@pytest.mark.parametrize("position", ["learned", "sinusoidal", "rope", "alibi"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_loaded_model_computes_what_was_saved(tmp_path: Path, position: str, tie: bool) -> None:
+    """Built on the meta device and materialized from the weights: position tables computed
+    again, the head still tied to the embedding, nothing left on the meta device."""
+    run = make_run(tmp_path / "run", position=position, tie_embeddings=tie)
+    torch.manual_seed(0)
+    original = tiny_model(None, 0, block_size=32, position=position, tie_embeddings=tie)
+    model = load_checkpoint(run).model
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert (model.lm_head.weight is model.wte.weight) == tie
+    assert len(list(model.parameters())) == len(list(original.parameters()))
+    idx = torch.randint(0, original.config.vocab_size, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(model(idx), original(idx))
+
+
+def test_resume_never_writes_to_a_stored_cache_dir(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A crafted `cache_dir` (and `out`) in a shared run's config: resume writes the token
+    files into this machine's cache, nothing into the stored folders."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.txt").write_text(TINY_TEXT)
+    code, _, err = run_cli(["train", "c.txt", *FAST_TRAIN_ARGS, "--max-steps", "2", "--out", "run"], capsys)
+    assert code == 0, err
+    elsewhere, other_out = tmp_path / "victim-cache", tmp_path / "victim-out"
+    craft(tmp_path / "run", train={"cache_dir": str(elsewhere), "out": str(other_out)})
+    code, _, err = run_cli(["train", "--resume", "run", "--max-steps", "4"], capsys)
+    assert code == 0, err
+    assert not elsewhere.exists() and not other_out.exists()
+    assert any(Path(os.environ["LMCLI_CACHE"]).glob("tokens-*.bin"))
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["cache_dir"] is None
+
+
+def test_a_linked_checkpoint_file_is_refused(tmp_path: Path, capsys) -> None:
+    """A tokenizer.json that is a link (its target's checksum recorded) is not followed."""
+    run = make_run(tmp_path / "run")
+    outside = tmp_path / "outside.json"
+    shutil.move(run / "last" / "tokenizer.json", outside)
+    (run / "last" / "tokenizer.json").symlink_to(outside)
+    code, _, err = run_cli(["sample", str(run / "last"), "--max-new-tokens", "1"], capsys)
+    assert_one_line_error(code, err, "is a symbolic link")
+
+
+def test_verify_prints_one_line_per_checkpoint(tiny_run: Path, capsys) -> None:
+    code, out, err = run_cli(["verify", str(tiny_run)], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 2 and all(ln.startswith("ok  ") and "checksums match" in ln for ln in lines)
+    assert "best" in lines[0] and "last" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda run: craft(run, {"n_layer": 3}), "do not fit the model config"),
+        (lambda run: craft(run, {"n_embd": 64}, meta=False), "no checkpoint with meta.json"),
+        (lambda run: (run / "best" / "tokenizer.json").unlink(), "missing tokenizer.json"),
+        (lambda run: (run / "last" / "x").symlink_to("/etc/passwd"), "is a symbolic link"),
+        (lambda run: (run / "best" / "model.safetensors").write_bytes(b"\0" * 64), "checksum mismatch"),
+        (lambda run: (run / "best" / "config.json").write_text("[1]"), "corrupt (checksum mismatch)"),
+    ],
+)
+def test_verify_names_the_first_problem(tiny_run: Path, capsys, damage, message: str) -> None:
+    damage(tiny_run)
+    code, _, err = run_cli(["verify", str(tiny_run)], capsys)
+    assert_one_line_error(code, err, message)
+
+
+def test_verify_catches_a_crafted_trainer_state(tmp_path: Path, capsys) -> None:
+    """A pickle that would run code, with its checksum recomputed: refused, never executed."""
+    import pickle
+
+    run = make_run(tmp_path / "run")
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    state = run / "last" / "trainer_state.pt"
+    state.write_bytes(pickle.dumps(Evil()))
+    meta = json.loads((run / "last" / "meta.json").read_text())
+    meta["sha256"]["trainer_state.pt"] = hashlib.sha256(state.read_bytes()).hexdigest()
+    (run / "last" / "meta.json").write_text(json.dumps(meta))
+    code, _, err = run_cli(["verify", str(run)], capsys)
+    assert_one_line_error(code, err, "cannot read trainer state")
+    assert not marker.exists()
