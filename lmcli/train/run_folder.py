@@ -6,7 +6,7 @@ The run folder holds ``config.json`` (the resolved configs), ``last/``, ``best/`
 
 One writer at a time: a new run creates its folder exclusively (a default name never collides),
 and every writer holds an exclusive ``flock`` on the folder's ``.lock`` file, which holds its pid,
-for as long as it lives; a second writer gets one line naming that pid.
+for as long as it lives (and removes it when done); a second writer gets one line naming that pid.
 """
 
 from __future__ import annotations
@@ -61,9 +61,18 @@ class RunFolder:
     created: list[Path] = field(default_factory=list)  # folders this process made, innermost first
 
     def release(self) -> None:
-        if self.lock_fd >= 0:
-            os.close(self.lock_fd)
-            self.lock_fd = -1
+        """Remove the lock file (if it is still ours) and unlock."""
+        if self.lock_fd < 0:
+            return
+        try:
+            mine = os.fstat(self.lock_fd)
+            now = os.lstat(self.path / LOCK)
+            if (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                os.unlink(self.path / LOCK)  # while still locked: a waiting writer checks the inode
+        except OSError:
+            pass
+        os.close(self.lock_fd)
+        self.lock_fd = -1
 
     def has_checkpoint(self) -> bool:
         return any((self.path / name / META).exists() for name in ("last", "last.old"))
@@ -88,24 +97,33 @@ def lock_run_dir(run_dir: Path) -> int:
     import fcntl
 
     path = Path(run_dir) / LOCK
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP or path.is_symlink():
-            raise LmcliError(f"{path} is a symbolic link: a run folder must not contain links") from None
-        raise
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise LmcliError(
-            f"{run_dir} is in use by another lmcli (pid {holder}): wait for it to finish, "
-            "or train into another --out"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or path.is_symlink():
+                raise LmcliError(f"{path} is a symbolic link: a run folder must not contain links") from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LmcliError(
+                f"{run_dir} is in use by another lmcli (pid {holder}): wait for it to finish, "
+                "or train into another --out"
+            ) from None
+        mine = os.fstat(fd)
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # the holder removed this lock file as it finished: lock the new one
+    raise LmcliError(f"cannot lock {run_dir}: its lock file keeps changing")
 
 
 def _make_dir(path: Path) -> list[Path]:
