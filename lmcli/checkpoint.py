@@ -9,14 +9,18 @@ A run folder holds ``last/``, ``best/`` and optional ``step-NNNNNNN/`` checkpoin
     trainer_state.pt    optimizer, RNG states, data position (tensors/lists only)
     meta.json           step, metrics, sha256 of every file above
 
-Writes go to a temporary folder that is flushed and renamed into place, so a crash leaves the
-previous checkpoint intact. Loading verifies checksums and never unpickles arbitrary objects.
+Writes go to a fresh private temporary folder (``lmcli.safe_io``) that is flushed and renamed
+into place, so a crash leaves the previous checkpoint intact and a planted link is never written
+through. A checkpoint folder is never changed once in place, only replaced whole; a reader that
+sees it replaced while reading reads again (``read_consistently``). Loading verifies checksums
+and never unpickles arbitrary objects.
 ``load_model`` opens what a command is given: a run folder, a checkpoint folder, a local Hugging
 Face folder (``lmcli.hf``), or, given nothing, the newest run under ``checkpoints/``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -24,6 +28,8 @@ import os
 import re
 import shutil
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,7 @@ from lmcli import __version__
 from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_fields, to_dict
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
+from lmcli.safe_io import temp_dir
 from lmcli.tokenizer import Tokenizer
 
 WEIGHTS = "model.safetensors"
@@ -47,6 +54,9 @@ _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 # parameters whose name in a checkpoint file differs from the module path (lmcli 0.1's names)
 DISK_NAMES = {"positions.wpe.weight": "wpe.weight"}
 MODULE_NAMES = {disk: module for module, disk in DISK_NAMES.items()}
+OLD = ".old"  # a checkpoint moved aside while its successor is renamed into place
+_STEP = re.compile(r"step-(\d+)")
+READ_TRIES = 5  # reads of a checkpoint that a writer keeps replacing, before giving up
 
 
 @dataclass
@@ -115,21 +125,32 @@ def _write_json(path: Path, data: Any) -> None:
         f.write("\n")
 
 
+def _remove(path: Path) -> None:
+    """Remove a file, a link (never what it points to) or a folder; nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
 def _commit(tmp: Path, dest: Path) -> None:
-    """Flush ``tmp`` and move it to ``dest``, replacing an existing ``dest`` folder."""
+    """Flush ``tmp`` and move it to ``dest``, replacing an existing ``dest`` folder.
+
+    There is always a whole checkpoint at ``dest`` or, between the two renames, at ``dest.old``;
+    a ``dest.old`` is removed only once ``dest`` holds the newer one.
+    """
     for child in tmp.iterdir():
         with open(child, "rb+") as f:
             os.fsync(f.fileno())
+    os.chmod(tmp, tmp.parent.stat().st_mode & 0o777)  # the run folder's mode, not mkdtemp's 0700
     _fsync_dir(tmp)
-    old = dest.with_name(dest.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if dest.exists():
+    old = dest.with_name(dest.name + OLD)
+    if os.path.lexists(dest):
+        _remove(old)  # ``dest`` is whole: an older ``.old`` is stale
         os.replace(dest, old)  # until the next rename, loading falls back to ``.old``
     os.replace(tmp, dest)
     _fsync_dir(dest.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    _remove(old)
 
 
 def save_checkpoint(
@@ -143,10 +164,8 @@ def save_checkpoint(
 ) -> None:
     """Atomically write a checkpoint folder at ``dest``."""
     dest = Path(dest)
-    tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir(dest)  # created exclusively: a planted link at any name is never followed
     try:
         save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         _write_json(
@@ -168,13 +187,18 @@ def save_checkpoint(
         raise
 
 
-def copy_checkpoint(src: Path, dest: Path) -> None:
-    """Atomically copy a checkpoint folder (hard links where the filesystem allows)."""
-    tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+def copy_checkpoint(src: Path, dest: Path, *, link: bool = True) -> None:
+    """Atomically copy a checkpoint folder: hard links where the filesystem allows (``link``, within
+    a run: files are never changed in place), else copies. Only regular files are copied."""
+    tmp = temp_dir(dest)
     try:
-        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        for child in sorted(Path(src).iterdir()):
+            if child.is_symlink() or not child.is_file():
+                raise LmcliError(f"{child} is not a regular file: a checkpoint holds files only")
+            if link:
+                _link_or_copy(str(child), str(tmp / child.name))
+            else:
+                shutil.copy2(child, tmp / child.name)
         _commit(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -183,9 +207,32 @@ def copy_checkpoint(src: Path, dest: Path) -> None:
 
 def _link_or_copy(src: str, dst: str) -> None:
     try:
-        os.link(src, dst)
+        os.link(src, dst, follow_symlinks=False)
     except OSError:
         shutil.copy2(src, dst)
+
+
+def step_checkpoints(run_dir: Path) -> list[Path]:
+    """A run folder's ``step-N`` checkpoint folders, oldest step first (by number, not by name)."""
+    found = []
+    for path in Path(run_dir).iterdir():
+        match = _STEP.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def recover_checkpoints(run_dir: Path) -> None:
+    """Finish swaps a crash interrupted: ``X.old`` beside a whole ``X`` is stale and removed; an
+    ``X.old`` alone (killed between the two renames) becomes ``X`` again. For a run's writer."""
+    for old in Path(run_dir).glob(f"*{OLD}"):
+        if not old.is_dir() or old.is_symlink():
+            continue
+        dest = old.with_name(old.name[: -len(OLD)])
+        if (dest / META).exists():
+            shutil.rmtree(old)
+        elif not os.path.lexists(dest):
+            os.replace(old, dest)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -423,6 +470,40 @@ def load_state(
     model.load_state_dict(state, assign=assign)
 
 
+def _version(path: str | Path) -> tuple[str, bytes, int] | None:
+    """Which checkpoint ``path`` holds now: its folder, its meta.json (unique per save: it holds
+    the save's time) and the folder's inode; None if there is none right now."""
+    try:
+        ckpt = resolve_checkpoint(path)
+        return str(ckpt), (ckpt / META).read_bytes(), os.stat(ckpt).st_ino
+    except (LmcliError, OSError):
+        return None
+
+
+def read_consistently(load: Callable[..., Checkpoint]) -> Callable[..., Checkpoint]:
+    """``load(path, ...)`` that never returns a mix of two checkpoints: a writer replaces a
+    checkpoint folder whole (``_commit``), so if the folder ``path`` resolves to is the same before
+    and after the read, every file came from it; if it changed, read again (a few times)."""
+
+    @functools.wraps(load)
+    def read(path: str | Path, *args: Any, **kwargs: Any) -> Checkpoint:
+        for attempt in range(READ_TRIES):
+            before = _version(path)
+            try:
+                result = load(path, *args, **kwargs)
+            except (LmcliError, OSError):
+                if _version(path) == before:
+                    raise  # a real error, not a checkpoint replaced under the reader
+            else:
+                if _version(path) == before:
+                    return result
+            time.sleep(0.01 * (attempt + 1))
+        raise LmcliError(f"{path} was replaced {READ_TRIES} times while being read: try again")
+
+    return read
+
+
+@read_consistently
 def load_checkpoint(
     path: str | Path,
     device: torch.device | str = "cpu",

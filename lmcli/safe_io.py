@@ -37,11 +37,19 @@ def temp_dir(dest: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
 
 
+def _file_mode() -> int:
+    """The mode ``open()`` would give a new file (0o666 less the umask), not mkstemp's 0o600."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write(dest: Path, data: bytes | str) -> None:
     """Write ``dest`` whole or not at all, through an exclusive temporary file and a rename."""
     dest = Path(dest)
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -56,7 +64,7 @@ def open_append(path: Path):  # noqa: ANN201 - a text file object
     """``path`` opened for appending, never through a symlink (a link there is an error)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
+    except OSError:
         if Path(path).is_symlink():
             raise LmcliError(f"{path} is a symbolic link: refusing to write through it") from None
         raise

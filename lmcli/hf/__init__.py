@@ -17,6 +17,7 @@ from lmcli.checkpoint import load_checkpoint
 from lmcli.errors import LmcliError
 from lmcli.hf import gpt2
 from lmcli.model import Transformer
+from lmcli.safe_io import temp_dir
 from lmcli.tokenizer import Tokenizer
 
 
@@ -73,10 +74,8 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise LmcliError(f"{out_dir} already holds files: choose an empty or new folder")
     tok = ckpt.tokenizer
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir(out_dir)  # created exclusively: a link planted beside the output is never followed
     try:
         (tmp / "config.json").write_text(
             json.dumps(gpt2.gpt2_config(ckpt.model_config, tok), indent=2) + "\n"
@@ -102,6 +101,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
         (tmp / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+        os.chmod(tmp, out_dir.parent.stat().st_mode & 0o777)  # not mkdtemp's 0700
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)

@@ -65,7 +65,7 @@ def rich_reporter(quiet: bool = False) -> Reporter:
     console = stderr_console()
 
     def info(msg: str) -> None:
-        if not quiet or msg.startswith(("warning", "done", "stopped", "time limit")):
+        if not quiet or msg.startswith(("warning", "done", "stopped", "time limit", "interrupted")):
             console.print(msg, markup=False, soft_wrap=True)
 
     def preflight(p: Preflight, facts: dict[str, str]) -> None:

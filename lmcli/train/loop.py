@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from lmcli.checkpoint import (
+    META,
     copy_checkpoint,
     last_checkpoint,
     load_checkpoint,
     model_from_state,
     model_state,
+    read_json,
     save_checkpoint,
+    step_checkpoints,
 )
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.data.train_data import TrainData, load_train_data
@@ -37,10 +40,18 @@ from lmcli.device import autocast, autocast_dtype, configure_backend, determinis
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
+from lmcli.safe_io import refuse_symlinks
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
 from lmcli.train.optim import lr_at, make_optimizer
 from lmcli.train.preflight import Preflight, available_memory, estimate_memory, fmt_count, fmt_duration
-from lmcli.train.run_folder import absolute_paths, check_resumable, new_run_dir, write_run_config
+from lmcli.train.run_folder import (
+    RunFolder,
+    absolute_paths,
+    check_resumable,
+    create_run_dir,
+    open_run_dir,
+    write_run_config,
+)
 from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds, wants_bleu
 from lmcli.train.state import TrainState, rng_state, seed_everything, set_rng_state
 
@@ -86,7 +97,7 @@ class Run:
     max_steps: int | None
     metrics: MetricsLog
     info: Callable[[str], None]  # rank 0's messages; silent on the other ranks
-    created: bool  # this run made its folder: a failure before the first checkpoint removes it
+    source: Path | None  # the run folder a resumed run started from (itself, or another: --out)
     # since the last log point: the summed loss (on the device), where it started and when
     running: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     log_step: int = 0
@@ -94,6 +105,7 @@ class Run:
     train_loss: float | None = None  # the last logged training loss
     val_loss: float | None = None  # the last validation loss
     saved_step: int = -1  # the step of the last checkpoint
+    val_step: int = -1  # the step of the last validation
 
     @property
     def global_batch(self) -> int:
@@ -115,15 +127,45 @@ def train(
     reporter: Reporter | None = None,
     progress: bool = True,
 ) -> TrainResult:
-    """Train a model; with ``resume``, continue the run in that folder exactly where it stopped."""
+    """Train a model; with ``resume``, continue the run in that folder exactly where it stopped
+    (or, when ``cfg.out`` names another folder, start a new run there from that point).
+
+    The run folder is locked for the whole call; if the call fails before a first checkpoint,
+    a folder it created is removed; an interruption says which checkpoint was kept."""
     rep = reporter or Reporter()
     dist_info, device = init_distributed(cfg.device)
+    held: list[RunFolder] = []  # rank 0's locked run folder
+    opened: list[Run] = []
     try:
         with deterministic_algorithms(cfg.deterministic):
-            run = open_run(model_config, cfg, resume, rep, progress, dist_info, device)
-            return fit(run, rep)
+            opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
+            return fit(opened[0], rep)
+    except BaseException as exc:
+        if held:
+            after_failure(held[0], opened[0].state.step if opened else None, exc, rep.info)
+        raise
     finally:
+        if held:
+            held[0].release()
         shutdown_distributed()
+
+
+def after_failure(
+    folder: RunFolder, step: int | None, exc: BaseException, info: Callable[[str], None]
+) -> None:
+    """What a failed or interrupted run leaves: its checkpoints; a folder it made without one goes."""
+    kept = None
+    for name in ("last", "last.old"):
+        if (folder.path / name / META).exists():
+            meta = read_json(folder.path / name / META, "checkpoint metadata")
+            kept = f"kept {folder.path / name} (step {meta.get('step')})"
+            break
+    removed = folder.discard()
+    if isinstance(exc, KeyboardInterrupt):
+        where = f"at step {step}" if step is not None else "before training"
+        if kept is None:
+            kept = "no checkpoint yet" + (f", removed {folder.path}" if removed else "")
+        info(f"interrupted {where}: {kept}")
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -153,18 +195,19 @@ def fit(run: Run, rep: Reporter) -> TrainResult:
                 state.step += 1
                 if state.step % cfg.log_interval == 0 or run.done():
                     log_progress(run, lr, grad_norm, clock, bar)
+                improved = False
                 if state.step % cfg.eval_interval == 0 or run.done():
                     improved = validate(run)
-                    if not cfg.save_interval:
+                # last at every validation, or every --save-interval steps; best whenever it improves
+                due = state.step % cfg.save_interval == 0 if cfg.save_interval else run.val_step == state.step
+                if improved or due:
+                    with stop.saving():
                         save(run, clock, improved)
-                if cfg.save_interval and state.step % cfg.save_interval == 0:
-                    save(run, clock, improved=False)
-        if run.saved_step != state.step:  # the final checkpoint, also on a time limit or a signal
-            save(run, clock, validate(run))
-    except BaseException:
-        if run.dist.is_main and run.created and not (run.run_dir / "last").exists():
-            shutil.rmtree(run.run_dir, ignore_errors=True)  # nothing worth keeping: leave no half run
-        raise
+            if run.saved_step != state.step:  # the final checkpoint, also on a time limit or a signal
+                # on a signal, save first: no validation between the user and the checkpoint
+                improved = stopped not in SIGNALS and run.val_step != state.step and validate(run)
+                with stop.saving():
+                    save(run, clock, improved)
     finally:
         if bar is not None:
             bar.stop()
@@ -181,11 +224,16 @@ class Clock:
         return self.before + time.time() - self.start
 
 
+SIGNALS = ("SIGINT", "SIGTERM")
+
+
 class StopSignal:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and stops at the next step."""
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and stops at the next step. A second
+    signal stops at once, except during a save: a save is never cut short (``saving``)."""
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.in_save = False
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignal:
@@ -195,9 +243,19 @@ class StopSignal:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second Ctrl-C: stop at once
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+        elif not self.in_save:  # a second Ctrl-C: stop at once
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def saving(self) -> Any:
+        """A block (a save) that a second signal does not interrupt: the loop stops after it."""
+        self.in_save = True
+        try:
+            yield
+        finally:
+            self.in_save = False
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old.items():
@@ -276,6 +334,7 @@ def validate(run: Run) -> bool:
     loss = run.val_loss = evaluate_loss(run.model, run.data, cfg, run.device, run.amp, run.dist)
     improved = loss < state.best_val
     state.best_val = min(state.best_val, loss)
+    run.val_step = state.step
     if not run.dist.is_main:
         return improved
     record = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
@@ -330,7 +389,7 @@ def save(run: Run, clock: Clock, improved: bool) -> None:
         copy_checkpoint(last, run.run_dir / "best")
     if cfg.keep_last and state.step > 0:
         copy_checkpoint(last, run.run_dir / f"step-{state.step:07d}")
-        for old in sorted(run.run_dir.glob("step-*"))[: -cfg.keep_last]:
+        for old in step_checkpoints(run.run_dir)[: -cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -341,9 +400,10 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
         note = plot_loss_curve(run.metrics.read(), run.run_dir / "loss.png")
         if note:
             run.info(f"note: {note}")
-        if stopped in ("SIGINT", "SIGTERM"):
+        if stopped in SIGNALS:
             run.info(
-                f"stopped by {stopped} at step {state.step}; resume with: lmcli train --resume {run.run_dir}"
+                f"stopped by {stopped} at step {state.step}: kept {run.run_dir / 'last'} "
+                f"(step {run.saved_step}); resume with: lmcli train --resume {run.run_dir}"
             )
         elif stopped == "max_time":
             run.info(
@@ -369,12 +429,14 @@ def open_run(
     progress: bool,
     dist_info: Dist,
     device: torch.device,
+    held: list[RunFolder],
 ) -> Run:
-    """The run folder, data, model, optimizer and state of a new or resumed run."""
+    """The run folder (locked, into ``held``), data, model, optimizer and state of a new or
+    resumed run."""
     configure_backend(device)
     amp = autocast_dtype(device, cfg.dtype)
     info = rep.info if dist_info.is_main else (lambda msg: None)
-    run_dir, resumed = locate_run(model_config, cfg, resume, dist_info)
+    run_dir, resumed = locate_run(model_config, cfg, resume, dist_info, held)
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
 
     init = None
@@ -403,7 +465,8 @@ def open_run(
     state = TrainState()
     if resumed is not None:
         restore(resumed.state, state, optimizer, scaler, dist_info)
-        info(f"resuming {run_dir} at step {state.step}")
+        into = "" if Path(resume) == run_dir else f" into {run_dir}"
+        info(f"resuming {resume} at step {state.step}{into}")
 
     trained, ddp = wrap_for_training(model, cfg, dist_info, device)
     run = Run(
@@ -424,30 +487,62 @@ def open_run(
         max_steps=max_steps_of(cfg, sampler.epoch_size, dist_info.world_size),
         metrics=MetricsLog(run_dir / "metrics.jsonl"),
         info=info,
-        created=not run_dir.exists(),
+        source=Path(resume) if resume is not None else None,
         running=torch.zeros((), device=device),
         saved_step=state.step if resumed else -1,
     )
     if dist_info.is_main:
         show_preflight(run, rep)
-        run_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(run_dir, model_config, cfg)
         if resumed:
-            run.metrics.truncate_after(state.step)
+            carry_history(run)
     return run
 
 
+def carry_history(run: Run) -> None:
+    """A resumed run's metrics up to its checkpoint; resumed into a new folder, also the best
+    checkpoint so far, copied (the source run folder is only read)."""
+    step = run.state.step
+    if run.source == run.run_dir:
+        run.metrics.truncate_after(step)
+        return
+    run.metrics.write(
+        [r for r in MetricsLog(run.source / "metrics.jsonl").read() if r.get("step", 0) <= step]
+    )
+    best = run.source / "best"
+    if (best / META).exists() and read_json(best / META, "checkpoint metadata").get("step", step + 1) <= step:
+        copy_checkpoint(best, run.run_dir / "best", link=False)
+
+
 def locate_run(
-    model_config: ModelConfig, cfg: TrainConfig, resume: str | Path | None, dist_info: Dist
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    resume: str | Path | None,
+    dist_info: Dist,
+    held: list[RunFolder],
 ) -> tuple[Path, Any]:
-    """The run folder and, when resuming, its last checkpoint (with trainer state)."""
+    """The run folder, created or opened and locked by rank 0 (into ``held``; no other rank races
+    its mkdir) and, when resuming, the last checkpoint (with trainer state) it starts from: its
+    own, or with ``--out`` another folder's, which is then only read."""
+
+    def claim(folder: Callable[[], RunFolder]) -> Path:
+        held.append(folder())
+        return held[0].path
+
     if resume is None:
-        return on_main(lambda: new_run_dir(cfg), dist_info), None  # rank 0's name; no rank races its mkdir
-    resumed = load_checkpoint(last_checkpoint(resume), with_state=True)
+        return on_main(lambda: claim(lambda: create_run_dir(cfg.out)), dist_info), None
+    source = Path(resume)
+    last_checkpoint(source)  # one line if there is nothing to resume
+    refuse_symlinks(source)
+    in_place = not cfg.out or Path(cfg.out).resolve() == source.resolve()
+    run_dir = on_main(
+        lambda: claim(lambda: open_run_dir(source) if in_place else create_run_dir(cfg.out)), dist_info
+    )
+    resumed = load_checkpoint(last_checkpoint(source), with_state=True)
     if resumed.state is None:
         raise LmcliError(f"{resumed.path} has no trainer state to resume from")
     check_resumable(resumed.model_config, model_config)
-    return Path(resume), resumed
+    return (source if in_place else run_dir), resumed
 
 
 def wrap_for_training(

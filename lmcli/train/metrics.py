@@ -1,11 +1,17 @@
-"""The run's metrics log (``metrics.jsonl``) and its loss-curve plot (``loss.png``)."""
+"""The run's metrics log (``metrics.jsonl``) and its loss-curve plot (``loss.png``).
+
+Both are written through ``lmcli.safe_io``: appends never follow a link, rewrites go through an
+exclusive temporary file and a rename.
+"""
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from lmcli.safe_io import atomic_write, open_append
 
 
 class MetricsLog:
@@ -15,7 +21,7 @@ class MetricsLog:
         self.path = Path(path)
 
     def append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        with open_append(self.path) as f:
             f.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
@@ -31,10 +37,11 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (logged after the checkpoint a resume starts from)."""
-        kept = [r for r in self.read() if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        self.write([r for r in self.read() if r.get("step", 0) <= step])
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        """Replace the log with ``records`` (a resumed run's history up to its checkpoint)."""
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
@@ -60,8 +67,8 @@ def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
+    atomic_write(out, png.getvalue())
     return None

@@ -1,22 +1,29 @@
-"""A run's folder and its configs: choosing it, checking it, and resolving what a run trains with.
+"""A run's folder and its configs: choosing it, holding it, and resolving what a run trains with.
 
 Options resolve as: dataclass defaults < the resumed run's config < a ``--config`` file < flags.
 The run folder holds ``config.json`` (the resolved configs), ``last/``, ``best/`` and optional
 ``step-N/`` checkpoints (``lmcli.checkpoint``), ``metrics.jsonl`` and ``loss.png``.
+
+One writer at a time: a new run creates its folder exclusively (a default name never collides),
+and every writer holds an exclusive ``flock`` on the folder's ``.lock`` file, which holds its pid,
+for as long as it lives (and removes it when done); a second writer gets one line naming that pid.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
+import re
+import shutil
 import tempfile
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lmcli.checkpoint import last_checkpoint, read_json
+from lmcli.checkpoint import META, last_checkpoint, read_json, recover_checkpoints
 from lmcli.config import (
     TOKENIZER_KINDS,
     ModelConfig,
@@ -27,6 +34,12 @@ from lmcli.config import (
     to_dict,
 )
 from lmcli.errors import LmcliError
+from lmcli.safe_io import atomic_write, refuse_symlinks, remove_stale_temps
+
+LOCK = ".lock"
+# temporary names of lmcli 0.2 (before lmcli.safe_io): removed at start when their writer is gone
+_OLD_TEMP = re.compile(r"\.tmp-.+-(\d+)")
+_OLD_TEMP_FILES = (".config.json.tmp", "metrics.jsonl.tmp", "loss.tmp.png")
 
 
 def default_run_dir() -> Path:
@@ -47,15 +60,164 @@ def check_writable(path: Path) -> None:
         raise LmcliError(f"cannot write to output folder {path}: {exc.strerror}") from None
 
 
-def new_run_dir(cfg: TrainConfig) -> Path:
-    """The folder a new run writes to: ``--out`` or a timestamped default, empty and writable."""
-    run_dir = Path(cfg.out) if cfg.out else default_run_dir()
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise LmcliError(
-            f"{run_dir} already holds files: resume with --resume {run_dir} or pick another --out"
-        )
-    check_writable(run_dir)
-    return run_dir
+@dataclass
+class RunFolder:
+    """A run folder this process writes, locked until ``release``."""
+
+    path: Path
+    lock_fd: int
+    created: list[Path] = field(default_factory=list)  # folders this process made, innermost first
+
+    def release(self) -> None:
+        """Remove the lock file (if it is still ours) and unlock."""
+        if self.lock_fd < 0:
+            return
+        try:
+            mine = os.fstat(self.lock_fd)
+            now = os.lstat(self.path / LOCK)
+            if (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                os.unlink(self.path / LOCK)  # while still locked: a waiting writer checks the inode
+        except OSError:
+            pass
+        os.close(self.lock_fd)
+        self.lock_fd = -1
+
+    def has_checkpoint(self) -> bool:
+        return any((self.path / name / META).exists() for name in ("last", "last.old"))
+
+    def discard(self) -> bool:
+        """Remove the folder if this process made it and it holds no checkpoint (nothing a
+        failed or interrupted run could resume from); True if removed."""
+        if not self.created or self.has_checkpoint():
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        for parent in self.created[1:]:  # parents made for it (``checkpoints/``), if now empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        return True
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """An exclusive lock on ``run_dir`` for this process (the fd to keep open), or one line naming
+    the process that holds it."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or path.is_symlink():
+                raise LmcliError(f"{path} is a symbolic link: a run folder must not contain links") from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LmcliError(
+                f"{run_dir} is in use by another lmcli (pid {holder}): wait for it to finish, "
+                "or train into another --out"
+            ) from None
+        mine = os.fstat(fd)
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # the holder removed this lock file as it finished: lock the new one
+    raise LmcliError(f"cannot lock {run_dir}: its lock file keeps changing")
+
+
+def _make_dir(path: Path) -> list[Path]:
+    """Create ``path`` exclusively (FileExistsError if it exists) and any missing parents; the
+    folders made, innermost first."""
+    made = []
+    parent = path.parent
+    while not parent.exists():
+        made.append(parent)
+        parent = parent.parent
+    for folder in reversed(made):
+        folder.mkdir(exist_ok=True)
+    path.mkdir()
+    return [path, *made]
+
+
+def _entries(run_dir: Path) -> list[str]:
+    return [p.name for p in run_dir.iterdir() if p.name != LOCK]
+
+
+def create_run_dir(out: str | Path | None) -> RunFolder:
+    """The folder a new run writes to, created (or, given as ``--out``, found empty) and locked:
+    ``--out`` or ``checkpoints/run-<time>``, with ``-2``, ``-3``... for runs started together."""
+    base = Path(out) if out else default_run_dir()
+    check_writable(base)
+    for n in range(1, 1000):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            made = _make_dir(run_dir)
+        except FileExistsError:
+            if not out:
+                continue  # another run took this name this second
+            made = []
+        except OSError as exc:
+            raise LmcliError(f"cannot create output folder {run_dir}: {exc.strerror}") from None
+        if not made:
+            if run_dir.is_symlink():
+                raise LmcliError(f"{run_dir} is a symbolic link: a run folder must not be a link")
+            if not run_dir.is_dir():
+                raise LmcliError(f"cannot create output folder {run_dir}: it is a file")
+        folder = RunFolder(run_dir, lock_run_dir(run_dir), made)
+        if not made:
+            remove_stale_temps(run_dir)
+            if _entries(run_dir):
+                folder.release()
+                raise LmcliError(
+                    f"{run_dir} already holds files: resume with --resume {run_dir} or pick another --out"
+                )
+        return folder
+    raise LmcliError(f"cannot find a free run folder name beside {base}")
+
+
+def open_run_dir(run_dir: Path) -> RunFolder:
+    """An existing run folder, to resume in place: no links in it, locked, cleaned of what dead
+    writers left (temporary files, a swap a crash interrupted)."""
+    run_dir = Path(run_dir)
+    refuse_symlinks(run_dir)
+    folder = RunFolder(run_dir, lock_run_dir(run_dir))
+    try:
+        remove_stale_temps(run_dir)
+        _remove_old_temps(run_dir)
+        recover_checkpoints(run_dir)
+    except BaseException:
+        folder.release()
+        raise
+    return folder
+
+
+def _remove_old_temps(run_dir: Path) -> None:
+    """The temporary files and folders of lmcli 0.2 whose writer is gone."""
+    for path in run_dir.iterdir():
+        match = _OLD_TEMP.fullmatch(path.name)
+        if match and not _alive(int(match.group(1))) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name in _OLD_TEMP_FILES and path.is_file() and not path.is_symlink():
+            path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
@@ -97,6 +259,7 @@ def resolve_configs(
     if resume is not None:
         saved = read_json(last_checkpoint(resume) / "config.json", "run config")
         model, train = dict(saved.get("model", {})), stored_fields(TrainConfig, dict(saved.get("train", {})))
+        train.pop("out", None)  # a resumed run writes to its own folder unless --out says otherwise
     for source, options in (("config file", file_options), ("options", cli_options)):
         m, t = split_options(options, source=source)
         model.update(m)
@@ -110,6 +273,5 @@ def resolve_configs(
 
 def write_run_config(run_dir: Path, model_config: ModelConfig, cfg: TrainConfig) -> None:
     """``config.json`` of the run folder: the configs the run trains with."""
-    tmp = run_dir / ".config.json.tmp"
-    tmp.write_text(json.dumps({"model": to_dict(model_config), "train": to_dict(cfg)}, indent=2) + "\n")
-    os.replace(tmp, run_dir / "config.json")
+    text = json.dumps({"model": to_dict(model_config), "train": to_dict(cfg)}, indent=2) + "\n"
+    atomic_write(run_dir / "config.json", text)

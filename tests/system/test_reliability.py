@@ -134,7 +134,7 @@ def test_a_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path:
     with pytest.raises(KeyboardInterrupt):
         tiny_checkpoint(tmp_path / "last")
     assert (tmp_path / "last" / "model.safetensors").read_bytes() == before
-    assert not list(tmp_path.glob(".tmp-*")), "the temporary folder is cleaned up"
+    assert not list(tmp_path.glob(".*lmtmp")), "the temporary folder is cleaned up"
     load_checkpoint(tmp_path / "last")
 
 
@@ -177,7 +177,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_old_checkpoint(
     code, _, err = run_cli(["train", "--resume", str(out), "--max-steps", "10", "-q"], capsys)
     assert code == 2 and err.strip().splitlines()[-1] == "error: No space left on device"
     assert (out / "last" / "model.safetensors").read_bytes() == before
-    assert not list(out.glob(".tmp-*"))
+    assert not list(out.glob(".*lmtmp"))
 
 
 class Boom:
