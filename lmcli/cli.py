@@ -140,8 +140,10 @@ def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
     """The checkpoint to decode or evaluate with, on the device the options ask for."""
     from lmcli.checkpoint import load_model
     from lmcli.device import pick_device
+    from lmcli.hf import DTYPES
 
-    return load_model(run_dir, pick_device(build(DeviceConfig, options).device))
+    cfg = build(DeviceConfig, options)
+    return load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
 
 
 def _warn_prompts(prompts: list[Any]) -> None:
