@@ -74,7 +74,7 @@ def _root(
     lmcli eval    RUN_DIR       perplexity and bits per byte on held-out text
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
-    lmcli export  RUN_DIR OUT   a Hugging Face folder
+    lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2)
     """
 
 
@@ -302,7 +302,7 @@ def _print_hypotheses(results: list[Any], cfg: BeamConfig, json_out: bool, to_st
 @app.command("eval")
 @config_options(EvalConfig, DeviceConfig)
 def eval_command(
-    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder (or a Hugging Face GPT-2 folder)."),
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder (or a Hugging Face folder)."),
     paths: list[str] | None = typer.Argument(
         None, help="Text files, folders, globs, .gz. [default: the run's validation split]"
     ),
@@ -357,9 +357,11 @@ def _print_score(score: Any, what: str, to_stderr: bool) -> None:
 def export(
     run_dir: Path = typer.Argument(..., help="Run or checkpoint folder."),
     out_dir: Path = typer.Argument(..., help="Folder to write (must be new or empty)."),
-    format: str = typer.Option("hf", "--format", help="hf: a Hugging Face GPT-2 folder (safetensors)."),
+    format: str = typer.Option(
+        "hf", "--format", help="hf: a Hugging Face folder (GPT-2, Llama or Qwen2, whichever fits)."
+    ),
 ) -> None:
-    """Export a checkpoint, e.g. as a Hugging Face GPT-2 folder that from_pretrained loads."""
+    """Export a checkpoint as a Hugging Face folder that from_pretrained loads."""
     from lmcli.hf import export_hf
 
     if format != "hf":

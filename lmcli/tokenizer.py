@@ -211,5 +211,6 @@ def read_config(path: Path) -> tuple[dict[str, str], str | None]:
     except (OSError, ValueError) as exc:
         raise LmcliError(f"cannot read {path}: {exc}") from None
     specials = {role: token_text(data.get(f"{role}_token")) for role in ROLES}
-    template = data.get("chat_template")
-    return {k: v for k, v in specials.items() if v is not None}, template if isinstance(template, str) else None
+    template = data.get("chat_template")  # a list of named templates is not kept
+    named = {k: v for k, v in specials.items() if v is not None}
+    return named, template if isinstance(template, str) else None

@@ -185,7 +185,9 @@ def _wide_weights(model: nn.Module) -> list[nn.Parameter]:
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.out_features > module.in_features:
             w = module.weight
-            if w.numel() >= LAYOUT_MIN_WEIGHT and w.is_contiguous():
+            # float32 only: the layout pays for MKL's float32 products; for another dtype the copy
+            # made while laying out would only add to the memory of a large model
+            if w.numel() >= LAYOUT_MIN_WEIGHT and w.is_contiguous() and w.dtype == torch.float32:
                 found.setdefault(id(w), w)
     return list(found.values())
 

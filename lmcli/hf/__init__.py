@@ -77,9 +77,7 @@ def family_of(hf: dict[str, Any], where: str) -> str:
     if kind in IMPORTERS and all(ARCHITECTURES.get(a) == kind for a in archs):
         return kind
     name = next((a for a in archs if a not in ARCHITECTURES), None) or kind
-    raise LmcliError(
-        f"{where}: unsupported architecture {name!r} (lmcli imports {', '.join(ARCHITECTURES)})"
-    )
+    raise LmcliError(f"{where}: unsupported architecture {name!r} (lmcli imports {', '.join(ARCHITECTURES)})")
 
 
 def read_tokenizer(path: Path, hf: dict[str, Any] | None = None) -> Tokenizer:

@@ -50,9 +50,15 @@ def rope_settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
         raise LmcliError(
             f"{where}: unsupported rope_scaling type {kind!r} (lmcli implements linear, llama3 and yarn)"
         )
-    extra = {k for k, v in scaling.items() if v is not None} - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta"}
+    extra = (
+        {k for k, v in scaling.items() if v is not None}
+        - _ROPE_KEYS[kind]
+        - {"rope_type", "type", "rope_theta"}
+    )
     if kind == "yarn" and (
-        scaling.get("beta_fast", 32) != 32 or scaling.get("beta_slow", 1) != 1 or not scaling.get("truncate", True)
+        scaling.get("beta_fast", 32) != 32
+        or scaling.get("beta_slow", 1) != 1
+        or not scaling.get("truncate", True)
     ):
         extra.add("beta_fast/beta_slow/truncate")
     if extra:
@@ -75,7 +81,9 @@ def config_from_hf(hf: dict[str, Any], where: str) -> tuple[ModelConfig, list[st
     if hf.get("head_dim") not in (None, width // heads) or width % heads:
         raise LmcliError(f"{where}: head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads")
     if hf.get("hidden_act", "silu") != "silu":
-        raise LmcliError(f"{where}: unsupported hidden_act {hf.get('hidden_act')!r} (lmcli's SwiGLU uses silu)")
+        raise LmcliError(
+            f"{where}: unsupported hidden_act {hf.get('hidden_act')!r} (lmcli's SwiGLU uses silu)"
+        )
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise LmcliError(f"{where}: attention_bias/mlp_bias are not supported for {kind}")
     notices = []

@@ -46,7 +46,11 @@ def weight_files(path: Path) -> list[Path]:
 def read_weights(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """Every tensor of the folder by its Hugging Face name, on the CPU; floating-point ones in
     ``dtype`` (None: as stored)."""
-    if not (path / SINGLE).is_file() and not (path / INDEX).is_file() and (path / "pytorch_model.bin").is_file():
+    if (
+        not (path / SINGLE).is_file()
+        and not (path / INDEX).is_file()
+        and (path / "pytorch_model.bin").is_file()
+    ):
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
         return {k: _as(v, dtype) for k, v in state.items()}
     out: dict[str, Tensor] = {}
@@ -73,7 +77,9 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], where: str) -> Trans
     state = {MODULE_NAMES.get(k, k): v for k, v in state.items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {k: v for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    expected = {
+        k: v for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")
+    }
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
 from helpers import TINY_TEXT
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SHAPE = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64)
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
@@ -64,7 +63,12 @@ VARIANTS: dict[str, tuple] = {
             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
         ),
         ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE},
+        {
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "chat_template": CHAT_TEMPLATE,
+        },
         7,  # the model's vocabulary is padded beyond the tokenizer's, as Qwen2.5's is
     ),
     "mistral-gqa-window": (
