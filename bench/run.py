@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, Row, cpu_name, table
 
-SUITES = ("train", "eval", "sample", "beam", "tokenize")
+SUITES = ("train", "eval", "sample", "beam", "tokenize", "load")
 ROOT = Path(__file__).resolve().parents[1]
 
 
