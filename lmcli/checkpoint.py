@@ -523,7 +523,8 @@ def load_checkpoint(
     train_data = stored_fields(TrainConfig, dict(cfg.get("train", {})))  # no paths to write to
     train_config = from_dict(TrainConfig, train_data, source=str(ckpt / CONFIG))
     tokenizer = Tokenizer.load(checked_file(ckpt / TOKENIZER))
-    if tokenizer.vocab_size != model_config.vocab_size:
+    padded = tokenizer.specials and tokenizer.vocab_size < model_config.vocab_size  # an imported model's
+    if tokenizer.vocab_size != model_config.vocab_size and not padded:
         raise LmcliError(
             f"tokenizer in {ckpt} has {tokenizer.vocab_size} tokens but the model expects "
             f"{model_config.vocab_size}"
@@ -542,14 +543,20 @@ def load_checkpoint(
     return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state)
 
 
-def load_model(path: str | Path | None, device: torch.device | str = "cpu") -> Checkpoint:
+def load_model(
+    path: str | Path | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> Checkpoint:
     """What a command is given: an lmcli run or checkpoint folder, a local Hugging Face folder,
-    or (None) the newest run under ``checkpoints/``; in eval mode on ``device``."""
+    or (None) the newest run under ``checkpoints/``; in eval mode on ``device``, weights in
+    ``dtype`` (None: as stored)."""
     from lmcli.hf import is_hf_folder, load_hf_folder
 
     path = Path(path) if path is not None else find_latest_run(Path("checkpoints"))
     if is_hf_folder(path):
-        model, tok = load_hf_folder(path)
+        model, tok = load_hf_folder(path, dtype)
         model.to(device).eval()
         return Checkpoint(path, model, model.config, TrainConfig(), tok, {"source": "huggingface"})
-    return load_checkpoint(path, device)
+    ckpt = load_checkpoint(path, device)
+    if dtype is not None:
+        ckpt.model.to(dtype)
+    return ckpt

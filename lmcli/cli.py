@@ -75,7 +75,7 @@ def _root(
     lmcli eval    RUN_DIR       perplexity and bits per byte on held-out text
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
-    lmcli export  RUN_DIR OUT   a Hugging Face folder
+    lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2)
     lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
     lmcli verify  RUN_DIR       check a run folder's files, checksums and shapes
     """
@@ -143,8 +143,10 @@ def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
     """The checkpoint to decode or evaluate with, on the device the options ask for."""
     from lmcli.checkpoint import load_model
     from lmcli.device import pick_device
+    from lmcli.hf import DTYPES
 
-    return load_model(run_dir, pick_device(build(DeviceConfig, options).device))
+    cfg = build(DeviceConfig, options)
+    return load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
 
 
 def _warn_prompts(prompts: list[Any]) -> None:
@@ -308,7 +310,7 @@ def _print_hypotheses(results: list[Any], cfg: BeamConfig, json_out: bool, to_st
 @app.command("eval")
 @config_options(EvalConfig, DeviceConfig)
 def eval_command(
-    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder (or a Hugging Face GPT-2 folder)."),
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder (or a Hugging Face folder)."),
     paths: list[str] | None = typer.Argument(
         None, help="Text files, folders, globs, .gz. [default: the run's validation split]"
     ),
@@ -381,9 +383,11 @@ def _print_score(score: Any, what: str, to_stderr: bool) -> None:
 def export(
     run_dir: Path = typer.Argument(..., help="Run or checkpoint folder."),
     out_dir: Path = typer.Argument(..., help="Folder to write (must be new or empty)."),
-    format: str = typer.Option("hf", "--format", help="hf: a Hugging Face GPT-2 folder (safetensors)."),
+    format: str = typer.Option(
+        "hf", "--format", help="hf: a Hugging Face folder (GPT-2, Llama or Qwen2, whichever fits)."
+    ),
 ) -> None:
-    """Export a checkpoint, e.g. as a Hugging Face GPT-2 folder that from_pretrained loads."""
+    """Export a checkpoint as a Hugging Face folder that from_pretrained loads."""
     from lmcli.hf import export_hf
 
     if format != "hf":

@@ -30,6 +30,7 @@ NormPlacement = Literal["pre", "post"]
 Task = Literal["lm", "translation"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
@@ -232,7 +233,22 @@ class ModelConfig:
         True, "Share input and output embeddings.", flag="--tie-embeddings/--untie-embeddings"
     )
     norm_eps: float = option(1e-5, "Epsilon of the norms.", gt=0)
-    rope_base: float = option(10000.0, "Base of the rotary position frequencies.", gt=0)
+    rope_base: float = option(10000.0, "Base of the rotary position frequencies (rope_theta).", gt=0)
+    rope_scaling: RopeScaling = option(
+        "none", "Rotary frequency scaling for long contexts: linear, llama3 (Llama 3.x) or yarn (Qwen2.5)."
+    )
+    rope_factor: float = option(1.0, "Rope scaling: how many times the original context.", gt=0)
+    rope_original_context: int = option(
+        0, "Rope scaling (llama3, yarn): the context the model was pretrained with.", ge=0
+    )
+    rope_low_freq_factor: float = option(1.0, "Rope scaling llama3: low-frequency factor.", gt=0)
+    rope_high_freq_factor: float = option(4.0, "Rope scaling llama3: high-frequency factor.", gt=0)
+    n_kv_head: int = option(
+        0, "Key/value heads (grouped-query attention); must divide n-head.", ge=0, default_help="n-head"
+    )
+    qkv_bias: bool = option(
+        False, "Query/key/value biases even with --no-bias (Qwen2).", flag="--qkv-bias/--no-qkv-bias"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -240,10 +256,23 @@ class ModelConfig:
             raise LmcliError(f"n-embd ({self.n_embd}) must be divisible by n-head ({self.n_head})")
         if self.position == "rope" and self.head_dim % 2 != 0:
             raise LmcliError(f"rope needs an even head size, got n-embd/n-head = {self.head_dim}")
+        if self.n_kv_head == 0:  # the default: one key/value head per query head
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.n_head % self.n_kv_head != 0:
+            raise LmcliError(f"n-kv-head ({self.n_kv_head}) must divide n-head ({self.n_head})")
+        if self.rope_scaling in ("llama3", "yarn") and not self.rope_original_context:
+            raise LmcliError(f"rope-scaling {self.rope_scaling} needs --rope-original-context")
+        if self.rope_scaling != "none" and self.position != "rope":
+            raise LmcliError(f"rope-scaling {self.rope_scaling} needs --position rope")
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def attn_bias(self) -> bool:
+        """Whether the query/key/value projection has biases (the output projection: ``bias``)."""
+        return self.bias or self.qkv_bias
 
     @property
     def ffn_dim(self) -> int:
@@ -304,7 +333,9 @@ class TrainConfig:
         stored=False,
     )
     init_from: str | None = option(
-        None, "Start from a local Hugging Face GPT-2 folder (fine-tuning).", path=True
+        None,
+        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral): fine-tuning.",
+        path=True,
     )
     batch_size: int = option(8, "Sequences per micro-batch.", gt=0)
     grad_accum: int = option(1, "Micro-batches per optimizer step.", gt=0)
@@ -448,6 +479,7 @@ class DeviceConfig:
     """Where `eval`, `sample` and `beam` run."""
 
     device: Device = option("auto", DEVICE_HELP)
+    dtype: Dtype = option("auto", "Dtype of the weights (auto: as stored in the folder).")
 
     def __post_init__(self) -> None:
         check_fields(self)

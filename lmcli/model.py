@@ -111,27 +111,46 @@ def causal_mask(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head scaled dot-product self-attention through ``F.scaled_dot_product_attention``."""
+    """Multi-head scaled dot-product self-attention through ``F.scaled_dot_product_attention``.
+
+    With grouped-query attention (``n_kv_head < n_head``) each key/value head serves
+    ``n_head / n_kv_head`` query heads; the KV cache holds only the key/value heads.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer  # index into the KV cache
-        self.n_head = cfg.n_head
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.dropout = cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        kv_width = cfg.n_kv_head * cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv_width, bias=cfg.attn_bias)  # q, k, v
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
+    def split_heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, C + 2 * KV * D) -> q (B, H, T, D), k and v (B, KV, T, D)."""
+        B, T, _ = qkv.size()
+        kv_width = self.n_kv_head * self.head_dim
+        q, k, v = qkv.split([self.n_head * self.head_dim, kv_width, kv_width], dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def share_heads(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Key/value heads repeated for their query heads: (B, KV, S, D) -> (B, H, S, D)."""
+        if self.n_kv_head == self.n_head:
+            return k, v
+        group = self.n_head // self.n_kv_head
+        return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, H, T, D)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q, k, v = self.split_heads(self.c_attn(x))
         q, k = ctx.positions.rotate(q, k, ctx.pos)
         if ctx.cache is not None:
-            k, v = ctx.cache.update(self.layer, k, v)  # (B, H, S, D), S = cached + T
+            k, v = ctx.cache.update(self.layer, k, v)  # (B, KV, S, D), S = cached + T
+        k, v = self.share_heads(k, v)
         y = F.scaled_dot_product_attention(
             q,
             k,

@@ -80,15 +80,51 @@ class Sinusoidal(Positions):
         return x + self.table[pos].to(x.dtype)
 
 
+def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
+    """The rotation frequencies (D/2,) of each pair of dimensions, and the factor cos and sin are
+    multiplied by (1 but for yarn), with ``cfg.rope_scaling`` applied.
+
+    linear: every frequency divided by the factor. llama3: low frequencies (wavelengths above
+    the original context / low_freq_factor) divided by the factor, high ones (below context /
+    high_freq_factor) kept, the band between interpolated. yarn (Peng et al. 2023): frequencies
+    that turn fewer than 1 time over the original context divided by the factor, those turning
+    more than 32 times kept, a linear ramp between; attention sharpened by 0.1 ln(factor) + 1.
+    """
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    factor, context = cfg.rope_factor, cfg.rope_original_context
+    if cfg.rope_scaling == "linear":
+        return inv / factor, 1.0
+    if cfg.rope_scaling == "llama3":
+        wavelen = 2 * math.pi / inv
+        low, high = context / cfg.rope_low_freq_factor, context / cfg.rope_high_freq_factor
+        scaled = torch.where(wavelen > low, inv / factor, inv)
+        smooth = (context / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        between = (1 - smooth) * scaled / factor + smooth * scaled
+        return torch.where((wavelen >= high) & (wavelen <= low), between, scaled), 1.0
+    if cfg.rope_scaling == "yarn":
+
+        def dim_of(turns: float) -> float:  # the dimension that turns ``turns`` times over the context
+            return D * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_base))
+
+        lo, hi = max(math.floor(dim_of(32)), 0), min(math.ceil(dim_of(1)), D - 1)
+        ramp = ((torch.arange(D // 2, dtype=torch.float32) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp  # 1: the frequency kept (extrapolated), 0: divided by the factor
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return inv / factor * (1 - keep) + inv * keep, scale
+    return inv, 1.0
+
+
 class Rotary(Positions):
     """Rotary position embedding (rotate-half layout, as in Llama), applied to queries and keys."""
 
     def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
-        D = cfg.head_dim
-        inv = 1.0 / (cfg.rope_base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        inv, scale = rope_frequencies(cfg)
         angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv)  # (n_pos, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (n_pos, D)
-        return {"cos": angles.cos(), "sin": angles.sin()}
+        return {"cos": angles.cos() * scale, "sin": angles.sin() * scale}
 
     def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate q and k (B, H, T, D) by positions pos (B or 1, T)."""

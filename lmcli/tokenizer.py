@@ -1,7 +1,10 @@
 """Tokenizers (char, byte, byte-level BPE) built on Hugging Face ``tokenizers``.
 
 Every tokenizer lmcli trains has the special tokens ``<pad> <unk> <bos> <eos> <sep>`` at ids
-0-4. Tokenizers loaded from elsewhere (e.g. GPT-2's) are mapped by name with fallbacks.
+0-4. A tokenizer may also name its special tokens itself (a Hugging Face model's, from its
+``tokenizer_config.json``/``generation_config.json``): those roles, and a chat template if it has
+one, are saved beside ``tokenizer.json`` as Hugging Face's ``tokenizer_config.json`` and read
+back from there. Roles it does not name are found by their usual names, with fallbacks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from lmcli.errors import LmcliError
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<sep>")
 PIECE_CHARS = 1 << 12  # the longest piece BPE trains on or encode_batch encodes (2-4 KiB: ~30% faster)
+ROLES = ("bos", "eos", "pad", "unk", "sep")
+CONFIG = "tokenizer_config.json"  # beside tokenizer.json: the named roles and the chat template
 
 # Names tried, in order, for each special role (lmcli's own first, then common conventions).
 _ROLE_NAMES = {
@@ -99,21 +104,50 @@ def _build(kind: str, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
 class Tokenizer:
     """A thin wrapper: encode/decode, special-token ids, save/load, a content fingerprint."""
 
-    def __init__(self, tok: HFTokenizer) -> None:
+    def __init__(
+        self, tok: HFTokenizer, specials: dict[str, str] | None = None, chat_template: str | None = None
+    ) -> None:
+        """``specials``: role (bos, eos, pad, unk, sep) -> token text, for roles the tokenizer's
+        source names; the others are looked up by their usual names."""
         self.hf = tok
         # Text that happens to contain "<eos>" is text, not a special token.
         self.hf.encode_special_tokens = True
+        self.specials = {role: text for role, text in (specials or {}).items() if text is not None}
+        self.chat_template = chat_template
         vocab = tok.get_vocab(with_added_tokens=True)
+        for role, text in self.specials.items():
+            if text not in vocab:
+                raise LmcliError(f"tokenizer's {role} token {text!r} is not in its vocabulary")
         ids = {
-            role: next((vocab[n] for n in names if n in vocab), None) for role, names in _ROLE_NAMES.items()
+            role: vocab[self.specials[role]]
+            if role in self.specials
+            else next((vocab[n] for n in names if n in vocab), None)
+            for role, names in _ROLE_NAMES.items()
         }
         if ids["eos"] is None:
-            raise LmcliError("tokenizer has no end-of-text token (<eos>, </s> or <|endoftext|>)")
+            raise LmcliError(
+                "tokenizer has no end-of-text token (<eos>, </s> or <|endoftext|>, or an eos_token "
+                "in tokenizer_config.json)"
+            )
         self.eos_id: int = ids["eos"]
         self.bos_id: int = ids["bos"] if ids["bos"] is not None else self.eos_id
         self.pad_id: int = ids["pad"] if ids["pad"] is not None else self.eos_id
         self.sep_id: int | None = ids["sep"]
         self.unk_id: int | None = ids["unk"]
+
+    def token(self, i: int) -> str:
+        """The text of token ``i``."""
+        text = self.hf.id_to_token(i)
+        if text is None:
+            raise LmcliError(f"token id {i} is not in the tokenizer's vocabulary")
+        return text
+
+    def config(self) -> dict[str, str]:
+        """Hugging Face's ``tokenizer_config.json`` keys for the named roles and the chat template."""
+        out: dict[str, str] = {f"{role}_token": text for role, text in self.specials.items()}
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        return out
 
     @classmethod
     def train(cls, kind: str, texts: Iterable[str], vocab_size: int = 8000) -> Tokenizer:
@@ -128,7 +162,8 @@ class Tokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            specials, template = read_config(path.parent / CONFIG)
+            return cls(HFTokenizer.from_file(str(path)), specials, template)
         except LmcliError:
             raise
         except Exception as exc:  # tokenizers raises plain Exception on bad files
@@ -136,7 +171,13 @@ class Tokenizer:
             raise LmcliError(f"cannot read tokenizer {path}: {reason}") from None
 
     def save(self, path: str | Path) -> None:
+        """Write ``tokenizer.json`` at ``path`` and, when the tokenizer names its special tokens or
+        has a chat template, ``tokenizer_config.json`` beside it."""
         self.hf.save(str(path))
+        if self.config():
+            with open(Path(path).parent / CONFIG, "w") as f:
+                json.dump(self.config(), f, indent=2, ensure_ascii=False)
+                f.write("\n")
 
     def to_json(self) -> str:
         return self.hf.to_str()
@@ -144,7 +185,8 @@ class Tokenizer:
     @property
     def fingerprint(self) -> str:
         """A hash of the tokenizer's full definition (vocabulary, merges, normalization)."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        named = json.dumps(self.specials, sort_keys=True) if self.specials else ""  # "": lmcli's own
+        return hashlib.sha256((self.to_json() + named).encode()).hexdigest()[:16]
 
     @property
     def vocab_size(self) -> int:
@@ -172,3 +214,24 @@ class Tokenizer:
     def count_unknown(self, ids: Iterable[int]) -> int:
         """How many ids are ``<unk>`` (characters the tokenizer could not encode)."""
         return 0 if self.unk_id is None else sum(1 for i in ids if i == self.unk_id)
+
+
+def token_text(value: object) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: text, or {"content": text, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_config(path: Path) -> tuple[dict[str, str], str | None]:
+    """The named roles and the chat template of a ``tokenizer_config.json`` (none if absent)."""
+    if not path.is_file():
+        return {}, None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise LmcliError(f"cannot read {path}: {exc}") from None
+    specials = {role: token_text(data.get(f"{role}_token")) for role in ROLES}
+    template = data.get("chat_template")  # a list of named templates is not kept
+    named = {k: v for k, v in specials.items() if v is not None}
+    return named, template if isinstance(template, str) else None

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmcli.fastpath.packed import LinearFn, PackCache, PackingLinear
-from lmcli.model import GeluMLP, Transformer
+from lmcli.model import CausalSelfAttention, GeluMLP, Transformer
 
 if TYPE_CHECKING:
     from lmcli.generate.kv_cache import KVCache
@@ -93,7 +93,7 @@ class LayerStep:
     """One block's parameters, for ``Block.forward``'s arithmetic on x (B, C) without modules."""
 
     layer: int
-    n_head: int
+    heads: CausalSelfAttention  # its split_heads / share_heads (plain arithmetic on tensors)
     residual: Callable[..., Tensor]  # the block's norm placement
     hidden: Callable[..., Tensor]  # the block's MLP nonlinearity
     norm_1: Norm
@@ -107,9 +107,9 @@ class LayerStep:
     def __call__(self, x: Tensor, pos: Tensor, mask: Tensor | None, rotate: Rotate, cache: KVCache) -> Tensor:
         def attn(h: Tensor) -> Tensor:
             B, C = h.size()
-            q, k, v = self.qkv(h).view(B, 3, self.n_head, 1, C // self.n_head).unbind(1)  # (B, H, 1, D)
+            q, k, v = self.heads.split_heads(self.qkv(h).view(B, 1, -1))  # (B, H or KV, 1, D)
             q, k = rotate(q, k, pos)
-            k, v = cache.update(self.layer, k, v)
+            k, v = self.heads.share_heads(*cache.update(self.layer, k, v))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, 1, D)
             return self.attn_out(y.view(B, C))
 
@@ -139,7 +139,7 @@ class StepRunner:
             layers.append(
                 LayerStep(
                     attn.layer,
-                    attn.n_head,
+                    attn,
                     block.placement.residual,
                     mlp.hidden,
                     functional_norm(block.ln_1),
@@ -185,7 +185,9 @@ def _wide_weights(model: nn.Module) -> list[nn.Parameter]:
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.out_features > module.in_features:
             w = module.weight
-            if w.numel() >= LAYOUT_MIN_WEIGHT and w.is_contiguous():
+            # float32 only: the layout pays for MKL's float32 products; for another dtype the copy
+            # made while laying out would only add to the memory of a large model
+            if w.numel() >= LAYOUT_MIN_WEIGHT and w.is_contiguous() and w.dtype == torch.float32:
                 found.setdefault(id(w), w)
     return list(found.values())
 

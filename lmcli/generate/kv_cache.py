@@ -88,7 +88,7 @@ class LeftPadding:
 
 
 class KVCache:
-    """Keys and values of every layer, ``(n_layer, B, n_head, columns, head_dim)``."""
+    """Keys and values of every layer, ``(n_layer, B, n_kv_head, columns, head_dim)``."""
 
     def __init__(
         self,
@@ -128,7 +128,7 @@ class KVCache:
         return cls(
             cfg.n_layer,
             batch_size,
-            cfg.n_head,
+            cfg.n_kv_head,  # grouped-query attention caches only the key/value heads
             max_len or cfg.block_size,
             cfg.head_dim,
             device=param.device,

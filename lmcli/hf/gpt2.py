@@ -6,18 +6,14 @@ lmcli's default architecture is GPT-2's, so the conversion is a renaming plus a 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from lmcli.checkpoint import DISK_NAMES, load_state, model_state
+from lmcli.checkpoint import model_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -38,6 +34,8 @@ def check_gpt2_compatible(cfg: ModelConfig) -> None:
         problems.append("untied embeddings")
     if not cfg.bias:
         problems.append("no biases")
+    if cfg.n_kv_head != cfg.n_head:
+        problems.append("grouped-query attention")
     if problems:
         raise LmcliError(
             f"GPT-2 cannot express this model ({', '.join(problems)}): export needs learned positions, "
@@ -45,7 +43,8 @@ def check_gpt2_compatible(cfg: ModelConfig) -> None:
         )
 
 
-def gpt2_config(cfg: ModelConfig, tok: Tokenizer) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, ids: dict[str, int | None], dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of our model as a GPT-2 (``ids``: bos/eos/pad token ids)."""
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -60,11 +59,12 @@ def gpt2_config(cfg: ModelConfig, tok: Tokenizer) -> dict[str, Any]:
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
         "attn_pdrop": cfg.dropout,
-        "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eos_id,
-        "pad_token_id": tok.pad_id,
+        "bos_token_id": ids["bos"],
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["pad"],
         "tie_word_embeddings": True,
         "scale_attn_weights": True,
+        "torch_dtype": dtype,
     }
 
 
@@ -91,10 +91,10 @@ def from_gpt2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_hf_gpt2(path: Path, hf: dict[str, Any]) -> Transformer:
-    """The GPT-2 of a local Hugging Face folder (``hf``: its config.json) as our Transformer."""
+def config_from_hf(hf: dict[str, Any], where: str) -> tuple[ModelConfig, list[str]]:
+    """Our ModelConfig of a GPT-2 ``config.json`` (and no notices)."""
     if hf.get("activation_function", "gelu_new") not in _GELU_TANH:
-        raise LmcliError(f"unsupported GPT-2 activation {hf.get('activation_function')!r}")
+        raise LmcliError(f"{where}: unsupported GPT-2 activation {hf.get('activation_function')!r}")
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
         block_size=hf.get("n_positions", 1024),
@@ -104,17 +104,4 @@ def from_hf_gpt2(path: Path, hf: dict[str, Any]) -> Transformer:
         d_ff=hf.get("n_inner") or 0,
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
     )
-    weights = path / "model.safetensors"
-    try:
-        if weights.exists():
-            state = load_file(str(weights))
-        elif (path / "pytorch_model.bin").exists():
-            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        else:
-            raise LmcliError(f"{path} has no model.safetensors")
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise LmcliError(f"cannot read weights in {path}: {str(exc).splitlines()[0][:200]}") from None
-    model = Transformer(cfg)
-    known = {DISK_NAMES.get(k, k) for k in model.state_dict()}  # names as on disk
-    load_state(model, {k: v for k, v in from_gpt2_state(state).items() if k in known}, f"in {path}")
-    return model
+    return cfg, []

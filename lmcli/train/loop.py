@@ -443,7 +443,7 @@ def open_run(
     if cfg.init_from and not resumed:
         from lmcli.hf import load_hf_folder
 
-        init = load_hf_folder(cfg.init_from)
+        init = load_hf_folder(cfg.init_from, torch.float32, info)  # trained in float32, as every model
         model_config = init[0].config
     tokenizer = resumed.tokenizer if resumed else init[1] if init else None
     data = in_turn(  # rank 0 fills the token cache first, the other ranks read it

@@ -89,11 +89,17 @@ def test_step_threads_and_the_inference_scope_change_no_token(monkeypatch) -> No
     assert generate(model, tok, [[tok.bos_id, 5, 6]], cfg)[0].ids == plain
 
 
-def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time() -> None:
+@pytest.mark.parametrize(
+    "arch",
+    # GQA: a context the beams never fill (rows that slide together see other windows than alone)
+    [{}, dict(block_size=40, position="rope", n_head=4, n_kv_head=2, bias=False, qkv_bias=True)],
+    ids=["mha", "gqa-qkv-bias"],
+)
+def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time(arch: dict) -> None:
     from lmcli.config import BeamConfig
     from lmcli.generate.beam import beam_search
 
-    model, tok = tiny_model(block_size=20), tiny_tokenizer()
+    model, tok = tiny_model(**{"block_size": 20, **arch}), tiny_tokenizer()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(12.0)  # confident predictions: no near-ties for batching to flip

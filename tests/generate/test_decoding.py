@@ -38,6 +38,13 @@ ARCHITECTURES = [dict(position=pos, norm_placement=placement) for pos, placement
         ("layernorm", "swiglu", "post"),
     ]
 ]
+ARCHITECTURES += [  # grouped-query attention (Llama, Mistral), with query/key/value biases only (Qwen2)
+    dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2),
+    dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, n_head=4, n_kv_head=1),
+    dict(position="alibi", n_head=4, n_kv_head=2, tie_embeddings=False),
+    dict(position="rope", rope_scaling="llama3", rope_factor=8.0, rope_original_context=8, n_kv_head=1),
+    dict(position="rope", rope_scaling="yarn", rope_factor=4.0, rope_original_context=8, n_kv_head=1),
+]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["plain", "fastpath"])

@@ -95,8 +95,11 @@ def test_exported_run_loads_in_transformers_with_the_same_logits_and_tokens(tmp_
 
 
 def test_configs_gpt2_cannot_express_are_refused(tmp_path: Path) -> None:
-    run = make_run(tmp_path / "run", position="rope", norm="rmsnorm")
-    with pytest.raises(LmcliError, match="GPT-2 cannot express this model .*rope positions, rmsnorm"):
+    run = make_run(tmp_path / "run", norm="rmsnorm", mlp="swiglu")
+    with pytest.raises(LmcliError, match="GPT-2 cannot express this model .*rmsnorm, a swiglu MLP"):
+        export_hf(run, tmp_path / "hf")
+    run = make_run(tmp_path / "run2", position="rope", norm="rmsnorm")  # Llama's, but a GELU MLP
+    with pytest.raises(LmcliError, match="no Hugging Face family expresses this model .a gelu MLP, biases"):
         export_hf(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
