@@ -360,7 +360,7 @@ def export(
         None, help="Folder (hf, must be new or empty) or file (gguf, must be new) to write."
     ),
     out: Path | None = typer.Option(
-        None, "--out", "-o", help="The same as OUT. [default for gguf: RUN-DTYPE.gguf here]"
+        None, "--out", "-o", help="The same as OUT_DIR. [default for gguf: RUN-DTYPE.gguf here]"
     ),
     *,
     options: dict[str, Any],
