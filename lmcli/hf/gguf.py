@@ -323,6 +323,8 @@ def write_gguf(
             getattr(w, f"add_{role}_token_id")(token_id)
         w.add_add_bos_token(True)  # lmcli reads every text as <bos> text
         w.add_add_eos_token(False)
+        if getattr(tok, "chat_template", None):  # a tokenizer imported with one keeps it
+            w.add_chat_template(tok.chat_template)
         for tensor_name, t in tensors.items():
             data, raw_type = encode_tensor(t, dtype)
             w.add_tensor(tensor_name, data, raw_dtype=raw_type)
