@@ -26,6 +26,8 @@ bench:
 
 # llama.cpp's own check of `lmcli export --format gguf`: llama-cpp-python is built from its
 # source package (the C++ compile takes a while) into a venv outside the project, kept and reused.
+# Only llama-cpp-python is built from source: --no-binary :all: would also compile numpy and the
+# build tools (cmake, ninja, scikit-build-core). LLAMA_VENV=DIR uses a venv that has llama_cpp.
 LLAMA_VENV ?= $(HOME)/.cache/lmcli/llama-venv
 LLAMA_CPP_PIN ?= llama-cpp-python==0.3.36
 
