@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # resolver from fetching a multi-GB CUDA build. Elsewhere pip picks any torch in range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install browser test lint bench clean
+.PHONY: install browser test lint bench clean check-gguf llama-venv
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,21 @@ lint:
 
 bench:
 	$(BIN)/python -m bench.run
+
+# llama.cpp's own check of `lmcli export --format gguf`: llama-cpp-python is built from its
+# source package (the C++ compile takes a while) into a venv outside the project, kept and reused.
+# Only llama-cpp-python is built from source: --no-binary :all: would also compile numpy and the
+# build tools (cmake, ninja, scikit-build-core). LLAMA_VENV=DIR uses a venv that has llama_cpp.
+LLAMA_VENV ?= $(HOME)/.cache/lmcli/llama-venv
+LLAMA_CPP_PIN ?= llama-cpp-python==0.3.36
+
+llama-venv:
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp" 2>/dev/null || \
+		nice -n 10 $(LLAMA_VENV)/bin/pip install --no-binary llama-cpp-python "$(LLAMA_CPP_PIN)"
+
+check-gguf: llama-venv
+	$(BIN)/python tests/hf/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

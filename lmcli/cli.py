@@ -22,6 +22,7 @@ from lmcli.config import (
     BeamConfig,
     DeviceConfig,
     EvalConfig,
+    ExportConfig,
     ModelConfig,
     SampleConfig,
     ServeConfig,
@@ -75,7 +76,7 @@ def _root(
     lmcli eval    RUN_DIR       perplexity and bits per byte on held-out text
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
-    lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2)
+    lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2) or a GGUF file
     lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
     lmcli verify  RUN_DIR       check a run folder's files, checksums and shapes
     """
@@ -380,19 +381,33 @@ def _print_score(score: Any, what: str, to_stderr: bool) -> None:
 
 
 @app.command()
+@config_options(ExportConfig)
 def export(
     run_dir: Path = typer.Argument(..., help="Run or checkpoint folder."),
-    out_dir: Path = typer.Argument(..., help="Folder to write (must be new or empty)."),
-    format: str = typer.Option(
-        "hf", "--format", help="hf: a Hugging Face folder (GPT-2, Llama or Qwen2, whichever fits)."
+    out_dir: Path | None = typer.Argument(
+        None, help="Folder (hf, must be new or empty) or file (gguf, must be new) to write."
     ),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="The same as OUT_DIR. [default for gguf: RUN-DTYPE.gguf here]"
+    ),
+    *,
+    options: dict[str, Any],
 ) -> None:
-    """Export a checkpoint as a Hugging Face folder that from_pretrained loads."""
+    """Export a checkpoint: a Hugging Face folder that from_pretrained loads, or a GGUF file for llama.cpp."""
+    cfg = build(ExportConfig, options)
+    if out_dir is not None and out is not None and out_dir != out:
+        raise LmcliError("give the output once: as OUT or as --out")
+    target = out_dir if out_dir is not None else out
+    if cfg.format == "gguf":
+        from lmcli.hf.gguf import export_gguf
+
+        typer.echo(f"wrote {export_gguf(run_dir, target, cfg.gguf_type)}")
+        return
     from lmcli.hf import export_hf
 
-    if format != "hf":
-        raise LmcliError(f"invalid format {format!r}: choose hf")
-    typer.echo(f"wrote {export_hf(run_dir, out_dir)}")
+    if target is None:
+        raise LmcliError("give the folder to write (OUT or --out)")
+    typer.echo(f"wrote {export_hf(run_dir, target)}")
 
 
 # ----------------------------------------------------------------------------- serve
@@ -424,6 +439,8 @@ def serve(
         )
     ckpt = _load(run_dir, options)
     run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 # ----------------------------------------------------------------------------- verify
 
 

@@ -31,6 +31,8 @@ Task = Literal["lm", "translation"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
+ExportFormat = Literal["hf", "gguf"]
+GgufType = Literal["f32", "f16", "q8_0"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
@@ -523,6 +525,27 @@ class ServeConfig:
         check_fields(self)
         if not self.host.strip():
             raise LmcliError("host must not be empty")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Settings of `lmcli export`: the format and, for GGUF, the type of the weights."""
+
+    format: ExportFormat = option("hf", "hf: a Hugging Face folder; gguf: one GGUF file for llama.cpp.")
+    dtype: GgufType | None = option(
+        None,
+        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; norms and biases stay f32).",
+        default_help="f16",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.dtype is not None and self.format != "gguf":
+            raise LmcliError("--dtype applies to --format gguf only")
+
+    @property
+    def gguf_type(self) -> str:
+        return self.dtype or "f16"
 
 
 # ----------------------------------------------------------------------------- dicts and files

@@ -1,0 +1,347 @@
+"""GGUF export: an lmcli checkpoint as one file that llama.cpp, and the tools built on it, run.
+
+The file is written with ``gguf``, the llama.cpp project's own Python package: its metadata keys,
+tensor names, file layout and Q8_0 quantization. What is lmcli's own here is the mapping.
+
+Two GGUF architectures express lmcli models:
+
+- ``gpt2``: learned positions, pre-LayerNorm, the tanh-GELU MLP, biases everywhere (llama.cpp
+  requires them); tied or untied head, any number of key/value heads;
+- ``llama``: rotary positions, pre-RMSNorm, the SwiGLU MLP; biases optional (llama.cpp reads
+  them where present), tied or untied head, any number of key/value heads.
+
+Rotary layout: lmcli turns the two halves of each head against each other (``rotate_half``, as
+Hugging Face's Llama does); llama.cpp's ``llama`` turns adjacent pairs. The query and key rows
+of each head are therefore reordered so that llama.cpp's pair (2i, 2i+1) holds lmcli's pair
+(i, i + D/2). Attention scores do not change: queries and keys move together.
+
+Tokenizer: lmcli's byte-level BPE is GGUF's ``gpt2`` tokenizer model with GPT-2's pre-tokenizer
+(``gpt-2``). The byte tokenizer is the same model with no merges; since llama.cpp requires the
+merges key and ``gguf`` cannot write an empty array, it gets one inert merge of two special
+tokens (a pair no text can produce, as merges only join byte-level pieces). The char tokenizer
+maps whole characters to ids and unknown characters to ``<unk>``: no GGUF tokenizer model does
+that, so it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmcli.checkpoint import load_checkpoint, model_state
+from lmcli.config import ModelConfig
+from lmcli.errors import LmcliError
+from lmcli.safe_io import temp_file
+from lmcli.tokenizer import Tokenizer
+
+GGUF_TYPES = ("f32", "f16", "q8_0")
+Q8_BLOCK = 32  # values per Q8_0 block: a matrix whose rows are not a multiple stays f16
+
+
+def _gguf() -> Any:
+    """The ``gguf`` package, or a one-line error saying how to install it."""
+    try:
+        import gguf
+    except ImportError:
+        raise LmcliError("GGUF export needs the gguf package: pip install gguf") from None
+    return gguf
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def n_kv_head(cfg: ModelConfig) -> int:
+    """Key/value heads (fewer than the query heads under grouped-query attention)."""
+    return getattr(cfg, "n_kv_head", None) or cfg.n_head
+
+
+def rope_base(cfg: ModelConfig) -> float:
+    """The rotary frequency base, whatever the config calls it."""
+    value = getattr(cfg, "rope_theta", None) or getattr(cfg, "rope_base", None)
+    return float(value or 10000.0)
+
+
+def _rope_scaling(cfg: ModelConfig) -> Any:
+    """A rotary scaling the config asks for, else None."""
+    for name in ("rope_scaling", "rope_scaling_type"):
+        value = getattr(cfg, name, None)
+        if value not in (None, "", "none", {}):
+            return value
+    return None
+
+
+def gguf_architecture(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
+    """``gpt2`` or ``llama``: the GGUF architecture that computes what the model computes.
+
+    The family is chosen by the positions (rotary: llama, else gpt2); anything that family
+    cannot express is named in a one-line error.
+    """
+    arch = "llama" if cfg.position == "rope" else "gpt2"
+    problems = []
+    if arch == "gpt2":
+        if cfg.position != "learned":
+            problems.append(f"{cfg.position} positions")
+        if cfg.norm != "layernorm":
+            problems.append(cfg.norm)
+        if cfg.mlp != "gelu":
+            problems.append(f"a {cfg.mlp} MLP")
+        if not all(k in state for k in ("h.0.attn.c_attn.bias", "h.0.mlp.c_fc.bias", "ln_f.bias")):
+            problems.append("no biases")
+        needs = "learned positions, pre-LayerNorm, a GELU MLP and biases"
+    else:
+        if cfg.norm != "rmsnorm":
+            problems.append(cfg.norm)
+        if cfg.mlp != "swiglu":
+            problems.append(f"a {cfg.mlp} MLP")
+        if _rope_scaling(cfg) is not None:
+            problems.append(f"rope scaling {_rope_scaling(cfg)!r}")
+        needs = "rotary positions without scaling, pre-RMSNorm and a SwiGLU MLP"
+    if cfg.norm_placement != "pre":
+        problems.append("post-norm")
+    if problems:
+        raise LmcliError(
+            f"GGUF's {arch} architecture cannot express this model ({', '.join(problems)}): it needs {needs}"
+        )
+    return arch
+
+
+def _split_qkv(
+    state: dict[str, torch.Tensor], layer: int, cfg: ModelConfig, suffix: str
+) -> list[torch.Tensor]:
+    """Layer ``layer``'s query, key and value projections (``suffix``: weight or bias)."""
+    key = f"h.{layer}.attn.c_attn.{suffix}"
+    if key not in state:
+        raise LmcliError(f"GGUF export does not know this attention layout (no {key})")
+    D, kv = cfg.head_dim, n_kv_head(cfg)
+    return list(state[key].split([cfg.n_head * D, kv * D, kv * D], dim=0))
+
+
+def pairs_from_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of each head reordered from lmcli's rotary layout (i paired with i + D/2) to
+    llama.cpp's (2i paired with 2i + 1). ``w``: (n_head * D, ...) weight or (n_head * D,) bias."""
+    rest = w.shape[1:]
+    D = w.size(0) // n_head
+    # (H*D, ...) -> (H, 2, D/2, ...) -> (H, D/2, 2, ...) -> (H*D, ...)
+    return w.reshape(n_head, 2, D // 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
+    """The model's weights under GGUF's tensor names for ``arch`` (float32, PyTorch layout:
+    a linear layer's weight is (out, in), which GGUF stores as ne = [in, out])."""
+    gguf = _gguf()
+    cfg: ModelConfig = model.config
+    state = {k: v.float() for k, v in model_state(model).items()}
+    T, names = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
+
+    def name(tensor: Any, layer: int | None = None, kind: str = "weight") -> str:
+        base = names[tensor].format(bid=layer) if layer is not None else names[tensor]
+        return f"{base}.{kind}"
+
+    out: dict[str, torch.Tensor] = {name(T.TOKEN_EMBD): state["wte.weight"]}
+    if arch == "gpt2":
+        out[name(T.POS_EMBD)] = state["wpe.weight"]
+    for i in range(cfg.n_layer):
+        h = f"h.{i}."
+        per_layer = {
+            T.ATTN_NORM: h + "ln_1",
+            T.ATTN_OUT: h + "attn.c_proj",
+            T.FFN_NORM: h + "ln_2",
+            T.FFN_UP: h + "mlp.c_fc",
+            T.FFN_DOWN: h + "mlp.c_proj",
+        }
+        if arch == "gpt2":
+            per_layer[T.ATTN_QKV] = h + "attn.c_attn"
+        else:
+            per_layer[T.FFN_GATE] = h + "mlp.c_gate"
+            for kind in ("weight", "bias") if f"{h}attn.c_attn.bias" in state else ("weight",):
+                q, k, v = _split_qkv(state, i, cfg, kind)
+                out[name(T.ATTN_Q, i, kind)] = pairs_from_halves(q, cfg.n_head)
+                out[name(T.ATTN_K, i, kind)] = pairs_from_halves(k, n_kv_head(cfg))
+                out[name(T.ATTN_V, i, kind)] = v
+        for tensor, ours in per_layer.items():
+            for kind in ("weight", "bias"):
+                if f"{ours}.{kind}" in state:
+                    out[name(tensor, i, kind)] = state[f"{ours}.{kind}"]
+    for kind in ("weight", "bias"):
+        if f"ln_f.{kind}" in state:
+            out[name(T.OUTPUT_NORM, None, kind)] = state[f"ln_f.{kind}"]
+    if "lm_head.weight" in state:  # untied head; a tied one is token_embd itself
+        out[name(T.OUTPUT)] = state["lm_head.weight"]
+    return out
+
+
+def encode_tensor(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, Any]:
+    """(data, raw GGML type or None) of one tensor in ``dtype``.
+
+    Vectors (norms, biases) stay f32, as in llama.cpp's own converter; with q8_0, a matrix whose
+    rows are not a multiple of 32 values is written f16.
+    """
+    gguf = _gguf()
+    data = t.detach().cpu().float().numpy()
+    if data.ndim == 1 or dtype == "f32":
+        return data, None
+    if dtype == "q8_0" and data.shape[-1] % Q8_BLOCK == 0:
+        Q8_0 = gguf.GGMLQuantizationType.Q8_0
+        return gguf.quants.quantize(data, Q8_0), Q8_0
+    return data.astype(np.float16), None
+
+
+# ----------------------------------------------------------------------------- the tokenizer
+
+
+@dataclass
+class GgufVocab:
+    """A tokenizer as GGUF's ``gpt2`` tokenizer model sees it."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    special_ids: dict[str, int]  # bos, eos, pad, unk, sep
+
+
+def _merge_text(merge: str | list[str]) -> str:
+    return merge if isinstance(merge, str) else " ".join(merge)
+
+
+def gguf_vocab(tok: Tokenizer, vocab_size: int) -> GgufVocab:
+    """GGUF tokenizer metadata for lmcli's byte-level BPE and byte tokenizers (others refused).
+
+    ``vocab_size``: the model's; ids the tokenizer does not use are filled with unused tokens.
+    """
+    gguf = _gguf()
+    spec = json.loads(tok.to_json())
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("type") == "WordLevel":
+        raise LmcliError(
+            "GGUF cannot express lmcli's char tokenizer (whole characters, unknown ones to <unk>): "
+            "train with --tokenizer byte or bpe to export GGUF"
+        )
+    byte_level = pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space")
+    plain_bpe = not any(
+        model.get(k) for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
+    )
+    if model.get("type") != "BPE" or not byte_level or not plain_bpe or spec.get("normalizer"):
+        what = pre.get("type") or model.get("type") or "unknown"
+        raise LmcliError(
+            "GGUF export supports byte-level BPE tokenizers with GPT-2's pre-tokenizer, "
+            f"not this one ({what})"
+        )
+    if tok.vocab_size > vocab_size:
+        raise LmcliError(f"tokenizer has {tok.vocab_size} tokens, the model only {vocab_size}")
+    by_id = {i: t for t, i in tok.hf.get_vocab(with_added_tokens=True).items()}
+    added = tok.hf.get_added_tokens_decoder()
+    TT = gguf.TokenType
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(TT.UNUSED)
+        else:
+            tokens.append(by_id[i])
+            special = i in added and added[i].special
+            types.append(TT.CONTROL if special else TT.USER_DEFINED if i in added else TT.NORMAL)
+    merges = [_merge_text(m) for m in model.get("merges") or []]
+    special_ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    for role in ("unk", "sep"):
+        if getattr(tok, f"{role}_id", None) is not None:
+            special_ids[role] = getattr(tok, f"{role}_id")
+    if not merges:  # the byte tokenizer: one merge no byte-level piece can match (see the module doc)
+        controls = [tokens[i] for i in range(vocab_size) if types[i] == TT.CONTROL]
+        if len(controls) < 2:
+            raise LmcliError("GGUF export of a BPE tokenizer without merges needs two special tokens")
+        merges = [f"{controls[0]} {controls[1]}"]
+    return GgufVocab(tokens, [int(t) for t in types], merges, special_ids)
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+def run_name(run_dir: str | Path) -> str:
+    """A run folder's name; ``RUN-best`` for a checkpoint inside one."""
+    path = Path(run_dir).resolve()
+    if path.name in ("best", "last") or path.name.startswith("step-"):
+        return f"{path.parent.name}-{path.name}"
+    return path.name
+
+
+def default_gguf_path(run_dir: str | Path, dtype: str) -> Path:
+    """``NAME-DTYPE.gguf`` in the current folder (NAME: ``run_name``)."""
+    return Path(f"{run_name(run_dir)}-{dtype}.gguf")
+
+
+def write_gguf(
+    model: torch.nn.Module, tok: Tokenizer, out: str | Path, dtype: str = "f16", name: str = "lmcli"
+) -> Path:
+    """Write ``model`` and ``tok`` as one GGUF file ``out`` (a new file; written whole or not at all)."""
+    gguf = _gguf()
+    if dtype not in GGUF_TYPES:
+        raise LmcliError(f"invalid GGUF type {dtype!r}: choose one of {', '.join(GGUF_TYPES)}")
+    cfg: ModelConfig = model.config
+    arch = gguf_architecture(cfg, model_state(model))
+    vocab = gguf_vocab(tok, cfg.vocab_size)
+    tensors = gguf_tensors(model, arch)
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise LmcliError(f"{out} already exists: choose a new file name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
+        dtype, gguf.LlamaFileType.MOSTLY_Q8_0
+    )
+
+    tmp = temp_file(out)
+    try:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        w.add_name(name)
+        w.add_file_type(file_type)
+        if dtype == "q8_0":
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_context_length(cfg.block_size)
+        w.add_embedding_length(cfg.n_embd)
+        w.add_block_count(cfg.n_layer)
+        w.add_feed_forward_length(cfg.ffn_dim)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(n_kv_head(cfg))
+        w.add_vocab_size(cfg.vocab_size)
+        if arch == "gpt2":
+            w.add_layer_norm_eps(cfg.norm_eps)
+        else:
+            w.add_layer_norm_rms_eps(cfg.norm_eps)
+            w.add_rope_dimension_count(cfg.head_dim)
+            w.add_rope_freq_base(rope_base(cfg))
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(vocab.tokens)
+        w.add_token_types(vocab.types)
+        w.add_token_merges(vocab.merges)
+        for role, token_id in vocab.special_ids.items():
+            getattr(w, f"add_{role}_token_id")(token_id)
+        w.add_add_bos_token(True)  # lmcli reads every text as <bos> text
+        w.add_add_eos_token(False)
+        if getattr(tok, "chat_template", None):  # a tokenizer imported with one keeps it
+            w.add_chat_template(tok.chat_template)
+        for tensor_name, t in tensors.items():
+            data, raw_type = encode_tensor(t, dtype)
+            w.add_tensor(tensor_name, data, raw_dtype=raw_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.chmod(tmp, 0o644)  # a file to share, not the private temporary it was written as
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def export_gguf(path: str | Path, out: str | Path | None = None, dtype: str = "f16") -> Path:
+    """Export the checkpoint (or run folder) ``path`` as a GGUF file; returns the file written."""
+    ckpt = load_checkpoint(path)
+    out = Path(out) if out is not None else default_gguf_path(path, dtype)
+    return write_gguf(ckpt.model, ckpt.tokenizer, out, dtype, name=run_name(path))
