@@ -416,13 +416,13 @@ def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
         )
 
 
-def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str = "") -> Transformer:
     """A model of ``cfg`` whose parameters *are* the tensors of ``state`` (names as on disk):
     built on the meta device, so nothing is drawn at random and nothing is copied; the position
     tables are then computed on the state's device."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    load_state(model, state, "", assign=True)
+    load_state(model, state, where, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight  # assign made two parameters of one tensor
     with torch.device("cpu"):  # where a freshly built model computes them, for the same values

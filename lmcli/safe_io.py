@@ -83,7 +83,8 @@ def refuse_symlinks(folder: Path) -> None:
                 raise LmcliError(f"{path} is a symbolic link: a run folder must not contain links")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs (perhaps under another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -103,7 +104,7 @@ def remove_stale_temps(folder: Path) -> int:
         return 0
     for path in entries:
         match = _TEMP.search(path.name)
-        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+        if match is None or int(match.group(1)) == os.getpid() or pid_alive(int(match.group(1))):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)

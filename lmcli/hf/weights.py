@@ -16,11 +16,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from lmcli.checkpoint import MODULE_NAMES
+from lmcli.checkpoint import model_from_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
-from lmcli.positions import make_positions
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -71,29 +70,4 @@ def _as(t: Tensor, dtype: torch.dtype | None) -> Tensor:
 def build_model(cfg: ModelConfig, state: dict[str, Tensor], where: str) -> Transformer:
     """A Transformer of ``cfg`` holding ``state`` (our names, as on disk), its tensors assigned,
     not copied. One line naming what does not fit when ``state`` does not match ``cfg``."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.positions = make_positions(cfg)  # its tables are computed, not loaded: build them for real
-    state = {MODULE_NAMES.get(k, k): v for k, v in state.items()}
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {
-        k: v for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")
-    }
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"weights {where} do not fit the model config "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
-    for key, value in state.items():
-        if value.shape != expected[key].shape:
-            raise LmcliError(
-                f"weights {where}: {key} has shape {tuple(value.shape)}, "
-                f"config expects {tuple(expected[key].shape)}"
-            )
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.wte.weight
-    return model.eval()
+    return model_from_state(cfg, state, where).eval()

@@ -34,7 +34,7 @@ from lmcli.config import (
     to_dict,
 )
 from lmcli.errors import LmcliError
-from lmcli.safe_io import atomic_write, refuse_symlinks, remove_stale_temps
+from lmcli.safe_io import atomic_write, pid_alive, refuse_symlinks, remove_stale_temps
 
 LOCK = ".lock"
 # temporary names of lmcli 0.2 (before lmcli.safe_io): removed at start when their writer is gone
@@ -204,20 +204,11 @@ def _remove_old_temps(run_dir: Path) -> None:
     """The temporary files and folders of lmcli 0.2 whose writer is gone."""
     for path in run_dir.iterdir():
         match = _OLD_TEMP.fullmatch(path.name)
-        if match and not _alive(int(match.group(1))) and path.is_dir() and not path.is_symlink():
+        if match and not pid_alive(int(match.group(1))) and path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         elif path.name in _OLD_TEMP_FILES and path.is_file() and not path.is_symlink():
             path.unlink()
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:

@@ -28,9 +28,18 @@ def _collect(store: dict) -> callable:
     return deliver
 
 
-def test_joining_and_leaving_rows_keep_every_request_exact() -> None:
+ARCHITECTURES = {
+    "learned": {},
+    "rope-gqa-qkv-bias": dict(
+        position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, qkv_bias=True
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_joining_and_leaving_rows_keep_every_request_exact(arch: str) -> None:
     tok = tiny_tokenizer()
-    model = tiny_model(tok.vocab_size, block_size=64)
+    model = tiny_model(tok.vocab_size, block_size=64, **ARCHITECTURES[arch])
     sched = Scheduler(model, tok, max_batch=6, max_queue=8)
     plan = [  # (iteration at which it arrives, prompt, settings)
         (0, "the cat sat on the", SampleConfig(max_new_tokens=30, temperature=0.9, seed=1, stop=("\x00",))),
