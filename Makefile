@@ -37,11 +37,12 @@ bench:
 # build tools (cmake, ninja, scikit-build-core). LLAMA_VENV=DIR uses a venv that has llama_cpp.
 LLAMA_VENV ?= $(HOME)/.cache/lmcli/llama-venv
 LLAMA_CPP_PIN ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF  # the multimodal tools are not needed: half the compile
 
 llama-venv:
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp" 2>/dev/null || \
-		nice -n 10 $(LLAMA_VENV)/bin/pip install --no-binary llama-cpp-python "$(LLAMA_CPP_PIN)"
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 10 $(LLAMA_VENV)/bin/pip install --no-binary llama-cpp-python "$(LLAMA_CPP_PIN)"
 
 check-gguf: llama-venv
 	$(BIN)/python tests/hf/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
