@@ -107,7 +107,11 @@ class LayerStep:
     def __call__(self, x: Tensor, pos: Tensor, mask: Tensor | None, rotate: Rotate, cache: KVCache) -> Tensor:
         def attn(h: Tensor) -> Tensor:
             B, C = h.size()
-            q, k, v = self.heads.split_heads(self.qkv(h).view(B, 1, -1))  # (B, H or KV, 1, D)
+            H = self.heads.n_head
+            if self.heads.n_kv_head == H:  # one view: (B, 3C) -> q, k, v (B, H, 1, D)
+                q, k, v = self.qkv(h).view(B, 3, H, 1, C // H).unbind(1)
+            else:  # grouped-query attention: k and v (B, KV, 1, D)
+                q, k, v = self.heads.split_heads(self.qkv(h).view(B, 1, -1))
             q, k = rotate(q, k, pos)
             k, v = self.heads.share_heads(*cache.update(self.layer, k, v))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, 1, D)
