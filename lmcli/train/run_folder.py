@@ -210,7 +210,6 @@ def _remove_old_temps(run_dir: Path) -> None:
             path.unlink()
 
 
-
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """Local paths (the fields declared ``path=True``) made absolute, so the stored config works
     from any folder (resume, eval). Names that are not local paths (a hub dataset) stay."""
