@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from lmcli import fastpath
 from lmcli.config import EvalConfig
+from lmcli.data.corpus import batched
 from lmcli.data.windows import IGNORE
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
@@ -89,17 +90,6 @@ def windows(n: int, context: int, stride: int) -> Iterator[tuple[int, int, int]]
         begin += stride
 
 
-def _batches(items: Iterable, size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def stream_windows(
     chunks: Iterable[list[int]], context: int, stride: int
 ) -> Iterator[tuple[int, int, int, list[int]]]:
@@ -154,7 +144,7 @@ def score_stream(
     device = next(model.parameters()).device
     total, count = 0.0, 0
     bar = _bar(progress)
-    for chunk in _batches(stream_windows(chunks, context, stride), batch_size):
+    for chunk in batched(stream_windows(chunks, context, stride), batch_size):
         width = max(end - begin - 1 for begin, end, _, _ in chunk)
         x = torch.zeros(len(chunk), width, dtype=torch.long)
         y = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
@@ -295,7 +285,7 @@ def _score_line_block(
     for number, line, ids in (it for it in items if len(it[2]) - 1 > context):  # longer than the context
         count, nll = score_ids(model, ids, context, context)
         results[number] = _line_record(number, line, count, nll)
-    for chunk in _batches(sorted(short, key=lambda it: len(it[2])), batch_size):
+    for chunk in batched(sorted(short, key=lambda it: len(it[2])), batch_size):
         width = max(len(ids) for _, _, ids in chunk) - 1
         x = torch.zeros(len(chunk), width, dtype=torch.long)
         y = torch.full((len(chunk), width), IGNORE, dtype=torch.long)

@@ -16,10 +16,10 @@ import json
 import os
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lmcli.errors import LmcliError
 
@@ -250,3 +250,18 @@ def read_lines(path: str | Path) -> list[str]:
             return [line.rstrip("\r\n") for line in f]
     except READ_ERRORS as exc:  # e.g. a corrupt or truncated .gz, or a folder
         raise LmcliError(read_error(path, exc)) from None
+
+
+T = TypeVar("T")
+
+
+def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """``items`` in lists of ``size`` (the last one shorter), read lazily."""
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

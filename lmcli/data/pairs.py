@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcli.data.corpus import READ_ERRORS, load_hf_dataset, open_text, read_error
+from lmcli.data.corpus import READ_ERRORS, batched, load_hf_dataset, open_text, read_error
 from lmcli.data.token_cache import damaged, file_check, read_cache_json
 from lmcli.data.windows import IGNORE, Batch, EpochStream
 from lmcli.errors import LmcliError
@@ -265,7 +265,7 @@ def tokenize_pairs(
     try:
         tmp = temp_file(bin_path)
         with open(tmp, "wb") as out:
-            for batch in _chunks(corpus.pairs(), chunk):
+            for batch in batched(corpus.pairs(), chunk):
                 kept = [(s, t) for s, t in batch if s.strip() and t.strip()]
                 stats.empty += len(batch) - len(kept)
                 if not kept:
@@ -339,17 +339,6 @@ def _reuse_pairs(bin_path: Path, idx_path: Path, npy_path: Path, dtype: str) -> 
                 reason = "its index does not fit its tokens"
     print(f"warning: pair cache {bin_path} is damaged ({reason}): rebuilding it", file=sys.stderr)
     return None
-
-
-def _chunks(it: Iterator[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:
-    batch: list[tuple[str, str]] = []
-    for item in it:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 # ----------------------------------------------------------------------------- batches

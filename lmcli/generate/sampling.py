@@ -118,7 +118,8 @@ class Generated:
     finish_reason: str = "length"  # "eos", "stop" (a stop string) or "length"
 
 
-def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
+    """``text`` up to its first stop string, or None if it holds none."""
     hits = [text.index(s) for s in stops if s and s in text]
     return text[: min(hits)] if hits else None
 
@@ -229,7 +230,7 @@ class Collector:
         if not new:
             return
         window = held + new
-        cut = _cut_at_stop(window, self.stops)
+        cut = cut_at_stop(window, self.stops)
         if cut is not None:
             self._end(r, "stop")
             new = cut[len(held) :]
@@ -245,7 +246,7 @@ class Collector:
         """Every row's final text (cut at its first stop string), streamed to the end."""
         for r, g in enumerate(self.out):
             text = self.tokenizer.decode(g.ids)
-            cut = _cut_at_stop(text, self.stops)
+            cut = cut_at_stop(text, self.stops)
             g.text = cut if cut is not None else text
             if self.on_text is not None and len(g.text) > self.streamed[r]:
                 self.on_text(r, g.text[self.streamed[r] :])

@@ -35,7 +35,7 @@ from torch import Tensor
 from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.generate.decoding import prefill, step
-from lmcli.generate.sampling import sample_next
+from lmcli.generate.sampling import cut_at_stop, sample_next
 from lmcli.model import Transformer
 from lmcli.serve.batch_cache import BatchCache, empty_cache
 from lmcli.tokenizer import Tokenizer
@@ -124,12 +124,6 @@ class Row:
     def key(self) -> tuple[float, int, float, float]:
         cfg = self.handle.job.cfg
         return (cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
-    """``text`` up to its first stop string, or None if it holds none."""
-    hits = [text.index(s) for s in stops if s and s in text]
-    return text[: min(hits)] if hits else None
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
