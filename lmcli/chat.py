@@ -5,8 +5,8 @@ renders it with ``lmcli.chat_template`` exactly as ``lmcli serve`` renders a cha
 and generates each reply with ``lmcli.generate.sampling.generate`` (the cached forward and the
 sampling rule of ``lmcli sample`` and the server), streaming its text as it is decoded. A reply
 ends at the tokenizer's end token (the end of an assistant turn in lmcli's template), at a
-``--stop`` string, or after ``--max-new-tokens``. Every reply is drawn with the same ``--seed``:
-the same conversation gets the same reply.
+``--stop`` string, or after ``--max-new-tokens``. The reply to a conversation holding ``k``
+replies is drawn with ``--seed`` + ``k``: the same conversation gets the same reply.
 
 When the prompt plus ``max_new_tokens`` does not fit the model's context, the oldest turns (a
 user message and the replies after it) are left out of the prompt, for this reply and the rest
@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from lmcli import chat_template
 from lmcli.chat_template import Message
-from lmcli.config import SampleConfig
+from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.safe_io import atomic_write
@@ -142,7 +142,11 @@ class ChatSession:
 
         try:
             ids, dropped = self._fit()
-            cfg = replace(self.cfg, max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)))
+            cfg = replace(
+                self.cfg,
+                max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)),
+                seed=self.reply_seed(),
+            )
             g = generate(self.model, self.tokenizer, [ids], cfg, on_text=stream)[0]
         except KeyboardInterrupt:
             text = "".join(shown)
@@ -155,6 +159,13 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": g.text})
         tokens = len(g.ids) + (g.finish_reason == "eos")
         return Reply(g.text, FINISH[g.finish_reason], len(ids), tokens, dropped)
+
+    def reply_seed(self) -> int:
+        """The seed of the next reply: ``seed`` plus the replies before it in the conversation
+        (so the replies of a session do not share their random draws, and the same conversation
+        gets the same reply, here, with ``--json`` or from ``lmcli serve``)."""
+        replies = sum(m["role"] == "assistant" for m in self.messages)
+        return (self.cfg.seed + replies) % (SEED_MAX + 1)
 
     def _fit(self) -> tuple[list[int], int]:
         """The prompt's ids after dropping the oldest turns until prompt + max_new_tokens fits

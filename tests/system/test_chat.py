@@ -139,7 +139,8 @@ def test_json_reply_equals_the_library_and_serve(
     pytest.importorskip("uvicorn")  # the serve extra
     from lmcli.serve.server import running
 
-    body = {"messages": messages, "max_tokens": 12, "temperature": 0.9, "top_k": 12, "seed": 7}
+    assert s.reply_seed() == 7 + 2  # reply k of a conversation draws with seed + k
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0.9, "top_k": 12, "seed": 7 + 1}
     with running(checkpoint, ServeConfig(port=0, max_batch=2, grace=1)) as (url, _):
         served = httpx.post(url + "/v1/chat/completions", json=body, timeout=30).json()
     assert served["choices"][0]["message"]["content"] == reply.text
