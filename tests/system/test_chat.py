@@ -15,7 +15,6 @@ import termios
 import time
 from pathlib import Path
 
-import httpx2 as httpx
 import pytest
 from helpers import assert_one_line_error, make_run, run_cli
 
@@ -101,6 +100,17 @@ def test_interrupted_reply_keeps_what_was_shown(checkpoint: Checkpoint) -> None:
     assert s.say("the dog").finish_reason == "length"  # the session goes on
     assert len(s.conversation()) == 4
 
+    def ctrl_c_in_the_prompt(*_) -> None:
+        raise KeyboardInterrupt
+
+    hook = checkpoint.model.register_forward_pre_hook(ctrl_c_in_the_prompt)
+    try:
+        reply = s.say("a bird")
+    finally:
+        hook.remove()
+    assert reply.finish_reason == "interrupted" and reply.text == ""
+    assert len(s.conversation()) == 4  # nothing shown: the question is dropped with the reply
+
 
 # ----------------------------------------------------------------------------- --json
 
@@ -136,7 +146,8 @@ def test_json_reply_equals_the_library_and_serve(
     )
     assert code == 0 and json.loads(out)["dropped_messages"] == 2
     assert err.startswith("warning: [context of 64 tokens full: left out the 2 oldest message(s)]")
-    pytest.importorskip("uvicorn")  # the serve extra
+    httpx = pytest.importorskip("httpx2")  # the serve extra's
+    pytest.importorskip("uvicorn")
     from lmcli.serve.server import running
 
     assert s.reply_seed() == 7 + 2  # reply k of a conversation draws with seed + k
