@@ -20,6 +20,7 @@ import typer
 from lmcli import __version__
 from lmcli.config import (
     BeamConfig,
+    ChatConfig,
     DeviceConfig,
     EvalConfig,
     ExportConfig,
@@ -78,6 +79,7 @@ def _root(
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2) or a GGUF file
     lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
+    lmcli chat    [RUN_DIR]     chat in the terminal, or answer messages JSON on stdin
     lmcli verify  RUN_DIR       check a run folder's files, checksums and shapes
     """
 
@@ -439,6 +441,44 @@ def serve(
         )
     ckpt = _load(run_dir, options)
     run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+@app.command()
+@config_options(ChatConfig, SampleConfig, DeviceConfig, exclude=("num_samples",))
+def chat(
+    run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
+    json_io: bool = typer.Option(
+        False,
+        "--json",
+        help='Read {"messages": [...]} (or a list) from stdin, print the reply as JSON. '
+        "[default: when stdin is not a terminal]",
+    ),
+    *,
+    options: dict[str, Any],
+) -> None:
+    """Chat with a model: streamed replies, history, /reset, /system, /save, /help, /exit.
+
+    Ctrl-C stops a reply and keeps the conversation; at the prompt it quits, as Ctrl-D does.
+    """
+    from lmcli.chat import ChatSession, dropped_notice, run_json, run_terminal
+
+    cfg = build(SampleConfig, options)
+    chat_cfg = build(ChatConfig, options)
+    ckpt = _load(run_dir, options)
+    session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system)
+    if json_io or not sys.stdin.isatty():
+        result = run_json(session, sys.stdin)
+        if result["dropped_messages"]:
+            print(f"warning: {dropped_notice(result['dropped_messages'], session.context)}", file=sys.stderr)
+        typer.echo(json.dumps(result, ensure_ascii=False))
+        return
+    from lmcli import fastpath
+
+    with fastpath.inference(ckpt.model):  # one scope for every reply
+        run_terminal(session, str(ckpt.path))
 
 
 # ----------------------------------------------------------------------------- verify

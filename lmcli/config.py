@@ -528,6 +528,16 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class ChatConfig:
+    """Settings of `lmcli chat` besides its sampling options (those are `lmcli sample`'s)."""
+
+    system: str | None = option(None, "System prompt: a system message before the conversation.")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
 class ExportConfig:
     """Settings of `lmcli export`: the format and, for GGUF, the type of the weights."""
 

@@ -1,0 +1,329 @@
+"""`lmcli chat`: a conversation with a model, in the terminal or as JSON for scripts.
+
+``ChatSession`` holds the conversation (a system prompt and the user/assistant messages),
+renders it with ``lmcli.chat_template`` exactly as ``lmcli serve`` renders a chat completion,
+and generates each reply with ``lmcli.generate.sampling.generate`` (the cached forward and the
+sampling rule of ``lmcli sample`` and the server), streaming its text as it is decoded. A reply
+ends at the tokenizer's end token (the end of an assistant turn in lmcli's template), at a
+``--stop`` string, or after ``--max-new-tokens``. The reply to a conversation holding ``k``
+replies is drawn with ``--seed`` + ``k``: the same conversation gets the same reply.
+
+When the prompt plus ``max_new_tokens`` does not fit the model's context, the oldest turns (a
+user message and the replies after it) are left out of the prompt, for this reply and the rest
+of the session; the system prompt and the newest user message always stay. A Ctrl-C
+(``KeyboardInterrupt``) during a reply stops it: the text shown so far is kept as the reply
+(what the user saw is what the model sees next), and a reply stopped before any text is
+dropped together with the user's message.
+
+``run_terminal`` is the interactive loop (``/reset``, ``/system``, ``/save``, ``/help``,
+``/exit``); ``run_json`` answers one ``{"messages": [...]}`` read from a file object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any
+
+from lmcli import chat_template
+from lmcli.chat_template import Message
+from lmcli.config import SEED_MAX, SampleConfig
+from lmcli.errors import LmcliError
+from lmcli.model import Transformer
+from lmcli.safe_io import atomic_write
+from lmcli.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # as lmcli serve reports them
+
+
+@dataclass
+class Reply:
+    """One assistant reply and how it ended."""
+
+    text: str
+    finish_reason: str  # "stop" (end of turn or a stop string), "length", or "interrupted"
+    prompt_tokens: int
+    completion_tokens: int
+    dropped: int = 0  # messages left out of the prompt for this reply to fit the context
+
+
+class ChatSession:
+    """A conversation with one model: its messages, the rendering, and the replies."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        cfg: SampleConfig,
+        template: str | None = None,
+        system: str | None = None,
+    ) -> None:
+        """``template``: the model folder's Hugging Face chat template, or None for lmcli's."""
+        if cfg.num_samples != 1:
+            raise LmcliError("a chat reply is one sample: num-samples must be 1")
+        self.model, self.tokenizer, self.cfg, self.template = model, tokenizer, cfg, template
+        self.system = system or None
+        self.messages: list[Message] = []  # user and assistant messages, oldest first
+        self.first = 0  # messages[first:] are in the prompt; older ones were dropped
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Any, cfg: SampleConfig, system: str | None = None) -> ChatSession:
+        """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
+        if ckpt.train_config.task == "translation":
+            raise LmcliError("this is a translation model: use lmcli sample or lmcli beam")
+        template = chat_template.find_template(ckpt.path)
+        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system)
+
+    @property
+    def context(self) -> int:
+        return self.model.config.block_size
+
+    def conversation(self) -> list[Message]:
+        """The whole conversation as ``messages`` (system prompt first), dropped turns included."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [dict(m) for m in self.messages]
+
+    def window(self) -> list[Message]:
+        """The messages the next prompt renders: the system prompt and the turns not dropped."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages[self.first :]
+
+    def prompt_ids(self) -> list[int]:
+        """The token ids of the prompt for the next reply (ends where the reply begins)."""
+        return chat_template.encode(self.window(), self.template, self.tokenizer)
+
+    def reset(self) -> None:
+        """Forget every message (the system prompt stays)."""
+        self.messages, self.first = [], 0
+
+    def set_system(self, text: str | None) -> None:
+        """Set (or with None/'' clear) the system prompt; it applies from the next reply on."""
+        self.system = text or None
+
+    def load(self, messages: Any) -> None:
+        """Replace the conversation with ``messages`` (a system message may come first only)."""
+        messages = check_roles(chat_template.check_messages(messages))
+        if messages[0]["role"] == "system":
+            if self.system is not None:
+                raise LmcliError("give the system prompt once: --system or a system message")
+            self.system, messages = messages[0]["content"] or None, messages[1:]
+        self.messages, self.first = messages, 0
+
+    def say(self, text: str, on_text: Callable[[str], None] | None = None) -> Reply:
+        """Add the user's message and reply to it (see ``reply``). A message that cannot fit
+        the context is not kept."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            return self.reply(on_text)
+        except LmcliError:
+            self.messages.pop()
+            raise
+
+    def reply(self, on_text: Callable[[str], None] | None = None) -> Reply:
+        """Generate the assistant's reply to the conversation (whose last message is the user's),
+        add it to the conversation and return it; ``on_text(piece)`` receives its text as it is
+        decoded. A ``KeyboardInterrupt`` stops the reply (see the module docstring)."""
+        from lmcli.generate.sampling import generate
+
+        if not self.messages or self.messages[-1]["role"] != "user":
+            raise LmcliError("the last message must be the user's")
+        ids: list[int] = []
+        dropped = 0
+        shown: list[str] = []
+
+        def stream(_row: int, piece: str) -> None:
+            shown.append(piece)
+            if on_text is not None:
+                on_text(piece)
+
+        try:
+            ids, dropped = self._fit()
+            cfg = replace(
+                self.cfg,
+                max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)),
+                seed=self.reply_seed(),
+            )
+            g = generate(self.model, self.tokenizer, [ids], cfg, on_text=stream)[0]
+        except KeyboardInterrupt:
+            text = "".join(shown)
+            if text:
+                self.messages.append({"role": "assistant", "content": text})
+            else:
+                self.messages.pop()  # nothing was shown: forget the question too
+            n = len(self.tokenizer.encode(text)) if text else 0
+            return Reply(text, "interrupted", len(ids), n, dropped)
+        self.messages.append({"role": "assistant", "content": g.text})
+        tokens = len(g.ids) + (g.finish_reason == "eos")
+        return Reply(g.text, FINISH[g.finish_reason], len(ids), tokens, dropped)
+
+    def reply_seed(self) -> int:
+        """The seed of the next reply: ``seed`` plus the replies before it in the conversation
+        (so the replies of a session do not share their random draws, and the same conversation
+        gets the same reply, here, with ``--json`` or from ``lmcli serve``)."""
+        replies = sum(m["role"] == "assistant" for m in self.messages)
+        return (self.cfg.seed + replies) % (SEED_MAX + 1)
+
+    def _fit(self) -> tuple[list[int], int]:
+        """The prompt's ids after dropping the oldest turns until prompt + max_new_tokens fits
+        the context, and how many messages were dropped; one line if the newest turn alone
+        leaves no room for a reply."""
+        dropped, first = 0, self.first
+        ids = self.prompt_ids()
+        last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        while len(ids) + self.cfg.max_new_tokens > self.context and self.first < last_user:
+            start = self.first
+            self.first += 1  # drop one turn: a user message and the replies that follow it
+            while self.first < last_user and self.messages[self.first]["role"] != "user":
+                self.first += 1
+            dropped += self.first - start
+            ids = self.prompt_ids()
+        if len(ids) >= self.context:
+            self.first = first  # the turns stay for a message that fits
+            raise LmcliError(
+                f"the prompt is {len(ids)} tokens: no room for a reply in this model's context "
+                f"of {self.context} tokens"
+            )
+        return ids, dropped
+
+    def save(self, path: str | Path) -> Path:
+        """Write the conversation as ``{"messages": [...]}``, whole or not at all."""
+        path = Path(path).expanduser()
+        text = json.dumps({"messages": self.conversation()}, ensure_ascii=False, indent=2) + "\n"
+        atomic_write(path, text)
+        return path
+
+
+def check_roles(messages: list[Message]) -> list[Message]:
+    """``messages`` whose roles are system (first only), user or assistant, ending with the user's."""
+    for i, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise LmcliError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}")
+        if m["role"] == "system" and i > 0:
+            raise LmcliError(f"messages[{i}]: a system message may only come first")
+    if messages[-1]["role"] != "user":
+        raise LmcliError("the last message must be the user's: it is the one the reply answers")
+    return messages
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def read_messages(stream: IO[str]) -> Any:
+    """``{"messages": [...]}`` or a bare list of messages, read from ``stream``."""
+    data = stream.read()
+    if not data.strip():
+        raise LmcliError('no input: give {"messages": [...]} on stdin')
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise LmcliError(f"stdin is not valid JSON: {exc}") from None
+    if isinstance(value, dict):
+        if "messages" not in value:
+            raise LmcliError('the JSON object on stdin must have "messages"')
+        value = value["messages"]
+    return value
+
+
+def run_json(session: ChatSession, stream: IO[str]) -> dict[str, Any]:
+    """Answer the conversation read from ``stream``: the reply as a JSON-ready dict."""
+    session.load(read_messages(stream))
+    reply = session.reply()
+    return {
+        "message": {"role": "assistant", "content": reply.text},
+        "finish_reason": reply.finish_reason,
+        "usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens},
+        "dropped_messages": reply.dropped,
+    }
+
+
+# ----------------------------------------------------------------------------- the terminal
+
+HELP = """commands:
+  /reset          forget the conversation (the system prompt stays)
+  /system TEXT    set the system prompt (/system alone clears it)
+  /save FILE      write the conversation as {"messages": [...]} JSON
+  /help           this list
+  /exit           quit (or Ctrl-D; Ctrl-C stops a reply, or quits at the prompt)"""
+
+
+def dropped_notice(n: int, context: int) -> str:
+    return f"[context of {context} tokens full: left out the {n} oldest message(s)]"
+
+
+def run_terminal(session: ChatSession, title: str) -> None:
+    """The interactive chat: read a line, stream the reply, until /exit, Ctrl-D or Ctrl-C at
+    the prompt. Notices and errors go to stderr; the replies to stdout."""
+    from rich.console import Console
+
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:  # pragma: no cover - not on every platform
+        pass
+    note = Console(stderr=True, highlight=False, soft_wrap=True)
+    note.print(f"lmcli chat: {title} (context {session.context} tokens). /help for commands.", markup=False)
+    if session.system:
+        note.print(f"system: {session.system}", style="dim", markup=False)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        try:
+            if line.startswith("/"):
+                if not _command(session, line, note):
+                    return
+            elif line.strip():
+                _turn(session, line, note)
+        except KeyboardInterrupt:  # outside a reply (which stops itself): back to the prompt
+            print()
+
+
+def _turn(session: ChatSession, line: str, note: Any) -> None:
+    """Send one user message; stream the reply and print what the reader should know."""
+    try:
+        reply = session.say(line, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    except LmcliError as exc:
+        note.print(f"error: {exc}", style="red", markup=False)
+        return
+    print()
+    if reply.dropped:
+        note.print(dropped_notice(reply.dropped, session.context), style="yellow", markup=False)
+    if reply.finish_reason == "interrupted":
+        note.print("[reply stopped]", style="yellow", markup=False)
+    elif reply.finish_reason == "length":
+        note.print(f"[reply cut at {reply.completion_tokens} tokens]", style="dim", markup=False)
+
+
+def _command(session: ChatSession, line: str, note: Any) -> bool:
+    """Run one /command; False to end the session."""
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if name in ("/exit", "/quit"):
+        return False
+    if name == "/reset":
+        session.reset()
+        note.print("[conversation cleared]", style="dim", markup=False)
+    elif name == "/system":
+        session.set_system(arg)
+        note.print(f"[system prompt {'set' if arg else 'cleared'}]", style="dim", markup=False)
+    elif name == "/save":
+        if not arg:
+            note.print("error: /save needs a file name", style="red", markup=False)
+            return True
+        try:
+            path = session.save(arg)
+        except (OSError, LmcliError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            note.print(f"error: cannot write {arg}: {reason}", style="red", markup=False)
+            return True
+        note.print(f"[saved {len(session.conversation())} message(s) to {path}]", style="dim", markup=False)
+    elif name == "/help":
+        note.print(HELP, markup=False)
+    else:
+        note.print(f"unknown command {name}: /help lists them", style="red", markup=False)
+    return True
