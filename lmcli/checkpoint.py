@@ -647,7 +647,8 @@ def load_adapted(
     try:
         state = load_file(str(checked_file(ckpt / ADAPTERS)))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise LmcliError(f"cannot read adapters {ckpt / ADAPTERS}: {str(exc).splitlines()[0][:200]}") from None
+        reason = str(exc).splitlines()[0][:200]
+        raise LmcliError(f"cannot read adapters {ckpt / ADAPTERS}: {reason}") from None
     lora.load_adapters(model, state, str(ckpt / ADAPTERS))
     return lora.merge(model) if merge else model
 

@@ -340,7 +340,9 @@ class TrainConfig:
         "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: fine-tuning.",
         path=True,
     )
-    lora_rank: int = option(0, "LoRA: rank of the adapters on the --init-from model (0: train every weight).", ge=0)
+    lora_rank: int = option(
+        0, "LoRA: rank of the adapters on the --init-from model (0: train every weight).", ge=0
+    )
     lora_alpha: float = option(16.0, "LoRA: the adapters' update is scaled by alpha / rank.", gt=0)
     lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input.", ge=0, lt=1)
     lora_targets: str = option(
@@ -553,7 +555,7 @@ class ExportConfig:
         "hf",
         "hf: a Hugging Face folder; gguf: one GGUF file for llama.cpp; lmcli: a checkpoint folder.",
     )
-    merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (how a LoRA run exports).")
+    merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (a LoRA run needs it).")
     dtype: GgufType | None = option(
         None,
         "GGUF: type of the weight matrices (q8_0: 8-bit blocks; norms and biases stay f32).",

@@ -61,7 +61,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.dropout(x) if self.training and self.dropout.p > 0 else x
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.scale
+        update = F.linear(F.linear(h, self.lora_a), self.lora_b)  # (.., in) -> (.., r) -> (.., out)
+        return F.linear(x, self.weight, self.bias) + update * self.scale
 
     def delta(self) -> Tensor:
         """The update of the weight (out, in) the adapters stand for."""
