@@ -618,14 +618,9 @@ def base_reference(path: str | Path) -> dict[str, Any]:
     return {"path": str(folder), "sha256": base_digests(folder)}
 
 
-def load_adapted(
-    ckpt: Path, base: dict[str, Any], model_config: ModelConfig, train_config: TrainConfig, *, merge: bool
-) -> Transformer:
-    """A LoRA checkpoint's model: its base, checked against the recorded digests, with the
-    adapters put on (``merge``: folded into the weights)."""
-    from lmcli import lora
-    from lmcli.hf import is_hf_folder, load_hf_folder
-
+def checked_base(ckpt: Path, base: dict[str, Any]) -> Path:
+    """The base model folder a LoRA checkpoint's ``base.json`` names, once its weight files are
+    found to have the recorded sha256; one line if it is gone or changed."""
     where = ckpt / BASE
     if not isinstance(base.get("path"), str) or not isinstance(base.get("sha256"), dict):
         raise LmcliError(f"{where} has no base path and sha256")
@@ -637,6 +632,18 @@ def load_adapted(
             f"the base model {path} changed since LoRA run {ckpt} was trained (sha256 of its weights "
             f"differs): restore that base, or train the adapters again"
         )
+    return path
+
+
+def load_adapted(
+    ckpt: Path, base: dict[str, Any], model_config: ModelConfig, train_config: TrainConfig, *, merge: bool
+) -> Transformer:
+    """A LoRA checkpoint's model: its base, checked against the recorded digests, with the
+    adapters put on (``merge``: folded into the weights)."""
+    from lmcli import lora
+    from lmcli.hf import is_hf_folder, load_hf_folder
+
+    path = checked_base(ckpt, base)
     if is_hf_folder(path):
         model = load_hf_folder(path, torch.float32, lambda msg: None)[0]  # trained in float32
     else:

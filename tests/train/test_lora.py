@@ -209,6 +209,7 @@ def test_bad_lora_inputs_are_one_line(base: Path, tmp_path: Path, capsys) -> Non
         ["eval", str(run), str(base / "b.txt")],
         ["export", "--merge", str(run), str(tmp_path / "hf")],
         ["train", "--resume", str(run), "--max-steps", "4", "-q"],
+        ["verify", str(run)],
     ):
         code, _, err = run_cli(argv, capsys)
         assert_one_line_error(code, err, f"the base model {own_base / 'best'} changed since LoRA run")
