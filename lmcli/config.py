@@ -349,7 +349,7 @@ class TrainConfig:
         "qkv,attn_out,fc,mlp_out",
         "LoRA: the projections to adapt, comma-separated: qkv, attn_out, fc, gate (swiglu), mlp_out.",
     )
-    lora_train_embeddings: bool = option(False, "LoRA: also train the token embedding (and an untied head).")
+    lora_train_embeddings: bool = option(False, "LoRA: also train the token embedding and the output head.")
     batch_size: int = option(8, "Sequences per micro-batch.", gt=0)
     grad_accum: int = option(1, "Micro-batches per optimizer step.", gt=0)
     max_steps: int | None = option(

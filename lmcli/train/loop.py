@@ -617,6 +617,7 @@ def restore(saved: dict[str, Any], state: TrainState, optimizer: Any, scaler: An
 def show_preflight(run: Run, rep: Reporter) -> None:
     """One screen of facts before training: size, data, memory and time estimates."""
     cfg, model = run.cfg, run.model
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     probe = None if cfg.compile else probe_step_seconds(model, run.sampler, cfg, run.device, run.amp)
     pre = Preflight(
         params=model.num_parameters(),
@@ -627,7 +628,7 @@ def show_preflight(run: Run, rep: Reporter) -> None:
         max_steps=run.max_steps,
         max_time=cfg.max_time,
         memory_bytes=estimate_memory(
-            run.model_config, model.num_parameters(), cfg.batch_size, run.amp is not None
+            run.model_config, model.num_parameters(), cfg.batch_size, run.amp is not None, trainable
         ),
         available_bytes=available_memory(run.device),
         step_seconds=probe * cfg.grad_accum if probe is not None else None,
@@ -642,6 +643,11 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     }
     if run.dist.enabled:
         facts["processes"] = f"{run.dist.world_size} (DDP)"
+    if cfg.lora_rank:
+        facts["LoRA"] = (
+            f"rank {cfg.lora_rank} on {cfg.lora_targets}: {fmt_count(trainable)} trainable parameters "
+            f"({100 * trainable / model.num_parameters():.2f}%)"
+        )
     if rep.preflight is not None:
         rep.preflight(pre, facts)
     else:
