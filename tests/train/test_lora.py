@@ -216,3 +216,33 @@ def test_bad_lora_inputs_are_one_line(base: Path, tmp_path: Path, capsys) -> Non
     shutil.rmtree(own_base)
     code, _, err = run_cli(["sample", str(run), "--max-new-tokens", "2"], capsys)
     assert_one_line_error(code, err, f"the base model {own_base / 'best'} of LoRA run")
+
+
+def test_decoding_with_adapters_on_equals_the_merged_model_on_the_fast_path() -> None:
+    """While adapters are on (validation and BLEU during training) the CPU fast step, which reads
+    plain weights, steps aside; the merged model decodes on it, to the same tokens."""
+    import copy
+
+    from helpers import tiny_model, tiny_tokenizer
+
+    from lmcli import fastpath
+    from lmcli.config import SampleConfig
+    from lmcli.generate.sampling import generate
+    from lmcli.lora import add_adapters, merge
+
+    tok = tiny_tokenizer()
+    model = add_adapters(tiny_model(tok.vocab_size), TrainConfig(init_from="base", lora_rank=2)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    merged = merge(copy.deepcopy(model))
+    with fastpath.inference(model):
+        assert model.fast_step is None
+    cfg = SampleConfig(temperature=0.0, max_new_tokens=24)
+    prompts = [tok.encode("the cat"), tok.encode("a bird")]
+    adapted_out = [g.ids for g in generate(model, tok, prompts, cfg)]
+    with fastpath.inference(merged):
+        assert merged.fast_step is not None
+        merged_out = [g.ids for g in generate(merged, tok, prompts, cfg)]
+    assert adapted_out == merged_out
