@@ -2,8 +2,8 @@
 
 An adapted layer computes ``W x + b + (alpha / r) * B A dropout(x)`` with ``A`` (r, in) drawn
 like a linear layer's weight and ``B`` (out, r) zero, so training starts from the base model's
-output. Only ``A`` and ``B`` (and, with ``--lora-train-embeddings``, the token embedding and an
-untied head) require gradients, so the optimizer holds state for them alone.
+output. Only ``A`` and ``B`` (and, with ``--lora-train-embeddings``, the token embedding and the
+output head) require gradients, so the optimizer holds state for them alone.
 
 ``LoRALinear`` is an ``nn.Linear`` that shares the base layer's weight and bias, so the module
 paths of the base (``h.0.attn.c_attn.weight``) do not change; the adapters are
