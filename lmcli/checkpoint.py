@@ -9,6 +9,11 @@ A run folder holds ``last/``, ``best/`` and optional ``step-NNNNNNN/`` checkpoin
     trainer_state.pt    optimizer, RNG states, data position (tensors/lists only)
     meta.json           step, metrics, sha256 of every file above
 
+A LoRA run's checkpoint (``lmcli.lora``) holds ``adapters.safetensors`` (the adapters and any
+other trained tensor) and ``base.json`` (the base model's folder and the sha256 of its weight
+files) in place of ``model.safetensors``; loading it loads the base, checks those digests and
+puts the adapters on; ``load_model`` merges them into the weights.
+
 Writes go to a fresh private temporary folder (``lmcli.safe_io``) that is flushed and renamed
 into place, so a crash leaves the previous checkpoint intact and a planted link is never written
 through. A checkpoint folder is never changed once in place, only replaced whole; a reader that
@@ -20,6 +25,7 @@ Face folder (``lmcli.hf``), or, given nothing, the newest run under ``checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -50,6 +56,8 @@ CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 STATE = "trainer_state.pt"
 META = "meta.json"
+ADAPTERS = "adapters.safetensors"  # a LoRA run's trained tensors
+BASE = "base.json"  # a LoRA run's base model: {"path": folder, "sha256": {weight file: digest}}
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 # parameters whose name in a checkpoint file differs from the module path (lmcli 0.1's names)
 DISK_NAMES = {"positions.wpe.weight": "wpe.weight"}
@@ -70,6 +78,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     meta: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] | None = None
+    base: dict[str, Any] | None = None  # a LoRA run's base reference (BASE), else None
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -161,13 +170,23 @@ def save_checkpoint(
     *,
     meta: dict[str, Any],
     state: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
 ) -> None:
-    """Atomically write a checkpoint folder at ``dest``."""
+    """Atomically write a checkpoint folder at ``dest``; for a model with LoRA adapters, the
+    adapters and ``base`` (``base_reference``) instead of the weights."""
+    from lmcli import lora
+
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(dest)  # created exclusively: a planted link at any name is never followed
     try:
-        save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if lora.has_adapters(unwrap(model)):
+            if base is None:
+                raise ValueError("a model with adapters is saved with its base reference")
+            save_file(lora.adapter_state(unwrap(model)), str(tmp / ADAPTERS), metadata={"format": "pt"})
+            _write_json(tmp / BASE, base)
+        else:
+            save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         _write_json(
             tmp / CONFIG,
             {
@@ -510,8 +529,10 @@ def load_checkpoint(
     *,
     with_state: bool = False,
     verify: bool = True,
+    merge: bool = True,
 ) -> Checkpoint:
-    """Load a checkpoint (or a run folder's best/last) with nothing but its folder."""
+    """Load a checkpoint (or a run folder's best/last) with nothing but its folder; a LoRA run's
+    base with its adapters merged into the weights, or (``merge=False``, to train on) put on."""
     ckpt = resolve_checkpoint(path)
     meta = read_json(ckpt / META, "checkpoint metadata") if (ckpt / META).exists() else {}
     if verify:
@@ -529,7 +550,12 @@ def load_checkpoint(
             f"tokenizer in {ckpt} has {tokenizer.vocab_size} tokens but the model expects "
             f"{model_config.vocab_size}"
         )
-    model = load_weights(model_config, ckpt / WEIGHTS)
+    base = None
+    if os.path.lexists(ckpt / ADAPTERS):
+        base = read_json(ckpt / BASE, "LoRA base reference")
+        model = load_adapted(ckpt, base, model_config, train_config, merge=merge)
+    else:
+        model = load_weights(model_config, ckpt / WEIGHTS)
     model.to(device).eval()
     state = None
     if with_state and os.path.lexists(ckpt / STATE):
@@ -540,7 +566,7 @@ def load_checkpoint(
             raise LmcliError(
                 f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
             ) from None
-    return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state)
+    return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state, base)
 
 
 def load_model(
@@ -560,3 +586,98 @@ def load_model(
     if dtype is not None:
         ckpt.model.to(dtype)
     return ckpt
+
+
+# ----------------------------------------------------------------------------- LoRA runs
+
+
+def base_digests(path: Path) -> dict[str, str]:
+    """The sha256 of each weight file of a base model folder: an lmcli checkpoint's
+    ``model.safetensors`` (as its meta.json records it, which loading verifies), or a Hugging
+    Face folder's ``*.safetensors`` and ``*.bin`` files."""
+    if (path / META).exists():
+        recorded = read_json(path / META, "checkpoint metadata").get("sha256", {})
+        digest = recorded.get(WEIGHTS) if isinstance(recorded, dict) else None
+        return {WEIGHTS: digest if isinstance(digest, str) else _sha256(checked_file(path / WEIGHTS))}
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    return {p.name: _sha256(checked_file(p)) for p in files}
+
+
+def base_reference(path: str | Path) -> dict[str, Any]:
+    """What a LoRA run records of its ``--init-from`` base: the folder it reads (a run folder's
+    checkpoint, or a Hugging Face folder) and the sha256 of its weight files."""
+    from lmcli.hf import is_hf_folder
+
+    path = Path(path).resolve()
+    folder = path if is_hf_folder(path) else resolve_checkpoint(path)
+    if os.path.lexists(folder / ADAPTERS):
+        raise LmcliError(
+            f"{folder} is itself a LoRA run: fold its adapters first "
+            f"(lmcli export --merge {folder} --format lmcli OUT), then adapt OUT"
+        )
+    return {"path": str(folder), "sha256": base_digests(folder)}
+
+
+def checked_base(ckpt: Path, base: dict[str, Any]) -> Path:
+    """The base model folder a LoRA checkpoint's ``base.json`` names, once its weight files are
+    found to have the recorded sha256; one line if it is gone or changed."""
+    where = ckpt / BASE
+    if not isinstance(base.get("path"), str) or not isinstance(base.get("sha256"), dict):
+        raise LmcliError(f"{where} has no base path and sha256")
+    path = Path(base["path"])
+    if not path.is_dir():
+        raise LmcliError(f"the base model {path} of LoRA run {ckpt} is gone (see {where})")
+    if base_digests(path) != base["sha256"]:
+        raise LmcliError(
+            f"the base model {path} changed since LoRA run {ckpt} was trained (sha256 of its weights "
+            f"differs): restore that base, or train the adapters again"
+        )
+    return path
+
+
+def load_adapted(
+    ckpt: Path, base: dict[str, Any], model_config: ModelConfig, train_config: TrainConfig, *, merge: bool
+) -> Transformer:
+    """A LoRA checkpoint's model: its base, checked against the recorded digests, with the
+    adapters put on (``merge``: folded into the weights)."""
+    from lmcli import lora
+    from lmcli.hf import is_hf_folder, load_hf_folder
+
+    path = checked_base(ckpt, base)
+    if is_hf_folder(path):
+        model = load_hf_folder(path, torch.float32, lambda msg: None)[0]  # trained in float32
+    else:
+        model = load_checkpoint(path).model
+    if model.config != model_config:
+        raise LmcliError(f"the base model {path} does not fit LoRA run {ckpt}'s model config")
+    lora.add_adapters(model, train_config)
+    try:
+        state = load_file(str(checked_file(ckpt / ADAPTERS)))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        reason = str(exc).splitlines()[0][:200]
+        raise LmcliError(f"cannot read adapters {ckpt / ADAPTERS}: {reason}") from None
+    lora.load_adapters(model, state, str(ckpt / ADAPTERS))
+    return lora.merge(model) if merge else model
+
+
+def is_lora_run(path: str | Path) -> bool:
+    """Whether ``path`` (a run or checkpoint folder) holds LoRA adapters rather than weights."""
+    try:
+        return os.path.lexists(resolve_checkpoint(path) / ADAPTERS)
+    except LmcliError:
+        return False
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """Write the model ``path`` names (a LoRA run's adapters merged) as a plain lmcli checkpoint
+    folder ``out``, which must be new or empty."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LmcliError(f"{out} already holds files: choose an empty or new folder")
+    ckpt = load_model(path)
+    train_config = dataclasses.replace(ckpt.train_config, lora_rank=0)  # plain weights now
+    meta = {"step": ckpt.meta.get("step"), "exported_from": str(ckpt.path), "time": time.time()}
+    if out.exists():
+        out.rmdir()
+    save_checkpoint(out, ckpt.model, train_config, ckpt.tokenizer, meta=meta)
+    return out

@@ -395,11 +395,25 @@ def export(
     *,
     options: dict[str, Any],
 ) -> None:
-    """Export a checkpoint: a Hugging Face folder that from_pretrained loads, or a GGUF file for llama.cpp."""
+    """Export a checkpoint: a Hugging Face folder that from_pretrained loads, a GGUF file for llama.cpp,
+    or (a LoRA run, --merge) a plain lmcli checkpoint."""
     cfg = build(ExportConfig, options)
     if out_dir is not None and out is not None and out_dir != out:
         raise LmcliError("give the output once: as OUT or as --out")
     target = out_dir if out_dir is not None else out
+    from lmcli.checkpoint import export_checkpoint, is_lora_run
+
+    if is_lora_run(run_dir) != cfg.merge:
+        raise LmcliError(
+            f"{run_dir} is a LoRA run: give --merge to fold its adapters into the weights"
+            if not cfg.merge
+            else f"--merge: {run_dir} has no LoRA adapters to fold"
+        )
+    if cfg.format == "lmcli":
+        if target is None:
+            raise LmcliError("give the folder to write (OUT or --out)")
+        typer.echo(f"wrote {export_checkpoint(run_dir, target)}")
+        return
     if cfg.format == "gguf":
         from lmcli.hf.gguf import export_gguf
 

@@ -31,8 +31,9 @@ Task = Literal["lm", "translation"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
-ExportFormat = Literal["hf", "gguf"]
+ExportFormat = Literal["hf", "gguf", "lmcli"]
 GgufType = Literal["f32", "f16", "q8_0"]
+LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGETS: the layers they name
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
@@ -336,9 +337,19 @@ class TrainConfig:
     )
     init_from: str | None = option(
         None,
-        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral): fine-tuning.",
+        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: fine-tuning.",
         path=True,
     )
+    lora_rank: int = option(
+        0, "LoRA: rank of the adapters on the --init-from model (0: train every weight).", ge=0
+    )
+    lora_alpha: float = option(16.0, "LoRA: the adapters' update is scaled by alpha / rank.", gt=0)
+    lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input.", ge=0, lt=1)
+    lora_targets: str = option(
+        "qkv,attn_out,fc,mlp_out",
+        "LoRA: the projections to adapt, comma-separated: qkv, attn_out, fc, gate (swiglu), mlp_out.",
+    )
+    lora_train_embeddings: bool = option(False, "LoRA: also train the token embedding and the output head.")
     batch_size: int = option(8, "Sequences per micro-batch.", gt=0)
     grad_accum: int = option(1, "Micro-batches per optimizer step.", gt=0)
     max_steps: int | None = option(
@@ -393,6 +404,15 @@ class TrainConfig:
             raise LmcliError(
                 f"invalid tokenizer {self.tokenizer!r}: choose char, byte, bpe or a tokenizer.json path"
             )
+        if self.lora_rank:
+            if not self.init_from:
+                raise LmcliError("--lora-rank needs --init-from: the base model the adapters adapt")
+            targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+            for name in targets or [""]:
+                if name not in LORA_TARGETS:
+                    raise LmcliError(
+                        f"lora-targets: {name!r} names no layer: choose from {', '.join(LORA_TARGETS)}"
+                    )
         if self.tokenizer == "bpe" and self.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
 
@@ -541,7 +561,11 @@ class ChatConfig:
 class ExportConfig:
     """Settings of `lmcli export`: the format and, for GGUF, the type of the weights."""
 
-    format: ExportFormat = option("hf", "hf: a Hugging Face folder; gguf: one GGUF file for llama.cpp.")
+    format: ExportFormat = option(
+        "hf",
+        "hf: a Hugging Face folder; gguf: one GGUF file for llama.cpp; lmcli: a checkpoint folder.",
+    )
+    merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (a LoRA run needs it).")
     dtype: GgufType | None = option(
         None,
         "GGUF: type of the weight matrices (q8_0: 8-bit blocks; norms and biases stay f32).",

@@ -19,12 +19,15 @@ from pathlib import Path
 import torch
 
 from lmcli.checkpoint import (
+    ADAPTERS,
+    BASE,
     CONFIG,
     META,
     STATE,
     TOKENIZER,
     WEIGHTS,
     check_header,
+    checked_base,
     checked_file,
     read_header,
     read_json,
@@ -36,6 +39,7 @@ from lmcli.safe_io import refuse_symlinks
 from lmcli.tokenizer import Tokenizer
 
 REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)
+REQUIRED_LORA = (ADAPTERS, BASE, CONFIG, TOKENIZER)  # a LoRA run's checkpoint: adapters and a base
 
 
 @dataclass
@@ -58,13 +62,18 @@ def verify_checkpoint(ckpt: Path) -> CheckpointReport:
     meta = read_json(ckpt / META, "checkpoint metadata")
     verify_checksums(ckpt, meta)
     recorded = meta.get("sha256", {})
-    for name in REQUIRED:
+    lora = os.path.lexists(ckpt / ADAPTERS)
+    for name in REQUIRED_LORA if lora else REQUIRED:
         checked_file(ckpt / name)
         if name not in recorded:
             raise LmcliError(f"{ckpt / META} records no checksum for {name}")
     model_config = read_configs(ckpt / CONFIG)
-    header = read_header(ckpt / WEIGHTS)
-    check_header(model_config, header)
+    if lora:  # the adapters' shapes are checked when they are put on the base
+        header = read_header(ckpt / ADAPTERS)
+        checked_base(ckpt, read_json(ckpt / BASE, "LoRA base reference"))
+    else:
+        header = read_header(ckpt / WEIGHTS)
+        check_header(model_config, header)
     tokenizer = Tokenizer.load(ckpt / TOKENIZER)
     if tokenizer.vocab_size != model_config.vocab_size:
         raise LmcliError(

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmcli.fastpath.packed import LinearFn, PackCache, PackingLinear
+from lmcli.lora import has_adapters
 from lmcli.model import CausalSelfAttention, GeluMLP, Transformer
 
 if TYPE_CHECKING:
@@ -203,8 +204,8 @@ def _swap(module: nn.Module, cls: type) -> None:
 @contextmanager
 def inference(model: Transformer) -> Iterator[Transformer]:
     """The CPU fast paths for ``model`` while the scope lasts (see the module docstring)."""
-    if model.fast_step is not None or next(model.parameters()).device.type != "cpu":
-        yield model  # nested, or not on a CPU
+    if model.fast_step is not None or next(model.parameters()).device.type != "cpu" or has_adapters(model):
+        yield model  # nested, not on a CPU, or LoRA adapters in training (the step reads plain weights)
         return
     packs = PackCache()
     swapped: list[tuple[nn.Module, type]] = []

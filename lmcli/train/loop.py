@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from lmcli import lora
 from lmcli.checkpoint import (
     META,
+    base_reference,
     copy_checkpoint,
     last_checkpoint,
     load_checkpoint,
@@ -106,6 +108,7 @@ class Run:
     val_loss: float | None = None  # the last validation loss
     saved_step: int = -1  # the step of the last checkpoint
     val_step: int = -1  # the step of the last validation
+    base: dict[str, Any] | None = None  # a LoRA run's base reference (checkpoint.base_reference)
 
     @property
     def global_batch(self) -> int:
@@ -384,7 +387,7 @@ def save(run: Run, clock: Clock, improved: bool) -> None:
         "rng": rngs,
     }
     last = run.run_dir / "last"
-    save_checkpoint(last, run.model, cfg, run.data.tokenizer, meta=meta, state=trainer_state)
+    save_checkpoint(last, run.model, cfg, run.data.tokenizer, meta=meta, state=trainer_state, base=run.base)
     if improved:
         copy_checkpoint(last, run.run_dir / "best")
     if cfg.keep_last and state.step > 0:
@@ -441,10 +444,9 @@ def open_run(
 
     init = None
     if cfg.init_from and not resumed:
-        from lmcli.hf import load_hf_folder
-
-        init = load_hf_folder(cfg.init_from, torch.float32, info)  # trained in float32, as every model
+        init = load_init(cfg.init_from, info)
         model_config = init[0].config
+    base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora_rank else None
     tokenizer = resumed.tokenizer if resumed else init[1] if init else None
     data = in_turn(  # rank 0 fills the token cache first, the other ranks read it
         lambda: load_train_data(
@@ -490,6 +492,7 @@ def open_run(
         source=Path(resume) if resume is not None else None,
         running=torch.zeros((), device=device),
         saved_step=state.step if resumed else -1,
+        base=base,
     )
     if dist_info.is_main:
         show_preflight(run, rep)
@@ -538,7 +541,7 @@ def locate_run(
     run_dir = on_main(
         lambda: claim(lambda: open_run_dir(source) if in_place else create_run_dir(cfg.out)), dist_info
     )
-    resumed = load_checkpoint(last_checkpoint(source), with_state=True)
+    resumed = load_checkpoint(last_checkpoint(source), with_state=True, merge=False)  # adapters kept apart
     if resumed.state is None:
         raise LmcliError(f"{resumed.path} has no trainer state to resume from")
     check_resumable(resumed.model_config, model_config)
@@ -572,12 +575,25 @@ def build_model(
         wanted = replace(saved, **{name: getattr(model_config, name) for name in free})
         if wanted == saved:
             return resumed.model, saved
+        if lora.has_adapters(resumed.model):
+            raise LmcliError("a LoRA run resumes with its model options (--dropout) unchanged")
         return model_from_state(wanted, model_state(resumed.model)), wanted
     if init is not None:
-        return init[0], init[0].config
+        return (lora.add_adapters(init[0], cfg) if cfg.lora_rank else init[0]), init[0].config
     model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)
     seed_everything(cfg.seed)
     return Transformer(model_config), model_config
+
+
+def load_init(path: str, info: Callable[[str], None]) -> tuple[Transformer, Any]:
+    """The model and tokenizer ``--init-from`` names: a Hugging Face folder or an lmcli run or
+    checkpoint folder (a LoRA run's adapters merged), in float32 as every model trains."""
+    from lmcli.hf import is_hf_folder, load_hf_folder
+
+    if is_hf_folder(path) or not Path(path).is_dir():
+        return load_hf_folder(path, torch.float32, info)
+    ckpt = load_checkpoint(path)
+    return ckpt.model.float(), ckpt.tokenizer
 
 
 def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> int | None:
@@ -601,6 +617,7 @@ def restore(saved: dict[str, Any], state: TrainState, optimizer: Any, scaler: An
 def show_preflight(run: Run, rep: Reporter) -> None:
     """One screen of facts before training: size, data, memory and time estimates."""
     cfg, model = run.cfg, run.model
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     probe = None if cfg.compile else probe_step_seconds(model, run.sampler, cfg, run.device, run.amp)
     pre = Preflight(
         params=model.num_parameters(),
@@ -611,7 +628,7 @@ def show_preflight(run: Run, rep: Reporter) -> None:
         max_steps=run.max_steps,
         max_time=cfg.max_time,
         memory_bytes=estimate_memory(
-            run.model_config, model.num_parameters(), cfg.batch_size, run.amp is not None
+            run.model_config, model.num_parameters(), cfg.batch_size, run.amp is not None, trainable
         ),
         available_bytes=available_memory(run.device),
         step_seconds=probe * cfg.grad_accum if probe is not None else None,
@@ -626,6 +643,11 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     }
     if run.dist.enabled:
         facts["processes"] = f"{run.dist.world_size} (DDP)"
+    if cfg.lora_rank:
+        facts["LoRA"] = (
+            f"rank {cfg.lora_rank} on {cfg.lora_targets}: {fmt_count(trainable)} trainable parameters "
+            f"({100 * trainable / model.num_parameters():.2f}%)"
+        )
     if rep.preflight is not None:
         rep.preflight(pre, facts)
     else:

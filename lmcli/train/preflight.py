@@ -39,14 +39,18 @@ class Preflight:
         return min(times) if times else None
 
 
-def estimate_memory(cfg: ModelConfig, params: int, batch_size: int, autocast: bool) -> int:
-    """Bytes for weights, gradients, AdamW moments and activations of one micro-batch (rough).
+def estimate_memory(
+    cfg: ModelConfig, params: int, batch_size: int, autocast: bool, trainable: int | None = None
+) -> int:
+    """Bytes for weights, gradients, AdamW moments and activations of one micro-batch (rough);
+    gradients and moments for the ``trainable`` parameters alone (LoRA; None: all of them).
 
     Activations follow Korthikanti et al. (34·B·T·C + 5·H·B·T² values per layer, halved
     under 16-bit autocast) plus logits and their gradient.
     """
     B, T, C, H = batch_size, cfg.block_size, cfg.n_embd, cfg.n_head
-    state = params * 4 * 4  # fp32 weights + grads + two Adam moments
+    trained = params if trainable is None else trainable
+    state = params * 4 + trained * 4 * 3  # fp32 weights; grads and two Adam moments of what trains
     act_bytes = 2 if autocast else 4
     activations = cfg.n_layer * (34 * B * T * C + 5 * H * B * T * T) * act_bytes // 2
     logits = B * T * cfg.vocab_size * 4 * 2

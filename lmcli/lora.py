@@ -1,0 +1,160 @@
+"""LoRA: low-rank adapters on a frozen model's linear layers (Hu et al. 2021).
+
+An adapted layer computes ``W x + b + (alpha / r) * B A dropout(x)`` with ``A`` (r, in) drawn
+like a linear layer's weight and ``B`` (out, r) zero, so training starts from the base model's
+output. Only ``A`` and ``B`` (and, with ``--lora-train-embeddings``, the token embedding and the
+output head) require gradients, so the optimizer holds state for them alone.
+
+``LoRALinear`` is an ``nn.Linear`` that shares the base layer's weight and bias, so the module
+paths of the base (``h.0.attn.c_attn.weight``) do not change; the adapters are
+``h.0.attn.c_attn.lora_a`` and ``.lora_b``. ``merge`` folds them into the weights and puts plain
+``nn.Linear`` layers back: inference (and the CPU fast paths) sees an ordinary model.
+
+Why not PEFT: it pulls in transformers and accelerate at about 4 s of import on this machine,
+its ``modules_to_save`` copy of the embedding unties lmcli's tied head, and its wrapped layers
+answer ``.weight`` with the base weight, which the one-token fast step would use without the
+adapters. The layer is the few lines below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmcli.config import TrainConfig
+from lmcli.errors import LmcliError
+from lmcli.model import Transformer
+
+# --lora-targets names -> (sublayer, attribute) of each Block
+TARGETS: dict[str, tuple[str, str]] = {
+    "qkv": ("attn", "c_attn"),  # the fused query/key/value projection
+    "attn_out": ("attn", "c_proj"),  # attention output projection
+    "fc": ("mlp", "c_fc"),  # MLP up-projection
+    "gate": ("mlp", "c_gate"),  # SwiGLU gate projection
+    "mlp_out": ("mlp", "c_proj"),  # MLP down-projection
+}
+ADAPTER_KEYS = (".lora_a", ".lora_b")
+
+
+class LoRALinear(nn.Linear):
+    """A frozen linear layer plus a trainable low-rank update ``scale * B @ A``."""
+
+    def __init__(
+        self, base: nn.Linear, rank: int, alpha: float, dropout: float, generator: torch.Generator
+    ) -> None:
+        nn.Module.__init__(self)  # no weight of its own: the base layer's tensors are shared
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.rank, self.scale = rank, alpha / rank
+        w = base.weight
+        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, dtype=w.dtype, device=w.device))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, dtype=w.dtype, device=w.device))
+        bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default init (kaiming, a=sqrt(5))
+        with torch.no_grad():
+            a = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
+            self.lora_a.copy_(a)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.dropout(x) if self.training and self.dropout.p > 0 else x
+        update = F.linear(F.linear(h, self.lora_a), self.lora_b)  # (.., in) -> (.., r) -> (.., out)
+        return F.linear(x, self.weight, self.bias) + update * self.scale
+
+    def delta(self) -> Tensor:
+        """The update of the weight (out, in) the adapters stand for."""
+        return (self.lora_b @ self.lora_a) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scale={self.scale:g}"
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """``qkv,fc`` -> ("qkv", "fc"); one line for a name that is no projection lmcli has."""
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise LmcliError(f"lora-targets names no layer: choose from {', '.join(TARGETS)}")
+    for name in names:
+        if name not in TARGETS:
+            raise LmcliError(f"lora-targets: {name!r} names no layer: choose from {', '.join(TARGETS)}")
+    return names
+
+
+def add_adapters(model: Transformer, cfg: TrainConfig) -> Transformer:
+    """Freeze ``model`` and put adapters of ``cfg.lora_rank`` on ``cfg.lora_targets`` of every
+    block (drawn from ``cfg.seed``, not from torch's global generator); with
+    ``cfg.lora_train_embeddings`` the token embedding (and an untied head) train too."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    model.requires_grad_(False)
+    for name in parse_targets(cfg.lora_targets):
+        sub, attr = TARGETS[name]
+        for block in model.h:
+            layer = getattr(getattr(block, sub), attr)
+            if not isinstance(layer, nn.Linear) or isinstance(layer, LoRALinear):
+                raise LmcliError(
+                    f"lora target {name} names no layer of this model ({sub}.{attr} is absent: "
+                    f"mlp {model.config.mlp})"
+                )
+            adapted = LoRALinear(layer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, generator)
+            setattr(getattr(block, sub), attr, adapted)
+    if cfg.lora_train_embeddings:
+        model.wte.weight.requires_grad_(True)
+        model.lm_head.weight.requires_grad_(True)  # the same tensor when tied
+    return model
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def adapter_state(model: Transformer) -> dict[str, Tensor]:
+    """What a LoRA checkpoint stores: the adapters and any other trained tensor (names as in
+    the model's state dict; a tied head once, as ``wte.weight``)."""
+    state = {}
+    for name, p in model.named_parameters():  # named_parameters lists a tied tensor once
+        if p.requires_grad or name.endswith(ADAPTER_KEYS):
+            state[name] = p.detach().to("cpu").contiguous()
+    return state
+
+
+def load_adapters(model: Transformer, state: dict[str, Tensor], where: str) -> None:
+    """Put a LoRA checkpoint's tensors into a model that ``add_adapters`` prepared."""
+    expected = adapter_state(model)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise LmcliError(
+            f"adapters {where} do not fit the run's LoRA settings "
+            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            if value.shape != params[name].shape:
+                raise LmcliError(
+                    f"adapters {where}: {name} has shape {tuple(value.shape)}, "
+                    f"the run's LoRA settings expect {tuple(params[name].shape)}"
+                )
+            params[name].copy_(value)
+
+
+def merge(model: Transformer) -> Transformer:
+    """Fold every adapter into its layer's weight and put plain ``nn.Linear`` layers back; every
+    parameter trainable again, as in a model that never had adapters."""
+    for block in model.h:
+        for sub, attr in TARGETS.values():
+            parent = getattr(block, sub)
+            layer = getattr(parent, attr, None)
+            if isinstance(layer, LoRALinear):
+                with torch.no_grad():
+                    layer.weight += layer.delta().to(layer.weight.dtype)
+                plain = nn.Linear.__new__(nn.Linear)  # the adapted layer's own tensors, no new ones
+                nn.Module.__init__(plain)
+                plain.in_features, plain.out_features = layer.in_features, layer.out_features
+                plain.weight, plain.bias = layer.weight, layer.bias
+                setattr(parent, attr, plain)
+    model.requires_grad_(True)
+    return model
