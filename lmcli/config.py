@@ -377,6 +377,7 @@ class TrainConfig:
         "The device's peak TFLOP/s that MFU is reported against.",
         gt=0,
         default_help="a GPU's datasheet bf16 figure; on a CPU a float32 matmul rate measured at start",
+        stored=False,  # a property of this machine: a resume elsewhere uses its own device's
     )
 
     DEFAULT_STEPS: ClassVar[int] = 800  # used when no stop condition is given
