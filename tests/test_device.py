@@ -152,3 +152,15 @@ def test_staging_pins_its_buffers_on_a_gpu() -> None:
 def test_to_host_returns_cpu_tensors_unchanged() -> None:
     a, b = torch.arange(3), torch.ones(2)
     assert to_host(a, b) == [a, b]
+
+
+def test_the_forward_under_autocast_is_one_graph_for_torch_compile() -> None:
+    """Choosing the mask's dtype from the autocast state (ALiBi: a float mask) breaks no graph."""
+    import torch._dynamo
+
+    model = tiny_model(40, position="alibi").train()
+    idx = torch.randint(0, 40, (2, 12))
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)(idx)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons

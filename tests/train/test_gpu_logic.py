@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_TEXT
+from helpers import TINY_TEXT, assert_one_line_error, run_cli
 
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.distributed import SETUP_TIMEOUT, STEP_TIMEOUT, Dist, init_distributed
@@ -213,3 +213,14 @@ def test_mfu_is_in_metrics_and_the_progress_line(tmp_path: Path) -> None:
     )()
     bar.update(2, {**records[0], "mfu": 0.412})
     assert "MFU 41.2%" in shown[0]
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_a_peak_that_is_not_a_positive_number_is_refused(tmp_path: Path, capsys, value: str) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT)
+    code, _, err = run_cli(
+        ["train", str(corpus), "--out", str(tmp_path / "run"), "--peak-tflops", value], capsys
+    )
+    assert_one_line_error(code, err, "peak-tflops must be")
+    assert not (tmp_path / "run").exists()
