@@ -67,9 +67,11 @@ def gpu_peak_tflops(name: str) -> float | None:
 @functools.lru_cache(maxsize=4)
 def measured_cpu_tflops(seconds: float = 1.0, size: int = 512) -> float:
     """The float32 matmul rate of this CPU with torch's threads, measured for about ``seconds``
-    (once per process)."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+    (once per process). Its operands come from a generator of its own: the global RNG, which a
+    resumed run has just restored, is not touched."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g)
+    b = torch.randn(size, size, generator=g)
     out = torch.empty(size, size)
     torch.mm(a, b, out=out)  # warm up
     done, start = 0, time.perf_counter()

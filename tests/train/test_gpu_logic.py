@@ -174,8 +174,10 @@ def test_gpu_peak_table(name: str, peak: float | None) -> None:
     assert gpu_peak_tflops(name) == peak
 
 
-def test_cpu_peak_is_measured() -> None:
+def test_cpu_peak_is_measured_without_touching_the_global_rng() -> None:
+    before = torch.get_rng_state()
     assert 1e-4 < measured_cpu_tflops(0.05, 128) < 100
+    assert torch.equal(torch.get_rng_state(), before)  # a resumed run's restored RNG stays as it was
 
 
 def test_mfu_is_in_metrics_and_the_progress_line(tmp_path: Path) -> None:
@@ -224,3 +226,43 @@ def test_a_peak_that_is_not_a_positive_number_is_refused(tmp_path: Path, capsys,
     )
     assert_one_line_error(code, err, "peak-tflops must be")
     assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_saves_first_and_never_validates(tmp_path: Path, monkeypatch) -> None:
+    """torchrun kills workers 30 s after SIGTERM: the stop path writes the checkpoint without a
+    validation (or a BLEU decode) before it."""
+    import os
+    import signal
+
+    import lmcli.train.loop as loop
+
+    validated: list[int] = []
+    real_validate = loop.validate
+    monkeypatch.setattr(loop, "validate", lambda run: validated.append(run.state.step) or real_validate(run))
+
+    class TermAt:
+        def start(self, total, step, max_time=None) -> None:
+            pass
+
+        def update(self, step: int, record: dict) -> None:
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def stop(self) -> None:
+            pass
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT)
+    cfg = TrainConfig(
+        corpus=(str(corpus),),
+        out=str(tmp_path / "run"),
+        batch_size=4,
+        max_steps=50,
+        log_interval=1,
+        eval_interval=100,
+        peak_tflops=1.0,
+    )
+    result = train(MODEL, cfg, reporter=Reporter(info=lambda m: None, progress=TermAt()), progress=False)
+    assert result.stopped == "SIGTERM" and result.step == 3 and validated == []
+    meta = json.loads((result.run_dir / "last" / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["val_loss"] is None
