@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # resolver from fetching a multi-GB CUDA build. Elsewhere pip picks any torch in range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install browser test lint bench clean check-gguf llama-venv
+.PHONY: install browser test lint bench clean check-gguf llama-venv check-gpu
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ llama-venv:
 
 check-gguf: llama-venv
 	$(BIN)/python tests/hf/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
+
+# lmcli's CUDA paths on this machine's GPU (< 10 min): GPT-2-small training with --compile (tokens/s,
+# MFU, peak memory vs the pre-flight estimate), NCCL torchrun + resume, eval/sample/beam in bf16
+# against transformers; one JSON in bench/results/check_gpu.json. Without a GPU: says so, exit 0.
+check-gpu:
+	$(BIN)/python -m bench.check_gpu
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

@@ -8,9 +8,11 @@ nothing prints a traceback unless LMCLI_DEBUG=1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -152,6 +154,19 @@ def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
     return load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
 
 
+@contextlib.contextmanager
+def _loaded(run_dir: Path | None, options: dict[str, Any]) -> Iterator[Any]:
+    """``_load``'s checkpoint, used inside its device's precision scope: TF32 matmuls and, on a
+    GPU, bf16 autocast for float32 weights, as in training (``lmcli.device.inference_dtype``)."""
+    from lmcli.device import inference_dtype, precision
+
+    ckpt = _load(run_dir, options)
+    param = next(ckpt.model.parameters())
+    amp = inference_dtype(param.device, build(DeviceConfig, options).dtype, param.dtype)
+    with precision(param.device, amp):
+        yield ckpt
+
+
 def _warn_prompts(prompts: list[Any]) -> None:
     _warn_inputs(sum(p.unknown for p in prompts), sum(p.truncated for p in prompts))
 
@@ -184,37 +199,37 @@ def sample(
     from lmcli.generate.sampling import iter_samples
 
     cfg = build(SampleConfig, options)
-    ckpt = _load(run_dir, options)
-    translation = ckpt.train_config.task == "translation"
-    texts = _read_lines(prompt_file, prompt)
-    if texts is None:
-        if translation:
-            raise LmcliError(
-                "this is a translation model: give the source text with --prompt, --prompt-file or stdin"
-            )
-        texts = [""]
-    stream = not json_out and len(texts) * cfg.num_samples == 1
-    if stream and not translation:
-        typer.echo(texts[0], nl=False)
-    on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
-    samples = iter_samples(
-        ckpt.model,
-        ckpt.tokenizer,
-        texts,
-        cfg,
-        translation=translation,
-        prefix_lm=ckpt.train_config.prefix_lm,
-        on_text=on_text,
-    )
-    unknown = cut = 0
-    for g, p in samples:  # printed as each batch finishes: memory flat in the number of prompts
-        if g.sample_index == 0:
-            unknown, cut = unknown + p.unknown, cut + p.truncated
-        if not stream:
-            _print_sample(g, texts, cfg, json_out, translation)
-    _warn_inputs(unknown, cut)
-    if stream:
-        typer.echo("")
+    with _loaded(run_dir, options) as ckpt:
+        translation = ckpt.train_config.task == "translation"
+        texts = _read_lines(prompt_file, prompt)
+        if texts is None:
+            if translation:
+                raise LmcliError(
+                    "this is a translation model: give the source text with --prompt, --prompt-file or stdin"
+                )
+            texts = [""]
+        stream = not json_out and len(texts) * cfg.num_samples == 1
+        if stream and not translation:
+            typer.echo(texts[0], nl=False)
+        on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
+        samples = iter_samples(
+            ckpt.model,
+            ckpt.tokenizer,
+            texts,
+            cfg,
+            translation=translation,
+            prefix_lm=ckpt.train_config.prefix_lm,
+            on_text=on_text,
+        )
+        unknown = cut = 0
+        for g, p in samples:  # printed as each batch finishes: memory flat in the number of prompts
+            if g.sample_index == 0:
+                unknown, cut = unknown + p.unknown, cut + p.truncated
+            if not stream:
+                _print_sample(g, texts, cfg, json_out, translation)
+        _warn_inputs(unknown, cut)
+        if stream:
+            typer.echo("")
 
 
 def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, translation: bool) -> None:
@@ -264,31 +279,36 @@ def beam(
 
     cfg = build(BeamConfig, options)
     refs = _read_lines(reference, None) if reference is not None else None
-    ckpt = _load(run_dir, options)
-    texts = _read_lines(input, prompt)
-    if texts is None:
-        raise LmcliError("no input: give --input FILE, --prompt TEXT, or pipe lines to stdin")
-    if refs is not None and len(refs) != len(texts):
-        raise LmcliError(f"{reference} has {len(refs)} lines but there are {len(texts)} inputs")
-    translation = ckpt.train_config.task == "translation"
-    results, prompts = beam_texts(
-        ckpt.model, ckpt.tokenizer, texts, cfg, translation=translation, prefix_lm=ckpt.train_config.prefix_lm
-    )
-    _warn_prompts(prompts)
-    best = [r.texts[0] if r.texts else "" for r in results]
-    if output is not None:
-        tmp = output.with_name(f".{output.name}.tmp")
-        tmp.write_text("".join(b.replace("\n", " ") + "\n" for b in best), encoding="utf-8")
-        os.replace(tmp, output)
-    _print_hypotheses(results, cfg, json_out, to_stdout=output is None)
-    if refs is not None:
-        from lmcli.bleu import score_translations
+    with _loaded(run_dir, options) as ckpt:
+        texts = _read_lines(input, prompt)
+        if texts is None:
+            raise LmcliError("no input: give --input FILE, --prompt TEXT, or pipe lines to stdin")
+        if refs is not None and len(refs) != len(texts):
+            raise LmcliError(f"{reference} has {len(refs)} lines but there are {len(texts)} inputs")
+        translation = ckpt.train_config.task == "translation"
+        results, prompts = beam_texts(
+            ckpt.model,
+            ckpt.tokenizer,
+            texts,
+            cfg,
+            translation=translation,
+            prefix_lm=ckpt.train_config.prefix_lm,
+        )
+        _warn_prompts(prompts)
+        best = [r.texts[0] if r.texts else "" for r in results]
+        if output is not None:
+            tmp = output.with_name(f".{output.name}.tmp")
+            tmp.write_text("".join(b.replace("\n", " ") + "\n" for b in best), encoding="utf-8")
+            os.replace(tmp, output)
+        _print_hypotheses(results, cfg, json_out, to_stdout=output is None)
+        if refs is not None:
+            from lmcli.bleu import score_translations
 
-        metrics = score_translations(best, refs)
-        if json_out:
-            typer.echo(json.dumps(metrics))
-        else:
-            typer.echo(metrics["summary"], err=output is None)
+            metrics = score_translations(best, refs)
+            if json_out:
+                typer.echo(json.dumps(metrics))
+            else:
+                typer.echo(metrics["summary"], err=output is None)
 
 
 def _print_hypotheses(results: list[Any], cfg: BeamConfig, json_out: bool, to_stdout: bool) -> None:
@@ -326,18 +346,21 @@ def eval_command(
     from lmcli.evaluate import evaluate_run
 
     cfg = build(EvalConfig, options)
-    ckpt = _load(run_dir, options)
-    if cfg.per_line and (output is not None or not json_out):
-        # each line's record is written as it is scored: memory stays flat however many lines
-        score, what = _eval_per_line(ckpt, cfg, tuple(paths or ()), output)
-    else:
-        score, what = evaluate_run(ckpt, cfg, tuple(paths or ()), progress=not json_out)
-    if score.unknown:
-        print(f"warning: {score.unknown} character(s) unknown to the tokenizer became <unk>", file=sys.stderr)
-    if json_out:
-        typer.echo(json.dumps({"evaluated": what, **score.report()}))
-    else:
-        _print_score(score, what, to_stderr=cfg.per_line and output is None)
+    with _loaded(run_dir, options) as ckpt:
+        if cfg.per_line and (output is not None or not json_out):
+            # each line's record is written as it is scored: memory stays flat however many lines
+            score, what = _eval_per_line(ckpt, cfg, tuple(paths or ()), output)
+        else:
+            score, what = evaluate_run(ckpt, cfg, tuple(paths or ()), progress=not json_out)
+        if score.unknown:
+            print(
+                f"warning: {score.unknown} character(s) unknown to the tokenizer became <unk>",
+                file=sys.stderr,
+            )
+        if json_out:
+            typer.echo(json.dumps({"evaluated": what, **score.report()}))
+        else:
+            _print_score(score, what, to_stderr=cfg.per_line and output is None)
 
 
 def _eval_per_line(ckpt: Any, cfg: EvalConfig, paths: tuple[str, ...], output: Path | None) -> Any:
@@ -453,8 +476,8 @@ def serve(
             f"warning: listening on {cfg.host} without --api-key: anyone who reaches it can use it",
             file=sys.stderr,
         )
-    ckpt = _load(run_dir, options)
-    run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    with _loaded(run_dir, options) as ckpt:
+        run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 # ----------------------------------------------------------------------------- chat
@@ -481,18 +504,20 @@ def chat(
 
     cfg = build(SampleConfig, options)
     chat_cfg = build(ChatConfig, options)
-    ckpt = _load(run_dir, options)
-    session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system)
-    if json_io or not sys.stdin.isatty():
-        result = run_json(session, sys.stdin)
-        if result["dropped_messages"]:
-            print(f"warning: {dropped_notice(result['dropped_messages'], session.context)}", file=sys.stderr)
-        typer.echo(json.dumps(result, ensure_ascii=False))
-        return
-    from lmcli import fastpath
+    with _loaded(run_dir, options) as ckpt:
+        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system)
+        if json_io or not sys.stdin.isatty():
+            result = run_json(session, sys.stdin)
+            if result["dropped_messages"]:
+                print(
+                    f"warning: {dropped_notice(result['dropped_messages'], session.context)}", file=sys.stderr
+                )
+            typer.echo(json.dumps(result, ensure_ascii=False))
+            return
+        from lmcli import fastpath
 
-    with fastpath.inference(ckpt.model):  # one scope for every reply
-        run_terminal(session, str(ckpt.path))
+        with fastpath.inference(ckpt.model):  # one scope for every reply
+            run_terminal(session, str(ckpt.path))
 
 
 # ----------------------------------------------------------------------------- verify

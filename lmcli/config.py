@@ -383,6 +383,13 @@ class TrainConfig:
     deterministic: bool = option(
         False, "Use torch's deterministic algorithms (ops that have none warn); slower on a GPU."
     )
+    peak_tflops: float | None = option(
+        None,
+        "The device's peak TFLOP/s that MFU is reported against.",
+        gt=0,
+        default_help="a GPU's datasheet bf16 figure; on a CPU a float32 matmul rate measured at start",
+        stored=False,  # a property of this machine: a resume elsewhere uses its own device's
+    )
 
     DEFAULT_STEPS: ClassVar[int] = 800  # used when no stop condition is given
 
@@ -501,7 +508,11 @@ class DeviceConfig:
     """Where `eval`, `sample` and `beam` run."""
 
     device: Device = option("auto", DEVICE_HELP)
-    dtype: Dtype = option("auto", "Dtype of the weights (auto: as stored in the folder).")
+    dtype: Dtype = option(
+        "auto",
+        "Dtype of the weights (auto: as stored in the folder). On a GPU float32 weights compute "
+        "under bf16 autocast (float16 without native bf16); float32: no autocast.",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

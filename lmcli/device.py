@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -27,15 +28,36 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:
-    """The autocast dtype for ``--dtype`` (None = plain float32). ``auto``: bf16 on CUDA."""
+    """The training autocast dtype for ``--dtype`` (None = plain float32). ``auto``: bf16 on a
+    GPU that computes it natively, else float16 (with a GradScaler); float32 elsewhere."""
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return auto_cuda_dtype(torch.cuda.is_bf16_supported(including_emulation=False))
         return None
     if dtype == "float32":
         return None
     if dtype == "float16" and device.type == "cpu":
         raise LmcliError("--dtype float16 needs a GPU; use bfloat16 or float32 on the CPU")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def auto_cuda_dtype(native_bf16: bool) -> torch.dtype:
+    """``--dtype auto`` on a GPU: bf16 where the tensor cores compute it (Ampere, sm_80, and
+    later), float16 where bf16 would only be emulated in float32 (V100, T4: sm_70/75)."""
+    return torch.bfloat16 if native_bf16 else torch.float16
+
+
+def inference_dtype(device: torch.device, dtype: str, weights: torch.dtype) -> torch.dtype | None:
+    """The autocast dtype of eval, sample, beam and serve (None: run in the weights' dtype).
+
+    Training's policy: on a GPU, float32 weights compute under bf16 (or float16) autocast unless
+    ``--dtype float32`` asks for full precision (TF32 matmuls then); 16-bit weights need none.
+    On the CPU inference stays float32 unless the weights were loaded in a 16-bit dtype.
+    """
+    if device.type != "cuda" or dtype == "float32" or weights != torch.float32:
+        return None
+    if dtype == "auto":
+        return auto_cuda_dtype(torch.cuda.is_bf16_supported(including_emulation=False))
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
@@ -46,10 +68,27 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 
 
 def configure_backend(device: torch.device) -> None:
-    """Fast-math settings: TF32 matmuls on CUDA (bf16 autocast does the rest)."""
+    """Fast-math settings of every command on a GPU: TF32 for float32 matmuls and convolutions
+    (``set_float32_matmul_precision("high")``); bf16 autocast does the rest. Nothing on a CPU."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
         torch.backends.cudnn.allow_tf32 = True
+
+
+@contextlib.contextmanager
+def precision(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    """A command's numeric scope: the backend settings and autocast to ``dtype`` (None: none)."""
+    configure_backend(device)
+    with autocast(device, dtype):
+        yield
+
+
+def compute_dtype(device: torch.device, weights: torch.dtype) -> torch.dtype:
+    """The dtype activations have here: the autocast dtype when autocast is on, else the
+    weights' (what a KV cache should hold, so no step casts it)."""
+    if weights.is_floating_point and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return weights
 
 
 @contextlib.contextmanager
@@ -85,3 +124,62 @@ def memory_of(device: torch.device) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system
         return None
+
+
+class Staging:
+    """Host-to-device copies of batches through reusable page-locked ("pinned") buffers.
+
+    Each tensor shape has two buffers used in turn (double buffering): a batch is written into
+    one while the previous batch's copy out of the other may still be in flight; a buffer is
+    refilled only after its last copy finished (a CUDA event). One ``non_blocking`` copy per
+    tensor; callers slice views (inputs, targets) on the device. On a CPU nothing is staged
+    (a batch is already where it is used) unless ``pin`` is given: ``pin=False`` stages through
+    ordinary memory with synchronous copies (same values, same reuse: what a CPU test exercises).
+    """
+
+    def __init__(self, device: torch.device, pin: bool | None = None) -> None:
+        self.device = device
+        self.staged = device.type == "cuda" or pin is not None
+        self.pin = device.type == "cuda" if pin is None else pin
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._turn: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+        self._done: dict[int, Any] = {}  # buffer data_ptr -> the CUDA event of its last copy
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next of the two buffers for ``shape``/``dtype``, free to be overwritten."""
+        key = (tuple(shape), dtype)
+        if key not in self._buffers:
+            self._buffers[key] = [torch.empty(shape, dtype=dtype, pin_memory=self.pin) for _ in range(2)]
+            self._turn[key] = 0
+        turn = self._turn[key]
+        self._turn[key] = 1 - turn
+        buf = self._buffers[key][turn]
+        event = self._done.pop(buf.data_ptr(), None)
+        if event is not None:
+            event.synchronize()  # the copy that read it last has finished
+        return buf
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``t`` made through a staging buffer (one copy on the device)."""
+        if not self.staged:
+            return t
+        buf = self.buffer(tuple(t.shape), t.dtype)
+        buf.copy_(t)
+        out = buf.to(self.device, non_blocking=self.pin, copy=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._done[buf.data_ptr()] = event
+        return out
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` on the CPU, with one wait for the device instead of one per tensor."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return list(tensors)
+    out = [t.to("cpu", non_blocking=True) for t in tensors]
+    for t in tensors:  # the copies were queued on the device's stream: wait once
+        if t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()
+            break
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -19,6 +20,11 @@ from lmcli.errors import LmcliError
 
 T = TypeVar("T")
 STOP_REASONS = ("max_time", "SIGINT", "SIGTERM")  # weakest first: agree_to_stop keeps the strongest
+# How long a rank waits for the others. The control group's collectives wait while rank 0 alone
+# tokenizes a corpus or trains a tokenizer (``in_turn``), which can take hours on a large
+# corpus; the training group's (gradients) should fail fast when a rank is gone.
+SETUP_TIMEOUT = timedelta(hours=24)
+STEP_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -28,8 +34,8 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    # a gloo group for small CPU-side collectives (stop flags, errors, objects); None: the default
-    # group, which is gloo already when training on the CPU
+    # a gloo group for small CPU-side collectives (stop flags, errors, objects) with the long
+    # SETUP_TIMEOUT; None: the default group
     control: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -56,9 +62,10 @@ def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
     else:
         device = pick_device("cpu" if device_name == "auto" else device_name)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    # under nccl, a CPU group keeps per-step agreement from forcing a GPU sync
-    control = dist.new_group(backend="gloo") if use_cuda else None
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=STEP_TIMEOUT)
+    # a CPU group for the control collectives, with the long setup timeout: under nccl it also
+    # keeps per-step agreement from forcing a GPU sync
+    control = dist.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
     return Dist(rank, local, world, control), device
 
 

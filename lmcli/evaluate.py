@@ -142,7 +142,8 @@ def score_stream(
     if context > model.config.block_size:
         raise LmcliError(f"context {context} exceeds the model's block size {model.config.block_size}")
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per batch
+    count = 0
     bar = _bar(progress)
     for chunk in batched(stream_windows(chunks, context, stride), batch_size):
         width = max(end - begin - 1 for begin, end, _, _ in chunk)
@@ -157,15 +158,15 @@ def score_stream(
         nll = F.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1), reduction="sum"
         )
-        total += nll.item()
-        count += int((y != IGNORE).sum())
+        total += nll
+        count += int((y != IGNORE).sum())  # on the host
         if bar is not None:
             bar.update(len(chunk))
     if bar is not None:
         bar.close()
     if count == 0:
         raise LmcliError("text is too short: at least one token is needed after <bos>")
-    return count, total
+    return count, total.item()
 
 
 def _bar(enabled: bool):  # noqa: ANN202 - a tqdm bar or None
@@ -294,8 +295,8 @@ def _score_line_block(
             x[row, : len(ids) - 1], y[row, : len(ids) - 1] = t[:-1], t[1:]
         logits = model(x.to(device)).float()
         nll = F.cross_entropy(logits.transpose(1, 2), y.to(device), reduction="none").sum(dim=1)  # (B,)
-        for row, (number, line, ids) in enumerate(chunk):
-            results[number] = _line_record(number, line, len(ids) - 1, nll[row].item())
+        for (number, line, ids), line_nll in zip(chunk, nll.tolist(), strict=True):  # one copy a batch
+            results[number] = _line_record(number, line, len(ids) - 1, line_nll)
     for number in sorted(results):
         rec = results[number]
         score.tokens += rec["tokens"]
@@ -327,6 +328,7 @@ def evaluate_pairs(
 
     device = next(model.parameters()).device
     score = Score()
+    nll = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per batch
     for start in range(0, len(pairs), batch_size):
         batch = collate(pairs, list(range(start, min(start + batch_size, len(pairs)))), tokenizer.pad_id)
         mask = batch.y != IGNORE
@@ -335,11 +337,12 @@ def evaluate_pairs(
             prefix_len=batch.prefix_len.to(device) if prefix_lm else None,
             output_mask=mask.to(device),
         )
-        score.nll += F.cross_entropy(logits.float(), batch.y[mask].to(device), reduction="sum").item()
+        nll += F.cross_entropy(logits.float(), batch.y[mask].to(device), reduction="sum")
         score.tokens += int(mask.sum())
         for row in range(batch.y.size(0)):
             target = batch.y[row][batch.y[row] != IGNORE].tolist()
             score.bytes += len(tokenizer.decode(target).encode("utf-8")) + 1
+    score.nll += nll.item()
     return score
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmcli.config import ModelConfig
+from lmcli.device import compute_dtype
 from lmcli.positions import Positions, make_positions
 
 if TYPE_CHECKING:
@@ -303,7 +304,10 @@ class Transformer(nn.Module):
         x = self.positions.embed(self.wte(idx), pos)  # (B, T, C)
         if self.training:
             x = self.drop(x)
-        mask, is_causal = self.attention_mask(T, cache, prefix_len, x.dtype, idx.device)
+        # one mask per forward, in the dtype attention computes in (autocast's): no cast per layer
+        mask, is_causal = self.attention_mask(
+            T, cache, prefix_len, compute_dtype(idx.device, x.dtype), idx.device
+        )
         ctx = Context(pos, mask, is_causal, cache, self.positions)
         for block in self.h:
             x = block(x, ctx)

@@ -169,9 +169,9 @@ class ALiBi(Positions):
         T = allowed.size(-2)
         q = torch.arange(n_cached, n_cached + T, device=allowed.device)[:, None]
         k = torch.arange(n_cached + T, device=allowed.device)[None, :]
-        dist = (q - k).abs().to(dtype)  # (T, S)
-        bias = -self.slopes.to(dtype)[:, None, None] * dist  # (H, T, S)
-        return bias[None].masked_fill(~allowed, float("-inf"))
+        dist = (q - k).abs().to(self.slopes.dtype)  # (T, S)
+        bias = -self.slopes[:, None, None] * dist  # (H, T, S), computed in float32, then cast once
+        return bias[None].masked_fill(~allowed, float("-inf")).to(dtype)
 
 
 POSITIONS: dict[str, type[Positions]] = {

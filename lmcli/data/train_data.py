@@ -71,7 +71,7 @@ class StreamData:
         context = min(self.block_size, len(self.val) - 1)
         starts = eval_windows(len(self.val), context, limit)[rank::world]
         for i in range(0, len(starts), batch_size):
-            yield Batch(*windows_to_batch(self.val, starts[i : i + batch_size], context))
+            yield windows_to_batch(self.val, starts[i : i + batch_size], context)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lmcli.device import Staging
 from lmcli.errors import LmcliError
 
 IGNORE = -100  # a target id the loss skips (F.cross_entropy's default ignore_index)
@@ -19,20 +20,32 @@ IGNORE = -100  # a target id the loss skips (F.cross_entropy's default ignore_in
 
 @dataclass
 class Batch:
-    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,)."""
+    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,).
+
+    ``tokens`` (B, T+1), when set, is the tensor ``x`` and ``y`` are views of (language modelling):
+    it is copied to the device once and sliced there.
+    """
 
     x: torch.Tensor
     y: torch.Tensor
     prefix_len: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> Batch:
+    def to(self, device: torch.device, staging: Staging | None = None) -> Batch:
+        """The batch on ``device``; with ``staging``, copied through its pinned buffers."""
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
+            if staging is not None:
+                return staging.to_device(t)
             if device.type == "cuda":
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
+        if self.tokens is not None and (staging is not None or device.type != "cpu"):
+            tokens = move(self.tokens)  # (B, T+1) -> inputs (B, T) and targets (B, T), views
+            return Batch(tokens[:, :-1], tokens[:, 1:], move(self.prefix_len), tokens)
         return Batch(move(self.x), move(self.y), move(self.prefix_len))
 
     @property
@@ -109,15 +122,14 @@ class WindowSampler(EpochStream):
 
     def batch(self, first: int, count: int) -> Batch:
         """Inputs and targets, each (count, T), for windows ``first .. first+count-1``."""
-        return Batch(*windows_to_batch(self.tokens, self.window_starts(first, count), self.block_size))
+        return windows_to_batch(self.tokens, self.window_starts(first, count), self.block_size)
 
 
-def windows_to_batch(
-    tokens: np.ndarray, starts: list[int], block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def windows_to_batch(tokens: np.ndarray, starts: list[int], block_size: int) -> Batch:
+    """The windows starting at ``starts``: inputs and targets, views of one (B, T+1) tensor."""
     rows = np.stack([np.asarray(tokens[s : s + block_size + 1], dtype=np.int64) for s in starts])
     data = torch.from_numpy(rows)  # (B, T+1)
-    return data[:, :-1], data[:, 1:]
+    return Batch(data[:, :-1], data[:, 1:], tokens=data)
 
 
 def eval_windows(n_tokens: int, block_size: int, max_windows: int) -> list[int]:

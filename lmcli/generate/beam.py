@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lmcli import fastpath
 from lmcli.config import BeamConfig
+from lmcli.device import to_host
 from lmcli.generate.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
 from lmcli.generate.kv_cache import check_fits
 from lmcli.model import Transformer
@@ -97,7 +98,9 @@ def beam_search(
                 logprobs = _adjust(F.log_softmax(logits, dim=-1), rows, cfg, generated, eos_id)
                 acc = (logprobs + scores.view(-1, 1)).view(A, k * V)  # (A, k*V)
                 top_scores, top_idx = torch.topk(acc, 2 * k, dim=-1)  # (A, 2k)
-                parents, tokens, sums = (top_idx // V).tolist(), (top_idx % V).tolist(), top_scores.tolist()
+                # one wait for the device per step: both results come back together
+                picked, picked_scores = to_host(torch.stack([top_idx // V, top_idx % V]), top_scores)
+                (parents, tokens), sums = picked.tolist(), picked_scores.tolist()
                 generated += 1
                 kept: list[Beam] = []
                 still = []
@@ -114,19 +117,21 @@ def beam_search(
                 if not still:
                     break
                 keep_rows = [r for r, _, _ in kept]
-                keep_tokens = [t for _, t, _ in kept]
+                # rows, tokens and scores go to the device in one copy: float64 holds the ids and
+                # the float32 scores exactly
+                sent = torch.tensor(list(zip(*kept, strict=True)), dtype=torch.float64).to(device)  # (3, N)
                 if keep_rows != list(range(cache.batch_size)):  # every beam kept its own row: nothing moves
                     # a beam's parent is a beam of the same input: the prompt columns never move
-                    cache.reorder(torch.tensor(keep_rows, device=device), shared=width)
+                    cache.reorder(sent[0].long(), shared=width)
                 rows = [[*rows[r], t] for r, t, _ in kept]
                 gen = [[*gen[r], t] for r, t, _ in kept]
-                scores = torch.tensor([s for _, _, s in kept], device=device).view(len(still), k)
+                scores = sent[2].float().view(len(still), k)
                 active = still
                 if needs_slide(cache):
                     cache, logits = slide(model, rows, pad_id)
                     width = 0  # each row re-read its own history: no columns are shared any more
                 else:
-                    logits = step(model, cache, torch.tensor(keep_tokens, device=device))
+                    logits = step(model, cache, sent[1].long())
     return [pool[: cfg.nbest] for pool in pools]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmcli.device import memory_of
+from lmcli.device import compute_dtype, memory_of
 from lmcli.errors import LmcliError
 
 GROW = 16  # the least number of columns added to the buffers at a time
@@ -122,7 +122,9 @@ class KVCache:
         start: Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """A cache sized for ``model`` (default length: its context window)."""
+        """A cache sized for ``model`` (default length: its context window), holding keys and values
+        in the dtype the forward computes them in (default: the autocast dtype under autocast, so
+        no decoding step casts the whole cache; else the weights')."""
         cfg = model.config
         param = next(model.parameters())
         return cls(
@@ -132,7 +134,7 @@ class KVCache:
             max_len or cfg.block_size,
             cfg.head_dim,
             device=param.device,
-            dtype=dtype or param.dtype,
+            dtype=dtype or compute_dtype(param.device, param.dtype),
             start=start,
         )
 

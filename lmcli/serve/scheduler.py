@@ -34,6 +34,7 @@ from torch import Tensor
 
 from lmcli import fastpath
 from lmcli.config import SampleConfig
+from lmcli.device import autocast
 from lmcli.generate.decoding import prefill, step
 from lmcli.generate.sampling import cut_at_stop, sample_next
 from lmcli.model import Transformer
@@ -211,7 +212,11 @@ class Scheduler:
             }
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="lmcli-scheduler", daemon=True)
+        """Start the decoding thread, which computes under the caller's autocast (autocast is
+        per thread: ``lmcli serve`` starts it inside the command's precision scope)."""
+        device = next(self.model.parameters()).device
+        amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        self._thread = threading.Thread(target=self._run, args=(amp,), name="lmcli-scheduler", daemon=True)
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -230,11 +235,12 @@ class Scheduler:
     def _alive(self) -> int:
         return sum(r is not None for r in self.slots)
 
-    def _run(self) -> None:
+    def _run(self, amp: torch.dtype | None = None) -> None:
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)  # torch's count is per process: restored at the end
+        device = next(self.model.parameters()).device
         try:
-            with torch.inference_mode(), fastpath.inference(self.model):
+            with torch.inference_mode(), autocast(device, amp), fastpath.inference(self.model):
                 while True:
                     with self.cond:
                         while not self.stopping and not self.queue and not self._alive():

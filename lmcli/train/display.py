@@ -46,6 +46,8 @@ class TrainProgress:
         total = self.progress.tasks[0].total
         tok_s = record["tokens_per_s"]
         stats = f"loss {record['train_loss']:.4f}  lr {record['lr']:.2e}  {tok_s / 1000:.1f}k tok/s"
+        if record.get("mfu") is not None:
+            stats += f"  MFU {100 * record['mfu']:.1f}%"
         remaining = []
         if total and step:
             remaining.append(record["elapsed"] / step * (total - step))

@@ -38,14 +38,22 @@ from lmcli.checkpoint import (
 )
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.data.train_data import TrainData, load_train_data
-from lmcli.device import autocast, autocast_dtype, configure_backend, deterministic_algorithms
+from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.safe_io import refuse_symlinks
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
+from lmcli.train.mfu import flops_per_token, matmul_params, mfu, peak_tflops
 from lmcli.train.optim import lr_at, make_optimizer
-from lmcli.train.preflight import Preflight, available_memory, estimate_memory, fmt_count, fmt_duration
+from lmcli.train.preflight import (
+    Preflight,
+    available_memory,
+    estimate_memory,
+    fmt_count,
+    fmt_duration,
+    measured_memory,
+)
 from lmcli.train.run_folder import (
     RunFolder,
     absolute_paths,
@@ -102,6 +110,10 @@ class Run:
     source: Path | None  # the run folder a resumed run started from (itself, or another: --out)
     # since the last log point: the summed loss (on the device), where it started and when
     running: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    staging: Staging | None = None  # batches' copies to a GPU, through reused pinned buffers
+    flops_per_token: float = 0.0  # training FLOPs per token (lmcli.train.mfu)
+    peak_tflops: float | None = None  # one device's peak, the MFU denominator (None: unknown)
+    peak_source: str = ""
     log_step: int = 0
     log_time: float = 0.0
     train_loss: float | None = None  # the last logged training loss
@@ -286,7 +298,7 @@ def train_step(run: Run) -> torch.Tensor:
         # DDP all-reduces gradients only on the last micro-batch of a step
         sync = run.ddp is None or micro == cfg.grad_accum - 1
         with contextlib.nullcontext() if sync else run.ddp.no_sync(), autocast(run.device, run.amp):
-            loss = batch_loss(run.trained, batch.to(run.device), cfg)
+            loss = batch_loss(run.trained, batch.to(run.device, run.staging), cfg)
         run.scaler.scale(loss / cfg.grad_accum).backward()
         run.running += loss.detach() / cfg.grad_accum
     run.scaler.unscale_(run.optimizer)
@@ -316,6 +328,7 @@ def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar
         "elapsed": clock(),
         "epoch": run.sampler.epoch_of(run.state.cursor),
     }
+    record["mfu"] = mfu(record["tokens_per_s"], run.flops_per_token, run.peak_tflops, run.dist.world_size)
     run.log_step, run.log_time = step, now
     if run.dist.is_main:
         run.metrics.append(record)
@@ -366,7 +379,7 @@ def save(run: Run, clock: Clock, improved: bool) -> None:
     # never replace a good checkpoint with diverged weights, even between log points
     require_finite(run, float(run.running) + (run.val_loss or 0.0))
     run.saved_step = state.step
-    rngs = [rng_state()]
+    rngs = [rng_state(run.device)]
     if run.dist.enabled:  # every rank takes part in the gather; rank 0 writes
         gathered: list[Any] = [None] * run.dist.world_size
         torch.distributed.all_gather_object(gathered, rngs[0], group=run.dist.control)
@@ -466,7 +479,7 @@ def open_run(
     scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
     state = TrainState()
     if resumed is not None:
-        restore(resumed.state, state, optimizer, scaler, dist_info)
+        restore(resumed.state, state, optimizer, scaler, dist_info, device)
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
 
@@ -491,9 +504,12 @@ def open_run(
         info=info,
         source=Path(resume) if resume is not None else None,
         running=torch.zeros((), device=device),
+        staging=Staging(device),
         saved_step=state.step if resumed else -1,
         base=base,
+        flops_per_token=flops_per_token(model_config, matmul_params(model), round(data.tokens_per_example())),
     )
+    run.peak_tflops, run.peak_source = peak_tflops(device, cfg.peak_tflops)
     if dist_info.is_main:
         show_preflight(run, rep)
         write_run_config(run_dir, model_config, cfg)
@@ -557,8 +573,13 @@ def wrap_for_training(
     if dist_info.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
+        # no buffer is trained (position tables are constants): no broadcast before each forward;
+        # gradients live in the all-reduce buckets, no copy in and out of them
         trained = ddp = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
         )
     if cfg.compile:
         trained = torch.compile(trained)
@@ -603,15 +624,37 @@ def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> i
     return cfg.stop_steps
 
 
-def restore(saved: dict[str, Any], state: TrainState, optimizer: Any, scaler: Any, dist_info: Dist) -> None:
-    """A resumed run's counters, optimizer, scaler and this rank's RNG states."""
+def restore(
+    saved: dict[str, Any],
+    state: TrainState,
+    optimizer: Any,
+    scaler: Any,
+    dist_info: Dist,
+    device: torch.device | None = None,
+) -> None:
+    """A resumed run's counters, optimizer, scaler and this rank's RNG states (its GPU's only)."""
     state.load_state_dict(saved)
     optimizer.load_state_dict(saved["optimizer"])
-    if "scaler" in saved:
+    # a run saved without a scaler (bf16, float32) has an empty state: a float16 resume starts
+    # a fresh scale; a float16 run resumed in bf16 ignores its scale
+    if saved.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(saved["scaler"])
     rngs = saved["rng"]
     if dist_info.rank < len(rngs):  # a rank the saved run did not have keeps its own seed
-        set_rng_state(rngs[dist_info.rank])
+        set_rng_state(rngs[dist_info.rank], device)
+
+
+def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
+    """Bytes the run needs: on a GPU after a probe step, its measured peak plus the optimizer
+    state of what trains; otherwise the analytic estimate (no T×T scores where SDPA's flash
+    kernels run)."""
+    if probed and run.device.type == "cuda":
+        return measured_memory(torch.cuda.max_memory_allocated(run.device), trainable)
+    flash = run.device.type == "cuda" and not run.model.positions.biases_scores and not run.cfg.prefix_lm
+    params = run.model.num_parameters()
+    return estimate_memory(
+        run.model_config, params, run.cfg.batch_size, run.amp is not None, flash, trainable
+    )
 
 
 def show_preflight(run: Run, rep: Reporter) -> None:
@@ -627,9 +670,7 @@ def show_preflight(run: Run, rep: Reporter) -> None:
         val_tokens=run.data.val_tokens,
         max_steps=run.max_steps,
         max_time=cfg.max_time,
-        memory_bytes=estimate_memory(
-            run.model_config, model.num_parameters(), cfg.batch_size, run.amp is not None, trainable
-        ),
+        memory_bytes=preflight_memory(run, probe is not None, trainable),
         available_bytes=available_memory(run.device),
         step_seconds=probe * cfg.grad_accum if probe is not None else None,
     )
@@ -648,6 +689,8 @@ def show_preflight(run: Run, rep: Reporter) -> None:
             f"rank {cfg.lora_rank} on {cfg.lora_targets}: {fmt_count(trainable)} trainable parameters "
             f"({100 * trainable / model.num_parameters():.2f}%)"
         )
+    peak = f"{run.peak_tflops:.3g} TFLOP/s per device, " if run.peak_tflops else ""
+    facts["MFU against"] = f"{peak}{run.peak_source}; {run.flops_per_token / 1e6:.3g} MFLOP/token"
     if rep.preflight is not None:
         rep.preflight(pre, facts)
     else:

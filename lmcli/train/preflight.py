@@ -40,26 +40,43 @@ class Preflight:
 
 
 def estimate_memory(
-    cfg: ModelConfig, params: int, batch_size: int, autocast: bool, trainable: int | None = None
+    cfg: ModelConfig,
+    params: int,
+    batch_size: int,
+    autocast: bool,
+    flash: bool = False,
+    trainable: int | None = None,
 ) -> int:
     """Bytes for weights, gradients, AdamW moments and activations of one micro-batch (rough);
     gradients and moments for the ``trainable`` parameters alone (LoRA; None: all of them).
 
     Activations follow Korthikanti et al. (34·B·T·C + 5·H·B·T² values per layer, halved
-    under 16-bit autocast) plus logits and their gradient.
+    under 16-bit autocast; with ``flash`` attention, which never stores the T×T scores, the
+    second term goes) plus the logits: the logits, their float32 copy or log-softmax kept for
+    the backward, and their gradient (12 bytes a value).
     """
     B, T, C, H = batch_size, cfg.block_size, cfg.n_embd, cfg.n_head
     trained = params if trainable is None else trainable
     state = params * 4 + trained * 4 * 3  # fp32 weights; grads and two Adam moments of what trains
     act_bytes = 2 if autocast else 4
-    activations = cfg.n_layer * (34 * B * T * C + 5 * H * B * T * T) * act_bytes // 2
-    logits = B * T * cfg.vocab_size * 4 * 2
+    scores = 0 if flash else 5 * H * B * T * T
+    activations = cfg.n_layer * (34 * B * T * C + scores) * act_bytes // 2
+    logits = B * T * cfg.vocab_size * 12
     return state + activations + logits
 
 
+def measured_memory(peak_allocated: int, params: int) -> int:
+    """Bytes a GPU run needs, from a probe step: the allocator's peak during a forward and
+    backward (weights, gradients, activations, logits, as the kernels really store them) plus
+    the AdamW moments, which the probe's step never allocated (8 bytes a parameter)."""
+    return peak_allocated + 8 * params
+
+
 def available_memory(device: torch.device) -> int | None:
+    """Memory the run may use: a GPU's total (the model is already resident in a measured peak),
+    or the RAM the system has free."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.get_device_properties(device).total_memory
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -101,7 +118,7 @@ def preflight_rows(p: Preflight, device: str, extra: dict[str, str]) -> list[tup
         rows.append(("time limit", fmt_duration(p.max_time)))
     mem = f"~{_fmt_bytes(p.memory_bytes)}"
     if p.available_bytes is not None:
-        mem += f" of {_fmt_bytes(p.available_bytes)} free"
+        mem += f" of {_fmt_bytes(p.available_bytes)} available"
         if p.memory_bytes > p.available_bytes:
             mem += "  [!] may not fit: lower --batch-size (raise --grad-accum) or --block-size"
     rows.append(("estimated memory", mem))

@@ -49,15 +49,15 @@ def evaluate_loss(
     """Mean validation loss (nats per scored token) over a fixed validation set, across ranks."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of NLL, scored tokens)
+    nll = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device
+    scored = 0  # scored tokens, counted on the host (no device tensor, no sync per batch)
     limit = cfg.eval_batches * cfg.batch_size * dist_info.world_size  # the same windows at any world size
     for batch in data.val_batches(cfg.batch_size, limit, dist_info.rank, dist_info.world_size):
+        scored += batch.n_targets
         with autocast(device, amp):
             logits, targets = forward_scored(model, batch.to(device), cfg)
-        nll = F.cross_entropy(logits.float(), targets, reduction="sum")
-        total += torch.stack(
-            [nll.double(), torch.tensor(targets.numel(), dtype=torch.float64, device=device)]
-        )
+        nll += F.cross_entropy(logits.float(), targets, reduction="sum")
+    total = torch.stack([nll, torch.tensor(float(scored), dtype=torch.float64, device=device)])
     if dist_info.enabled:
         torch.distributed.all_reduce(total)
     model.train(was_training)
@@ -74,7 +74,12 @@ def wants_bleu(cfg: TrainConfig, step: int) -> bool:
 def probe_step_seconds(
     model: torch.nn.Module, sampler: Any, cfg: TrainConfig, device: torch.device, amp: torch.dtype | None
 ) -> float:
-    """Time one forward/backward micro-step without touching the RNG, weights or data position."""
+    """Time one forward/backward micro-step without touching the RNG, weights or data position.
+
+    On a GPU the allocator's peak is reset first: ``torch.cuda.max_memory_allocated`` then
+    reads the step's peak memory (``lmcli.train.preflight.measured_memory``)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         b = sampler.batch(0, cfg.batch_size).to(device)
         times = []

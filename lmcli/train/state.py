@@ -40,8 +40,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG's state, as tensors and plain lists (safe for ``torch.load(weights_only=True)``)."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """Every RNG's state, as tensors and plain lists (safe for ``torch.load(weights_only=True)``).
+
+    Of the GPUs, only ``device``'s (this process's own): a resumed run may see fewer GPUs, or
+    its rank another one, and every rank saves its own state anyway.
+    """
     np_state = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     state: dict[str, Any] = {
@@ -49,16 +53,28 @@ def rng_state() -> dict[str, Any]:
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "python": [py_version, list(py_state), py_gauss],
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore ``rng_state``'s states; a GPU state goes to ``device`` (this process's own GPU).
+
+    Runs saved by earlier versions hold a list of every visible GPU's state: the one of this
+    device's index is used when it exists (never an index of a GPU that is not there).
+    """
     torch.set_rng_state(state["torch"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     version, py_state, gauss = state["python"]
     random.setstate((version, tuple(py_state), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda")
+    if saved is None or device is None or device.type != "cuda":
+        return
+    if isinstance(saved, (list, tuple)):  # every GPU's state (older runs)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= len(saved):
+            return
+        saved = saved[index]
+    torch.cuda.set_rng_state(saved, device)
