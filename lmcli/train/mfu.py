@@ -67,8 +67,9 @@ def gpu_peak_tflops(name: str) -> float | None:
 @functools.lru_cache(maxsize=4)
 def measured_cpu_tflops(seconds: float = 0.3, size: int = 512) -> float:
     """The float32 matmul rate of this CPU with torch's threads, measured for ``seconds`` once
-    per process (a 512² product takes a few ms: about a hundred of them). Its operands come from a generator of its own: the global RNG, which a
-    resumed run has just restored, is not touched."""
+    per process (a 512² product takes a few ms: about a hundred of them). Its operands come
+    from a generator of its own: the global RNG, which a resumed run has just restored, is not
+    touched."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g)
     b = torch.randn(size, size, generator=g)
