@@ -591,6 +591,16 @@ class ExportConfig:
         return self.dtype or "f16"
 
 
+@dataclass(frozen=True)
+class AverageConfig:
+    """Settings of `lmcli average`: which saved checkpoints to average."""
+
+    last: int = option(5, "Average the N newest step-N checkpoints (saved with --keep-last).", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
 # ----------------------------------------------------------------------------- dicts and files
 
 
