@@ -61,6 +61,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # for the timing micro-benchmark: one technique alone over the base
     **{f"only-{k}": {k2: FULL[k2] for k2 in FULL if OFF[k].keys() >= {k2}} for k in OFF},
     "only-ema": {"ema": 0.98},
+    # what the ablations kept (configs/shakespeare-char-modern.toml): Muon, wsd, QK-norm
+    "recipe": {"optimizer": "muon", "schedule": "wsd", "qk_norm": True},
 }
 
 

@@ -255,7 +255,9 @@ class ModelConfig:
         False, "Query/key/value biases even with --no-bias (Qwen2).", flag="--qkv-bias/--no-qkv-bias"
     )
     qk_norm: bool = option(
-        False, "RMS-normalize each head's queries and keys before attention (QK-norm).", flag="--qk-norm/--no-qk-norm"
+        False,
+        "RMS-normalize each head's queries and keys before attention (QK-norm).",
+        flag="--qk-norm/--no-qk-norm",
     )
     logit_softcap: float = option(
         0.0, "Cap the logits softly: cap * tanh(logits / cap) (0: off; Gemma 2 uses 30).", ge=0
@@ -377,7 +379,10 @@ class TrainConfig:
     muon_lr: float = option(0.02, "Muon: peak learning rate of the blocks' weight matrices.", gt=0)
     muon_momentum: float = option(0.95, "Muon: momentum (Nesterov).", ge=0, lt=1)
     ema: float = option(
-        0.0, "Keep an exponential moving average of the weights with this decay, saved as ema/ (0: off).", ge=0, lt=1
+        0.0,
+        "Keep an exponential moving average of the weights with this decay, saved as ema/ (0: off).",
+        ge=0,
+        lt=1,
     )
     select: Select | None = option(
         None,

@@ -353,7 +353,8 @@ def validate(run: Run) -> bool:
         train_loss = run.train_loss if run.train_loss is not None else float("nan")
         scores = f", EMA val loss {record['val_loss_ema']:.4f}" if "val_loss_ema" in record else ""
         if "val_bleu" in record:
-            scores += f", greedy BLEU {record['val_bleu']:.2f} chrF {record['val_chrf']:.2f} ({record['sentences']})"
+            bleu, chrf = record["val_bleu"], record["val_chrf"]
+            scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
         run.info(
             f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
             f"(ppl {math.exp(min(loss, 50)):.2f}){scores}" + (" *best*" if improved else "")
@@ -640,7 +641,9 @@ def restore(
     """A resumed run's counters, optimizer, scaler, weight average and this rank's RNG states."""
     was = "muon" if "muon" in saved["optimizer"] else "adamw"
     if was != cfg.optimizer:
-        raise LmcliError(f"cannot resume a run trained with --optimizer {was} with --optimizer {cfg.optimizer}")
+        raise LmcliError(
+            f"cannot resume a run trained with --optimizer {was} with --optimizer {cfg.optimizer}"
+        )
     state.load_state_dict(saved)
     optimizer.load_state_dict(saved["optimizer"])
     if ema is not None and "ema" in saved:  # else (--ema added on resume) it starts from here

@@ -31,7 +31,12 @@ def test_future_tokens_never_change_earlier_logits(position: str, norm: str, pla
         assert not torch.allclose(out[:, t], base[:, t]), "the changed token must matter"
 
 
-NEW_OPTIONS = [dict(qk_norm=True), dict(mlp="relu2"), dict(logit_softcap=0.5), dict(qk_norm=True, position="rope")]
+NEW_OPTIONS = [
+    dict(qk_norm=True),
+    dict(mlp="relu2"),
+    dict(logit_softcap=0.5),
+    dict(qk_norm=True, position="rope"),
+]
 
 
 @pytest.mark.parametrize("options", NEW_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))

@@ -166,7 +166,9 @@ def test_muon_with_ema_under_two_ranks_equals_one_process(tmp_path: Path) -> Non
     muon = ["--optimizer", "muon", "--muon-lr", "0.02", "--ema", "0.9"]
     runs = train_both(tmp_path, muon, single=("--batch-size", str(B), "--grad-accum", "2"))
     run, one = ddp_run(runs), runs["single"]
-    train_ddp, train_one = ([r["train_loss"] for r in read_metrics(x) if "train_loss" in r] for x in (run, one))
+    train_ddp, train_one = (
+        [r["train_loss"] for r in read_metrics(x) if "train_loss" in r] for x in (run, one)
+    )
     assert train_ddp == pytest.approx(train_one, rel=METRIC_RTOL)
     for which in ("last", "ema"):
         wa, wb = weights(run, which), weights(one, which)

@@ -212,8 +212,9 @@ def test_muon_and_ema_resume_bit_identically(tmp_path: Path, options: dict) -> N
     assert_same_weights(weights(full.run_dir), weights(resumed.run_dir))
     if options.get("ema"):
         ema_full, ema_resumed = (load_checkpoint(r / "ema") for r in (full.run_dir, resumed.run_dir))
-        for (name, a), b in zip(ema_full.model.state_dict().items(), ema_resumed.model.state_dict().values()):
-            assert torch.equal(a, b), name
+        resumed_state = ema_resumed.model.state_dict()
+        for name, value in ema_full.model.state_dict().items():
+            assert torch.equal(value, resumed_state[name]), name
         last = load_checkpoint(full.run_dir / "last").model.state_dict()["wte.weight"]
         assert not torch.equal(ema_full.model.state_dict()["wte.weight"], last), "an average, not a copy"
         records = MetricsLog(full.run_dir / "metrics.jsonl").read()
@@ -230,7 +231,9 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest(tmp_path: Path) -> No
     for name, p in model.named_parameters():
         assert (id(p) in muon) == (name.startswith("h.") and p.dim() == 2), name
     assert opt.muon.param_groups[0]["lr"] == 0.05 and all(g["lr"] == 1e-3 for g in opt.adamw.param_groups)
-    result = train(MODEL, config(tmp_path, "m", max_steps=30, optimizer="muon"), reporter=quiet(), progress=False)
+    result = train(
+        MODEL, config(tmp_path, "m", max_steps=30, optimizer="muon"), reporter=quiet(), progress=False
+    )
     records = MetricsLog(result.run_dir / "metrics.jsonl").read()
     losses = [r["train_loss"] for r in records if "train_loss" in r]
     assert losses[-1] < losses[0] - 0.8
@@ -242,14 +245,18 @@ def test_resuming_with_another_optimizer_is_refused_in_one_line(tmp_path: Path, 
     train(MODEL, config(tmp_path, "run", max_steps=10), reporter=quiet(), progress=False)
     before = (tmp_path / "run" / "last" / "model.safetensors").read_bytes()
     code, _, err = run_cli(["train", "--resume", str(tmp_path / "run"), "--optimizer", "muon", "-q"], capsys)
-    assert_one_line_error(code, err, "cannot resume a run trained with --optimizer adamw with --optimizer muon")
+    assert_one_line_error(
+        code, err, "cannot resume a run trained with --optimizer adamw with --optimizer muon"
+    )
     assert (tmp_path / "run" / "last" / "model.safetensors").read_bytes() == before
 
 
 def test_schedules_warm_up_and_end_at_the_floor_by_steps_or_by_time() -> None:
     wsd = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
     lrs = [lr_at(s, wsd, 100) for s in range(101)]
-    assert lrs[9] < 1.0 and all(lr == 1.0 for lr in lrs[10:80]) and lrs[80] == pytest.approx(1.0)  # stable to 80%
+    assert (
+        lrs[9] < 1.0 and all(lr == 1.0 for lr in lrs[10:80]) and lrs[80] == pytest.approx(1.0)
+    )  # stable to 80%
     assert all(a > b for a, b in zip(lrs[80:], lrs[81:], strict=False)) and lrs[100] == pytest.approx(0.1)
     assert lrs[90] == pytest.approx(0.55)  # linear in the last 20%
     # bounded by --max-time only: the time fraction drives the same shape
@@ -264,7 +271,9 @@ def test_schedules_warm_up_and_end_at_the_floor_by_steps_or_by_time() -> None:
 def test_muon_groups_follow_the_schedule_from_their_own_peak(tmp_path: Path) -> None:
     result = train(
         MODEL,
-        config(tmp_path, "m", max_steps=10, optimizer="muon", muon_lr=0.03, schedule="linear", warmup_steps=0),
+        config(
+            tmp_path, "m", max_steps=10, optimizer="muon", muon_lr=0.03, schedule="linear", warmup_steps=0
+        ),
         reporter=quiet(),
         progress=False,
     )
@@ -274,13 +283,18 @@ def test_muon_groups_follow_the_schedule_from_their_own_peak(tmp_path: Path) -> 
     assert muon_lr / 0.03 == pytest.approx(adamw_lr / 3e-3) and adamw_lr < 3e-3
 
 
-def test_average_of_the_last_checkpoints_is_their_mean_and_a_loadable_checkpoint(tmp_path: Path, capsys) -> None:
+def test_average_of_the_last_checkpoints_is_their_mean_and_a_loadable_checkpoint(
+    tmp_path: Path, capsys
+) -> None:
     from helpers import assert_one_line_error, run_cli
 
     from lmcli.train.averaging import average_checkpoints
 
     run = train(
-        MODEL, config(tmp_path, "run", max_steps=40, keep_last=3, save_interval=10), reporter=quiet(), progress=False
+        MODEL,
+        config(tmp_path, "run", max_steps=40, keep_last=3, save_interval=10),
+        reporter=quiet(),
+        progress=False,
     ).run_dir
     kept = sorted(p.name for p in run.glob("step-*"))
     assert kept == ["step-0000020", "step-0000030", "step-0000040"]
