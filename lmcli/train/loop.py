@@ -344,7 +344,7 @@ def validate(run: Run) -> bool:
         run.ema_val_loss = evaluate_loss(run.ema.module, run.data, cfg, run.device, run.amp, run.dist)
     record = validation_record(run, loss) if run.dist.is_main else {}
     if cfg.selected_metric != "val_loss":  # a score rank 0 alone computes: every rank follows it
-        improved = run.dist.is_main and select_improved(run, record)
+        improved = run.dist.is_main and select_improved(run, record, loss)
         if run.dist.enabled:
             flag = [improved]
             torch.distributed.broadcast_object_list(flag, src=0, group=run.dist.control)
@@ -362,13 +362,15 @@ def validate(run: Run) -> bool:
     return improved
 
 
-def select_improved(run: Run, record: dict[str, Any]) -> bool:
-    """Whether this validation's ``--select`` score (higher is better) beats the best so far."""
+def select_improved(run: Run, record: dict[str, Any], loss: float) -> bool:
+    """Whether this validation's ``--select`` score (higher is better; equal scores: the lower
+    validation loss) beats the best so far. Ties matter: BLEU is 0 for one-word lines."""
     score = record.get(run.cfg.selected_metric)
     if score is None:  # not computed at this validation (--bleu-interval)
         return False
-    if score > run.state.best_score:
-        run.state.best_score = score
+    state = run.state
+    if (score, -loss) > (state.best_score, -state.best_score_loss):
+        state.best_score, state.best_score_loss = score, loss
         return True
     return False
 

@@ -161,14 +161,14 @@ def test_translation_option_errors(kw: dict, message: str) -> None:
 
 @pytest.mark.parametrize("select", [None, "val_chrf", "val_loss"])
 def test_best_follows_the_selected_metric_bleu_by_default(tmp_path: Path, select: str | None) -> None:
-    """best/ is the checkpoint of the first validation with the highest --select score (greedy
-    BLEU by default for translation; the lowest loss with val_loss)."""
+    """best/ is the checkpoint of the validation with the highest --select score (greedy BLEU by
+    default for translation; equal scores: the lower loss; with val_loss, the lowest loss)."""
     options = {} if select is None else {"select": select}
     train_reversal(tmp_path, "run", max_steps=90, eval_interval=30, bleu_samples=20, **options)
     scored = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
     key = select or "val_bleu"
     sign = 1 if key == "val_loss" else -1
-    best = min(scored, key=lambda r: sign * r[key])  # min() keeps the first of equals
+    best = min(scored, key=lambda r: (sign * r[key], r["val_loss"]))
     assert load_checkpoint(tmp_path / "run" / "best").meta["step"] == best["step"]
     assert load_checkpoint(tmp_path / "run").train_config.selected_metric == key
 
