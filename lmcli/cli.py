@@ -21,6 +21,7 @@ import typer
 
 from lmcli import __version__
 from lmcli.config import (
+    AverageConfig,
     BeamConfig,
     ChatConfig,
     DeviceConfig,
@@ -447,6 +448,23 @@ def export(
     if target is None:
         raise LmcliError("give the folder to write (OUT or --out)")
     typer.echo(f"wrote {export_hf(run_dir, target)}")
+
+
+@app.command()
+@config_options(AverageConfig)
+def average(
+    run_dir: Path = typer.Argument(..., help="Run folder with step-N checkpoints (--keep-last)."),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Checkpoint folder to write (new). [default: RUN/average-last-N]"
+    ),
+    *,
+    options: dict[str, Any],
+) -> None:
+    """Average the weights of a run's last N saved checkpoints into a new checkpoint folder."""
+    from lmcli.train.averaging import average_checkpoints
+
+    cfg = build(AverageConfig, options)
+    typer.echo(f"wrote {average_checkpoints(run_dir, cfg.last, out)}")
 
 
 # ----------------------------------------------------------------------------- serve

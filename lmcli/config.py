@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
 from lmcli.errors import LmcliError
 
 Position = Literal["learned", "sinusoidal", "rope", "alibi"]
-Mlp = Literal["gelu", "relu", "swiglu"]
+Mlp = Literal["gelu", "relu", "relu2", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post"]
 Task = Literal["lm", "translation"]
@@ -34,6 +34,9 @@ RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 ExportFormat = Literal["hf", "gguf", "lmcli"]
 GgufType = Literal["f32", "f16", "q8_0"]
 LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGETS: the layers they name
+Optimizer = Literal["adamw", "muon"]
+Schedule = Literal["cosine", "wsd", "linear"]
+Select = Literal["val_loss", "val_bleu", "val_chrf"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
@@ -252,6 +255,20 @@ class ModelConfig:
     qkv_bias: bool = option(
         False, "Query/key/value biases even with --no-bias (Qwen2).", flag="--qkv-bias/--no-qkv-bias"
     )
+    qk_norm: bool = option(
+        False,
+        "RMS-normalize each head's queries and keys before attention (QK-norm).",
+        flag="--qk-norm/--no-qk-norm",
+    )
+    logit_softcap: float = option(
+        0.0, "Cap the logits softly: cap * tanh(logits / cap) (0: off; Gemma 2 uses 30).", ge=0
+    )
+    zero_init: bool = option(
+        False,
+        "Start every residual output projection at zero (each block begins as the identity).",
+        flag="--zero-init/--no-zero-init",
+        resume="free",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -359,8 +376,30 @@ class TrainConfig:
     max_time: float | None = option(
         None, "Stop (with a checkpoint) after this long: 90s, 30m, 2h.", gt=0, parse=parse_duration
     )
-    lr: float = option(1e-3, "Peak learning rate.", gt=0)
-    min_lr_ratio: float = option(0.1, "Cosine floor as a fraction of --lr.", ge=0, le=1)
+    lr: float = option(1e-3, "Peak learning rate (AdamW).", gt=0)
+    min_lr_ratio: float = option(0.1, "Floor of the decay as a fraction of the peak.", ge=0, le=1)
+    schedule: Schedule = option(
+        "cosine", "Learning rate after warmup: cosine or linear decay, or wsd (warmup-stable-decay)."
+    )
+    decay_fraction: float = option(
+        0.2, "wsd: the last fraction of the run (steps or --max-time) over which the rate decays.", gt=0, le=1
+    )
+    optimizer: Optimizer = option(
+        "adamw", "adamw, or muon: Muon for the blocks' weight matrices, AdamW (--lr) for the rest."
+    )
+    muon_lr: float = option(0.02, "Muon: peak learning rate of the blocks' weight matrices.", gt=0)
+    muon_momentum: float = option(0.95, "Muon: momentum (Nesterov).", ge=0, lt=1)
+    ema: float = option(
+        0.0,
+        "Keep an exponential moving average of the weights with this decay, saved as ema/ (0: off).",
+        ge=0,
+        lt=1,
+    )
+    select: Select | None = option(
+        None,
+        "The validation metric best/ follows.",
+        default_help="val_bleu for translation with --bleu-samples, else val_loss",
+    )
     warmup_steps: int = option(100, "Linear warmup steps.", ge=0)
     weight_decay: float = option(0.1, "AdamW weight decay (matrices only).", ge=0)
     beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
@@ -420,8 +459,19 @@ class TrainConfig:
                     raise LmcliError(
                         f"lora-targets: {name!r} names no layer: choose from {', '.join(LORA_TARGETS)}"
                     )
+            if self.ema:
+                raise LmcliError("--ema averages full weights: it cannot be combined with --lora-rank")
+        if self.select in ("val_bleu", "val_chrf") and (self.task != "translation" or not self.bleu_samples):
+            raise LmcliError(f"--select {self.select} needs --task translation and --bleu-samples above 0")
         if self.tokenizer == "bpe" and self.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
+
+    @property
+    def selected_metric(self) -> str:
+        """The validation metric ``best/`` follows."""
+        if self.select is not None:
+            return self.select
+        return "val_bleu" if self.task == "translation" and self.bleu_samples else "val_loss"
 
     @property
     def stop_steps(self) -> int | None:
@@ -591,6 +641,16 @@ class ExportConfig:
     @property
     def gguf_type(self) -> str:
         return self.dtype or "f16"
+
+
+@dataclass(frozen=True)
+class AverageConfig:
+    """Settings of `lmcli average`: which saved checkpoints to average."""
+
+    last: int = option(5, "Average the N newest step-N checkpoints (saved with --keep-last).", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 # ----------------------------------------------------------------------------- dicts and files

@@ -127,6 +127,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv_width, bias=cfg.attn_bias)  # q, k, v
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # QK-norm: each head's queries and keys RMS-normalized (with a learned gain) before positions
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def split_heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, C + 2 * KV * D) -> q (B, H, T, D), k and v (B, KV, T, D)."""
@@ -145,9 +148,16 @@ class CausalSelfAttention(nn.Module):
         group = self.n_head // self.n_kv_head
         return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
+    def normalize_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """QK-norm of q (B, H, T, D) and k (B, KV, T, D) over D; unchanged without ``--qk-norm``."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
+
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         B, T, C = x.size()
         q, k, v = self.split_heads(self.c_attn(x))
+        q, k = self.normalize_qk(q, k)
         q, k = ctx.positions.rotate(q, k, ctx.pos)
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer, k, v)  # (B, KV, S, D), S = cached + T
@@ -201,6 +211,13 @@ class ReluMLP(MLP):
         return F.relu(up(x))
 
 
+class ReluSquaredMLP(MLP):
+    """relu(x)^2 (So et al. 2021, Primer; the modded-nanoGPT speedrun)."""
+
+    def hidden(self, x: Tensor, up: Sublayer, gate: Sublayer | None) -> Tensor:
+        return F.relu(up(x)).square()
+
+
 class SwiGLU(MLP):
     """silu(gate(x)) * up(x) (Shazeer 2020; Llama)."""
 
@@ -211,7 +228,7 @@ class SwiGLU(MLP):
         return F.silu(gate(x)) * up(x)
 
 
-MLPS: dict[str, type[MLP]] = {"gelu": GeluMLP, "relu": ReluMLP, "swiglu": SwiGLU}
+MLPS: dict[str, type[MLP]] = {"gelu": GeluMLP, "relu": ReluMLP, "relu2": ReluSquaredMLP, "swiglu": SwiGLU}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -252,8 +269,11 @@ class Transformer(nn.Module):
         self.fast_step: Callable[[Tensor, KVCache], Tensor] | None = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # residual projections, GPT-2 scaling
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            if name.endswith("c_proj.weight"):  # residual projections, GPT-2 scaling (or zero)
+                if cfg.zero_init:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -317,7 +337,14 @@ class Transformer(nn.Module):
             x = x[:, -1:, :]
         elif output_mask is not None:
             x = x[output_mask]  # (B, T, C) -> (N, C)
-        return self.lm_head(self.ln_f(x))
+        return self.cap_logits(self.lm_head(self.ln_f(x)))
+
+    def cap_logits(self, logits: Tensor) -> Tensor:
+        """cap * tanh(logits / cap) with ``--logit-softcap`` (Gemma 2), else the logits unchanged."""
+        cap = self.config.logit_softcap
+        if not cap:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     def attention_mask(
         self,

@@ -113,6 +113,8 @@ class LayerStep:
                 q, k, v = self.qkv(h).view(B, 3, H, 1, C // H).unbind(1)
             else:  # grouped-query attention: k and v (B, KV, 1, D)
                 q, k, v = self.heads.split_heads(self.qkv(h).view(B, 1, -1))
+            if self.heads.q_norm is not None:
+                q, k = self.heads.normalize_qk(q, k)
             q, k = rotate(q, k, pos)
             k, v = self.heads.share_heads(*cache.update(self.layer, k, v))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, 1, D)
@@ -175,7 +177,7 @@ class StepRunner:
         for layer in layers:
             x = layer(x, pos, mask, rotate, cache)
         cache.advance(1)
-        return head(final_norm(x)).view(B, 1, -1)
+        return model.cap_logits(head(final_norm(x))).view(B, 1, -1)
 
 
 def _absent() -> None:

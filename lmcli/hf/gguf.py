@@ -104,6 +104,10 @@ def gguf_architecture(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
         needs = "rotary positions without scaling, pre-RMSNorm and a SwiGLU MLP"
     if cfg.norm_placement != "pre":
         problems.append("post-norm")
+    if cfg.qk_norm:
+        problems.append("qk-norm")
+    if cfg.logit_softcap:
+        problems.append("logit soft-capping")
     if problems:
         raise LmcliError(
             f"GGUF's {arch} architecture cannot express this model ({', '.join(problems)}): it needs {needs}"

@@ -36,6 +36,10 @@ def check_gpt2_compatible(cfg: ModelConfig) -> None:
         problems.append("no biases")
     if cfg.n_kv_head != cfg.n_head:
         problems.append("grouped-query attention")
+    if cfg.qk_norm:
+        problems.append("qk-norm")
+    if cfg.logit_softcap:
+        problems.append("logit soft-capping")
     if problems:
         raise LmcliError(
             f"GPT-2 cannot express this model ({', '.join(problems)}): export needs learned positions, "

@@ -147,6 +147,10 @@ def check_llama_compatible(cfg: ModelConfig) -> str:
         problems.append(f"a {cfg.mlp} MLP")
     if cfg.bias:
         problems.append("biases outside the query/key/value projection")
+    if cfg.qk_norm:
+        problems.append("qk-norm")
+    if cfg.logit_softcap:
+        problems.append("logit soft-capping")
     if problems:
         raise LmcliError(
             f"no Hugging Face family expresses this model ({', '.join(problems)}): GPT-2 needs learned "

@@ -43,9 +43,10 @@ from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.safe_io import refuse_symlinks
+from lmcli.train.averaging import EMA
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
 from lmcli.train.mfu import flops_per_token, matmul_params, mfu, peak_tflops
-from lmcli.train.optim import lr_at, make_optimizer
+from lmcli.train.optim import group_lr, lr_at, make_optimizer
 from lmcli.train.preflight import (
     Preflight,
     available_memory,
@@ -121,6 +122,8 @@ class Run:
     saved_step: int = -1  # the step of the last checkpoint
     val_step: int = -1  # the step of the last validation
     base: dict[str, Any] | None = None  # a LoRA run's base reference (checkpoint.base_reference)
+    ema: EMA | None = None  # the moving average of the weights (--ema), saved as ema/
+    ema_val_loss: float | None = None  # its last validation loss
 
     @property
     def global_batch(self) -> int:
@@ -285,7 +288,7 @@ def set_lr(run: Run, elapsed: float) -> float:
     cfg = run.cfg
     lr = lr_at(run.state.step, cfg, run.max_steps, elapsed / cfg.max_time if cfg.max_time else 0.0)
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = group_lr(group, lr, cfg)
     return lr
 
 
@@ -306,6 +309,8 @@ def train_step(run: Run) -> torch.Tensor:
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
+    if run.ema is not None:
+        run.ema.update(run.model)
     return grad_norm
 
 
@@ -351,10 +356,47 @@ def validate(run: Run) -> bool:
     improved = loss < state.best_val
     state.best_val = min(state.best_val, loss)
     run.val_step = state.step
-    if not run.dist.is_main:
-        return improved
-    record = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
-    bleu = ""
+    if run.ema is not None:
+        run.ema_val_loss = evaluate_loss(run.ema.module, run.data, cfg, run.device, run.amp, run.dist)
+    record = validation_record(run, loss) if run.dist.is_main else {}
+    if cfg.selected_metric != "val_loss":  # a score rank 0 alone computes: every rank follows it
+        improved = run.dist.is_main and select_improved(run, record, loss)
+        if run.dist.enabled:
+            flag = [improved]
+            torch.distributed.broadcast_object_list(flag, src=0, group=run.dist.control)
+            improved = flag[0]
+    if run.dist.is_main:
+        train_loss = run.train_loss if run.train_loss is not None else float("nan")
+        scores = f", EMA val loss {record['val_loss_ema']:.4f}" if "val_loss_ema" in record else ""
+        if "val_bleu" in record:
+            bleu, chrf = record["val_bleu"], record["val_chrf"]
+            scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
+        run.info(
+            f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
+            f"(ppl {math.exp(min(loss, 50)):.2f}){scores}" + (" *best*" if improved else "")
+        )
+    return improved
+
+
+def select_improved(run: Run, record: dict[str, Any], loss: float) -> bool:
+    """Whether this validation's ``--select`` score (higher is better; equal scores: the lower
+    validation loss) beats the best so far. Ties matter: BLEU is 0 for one-word lines."""
+    score = record.get(run.cfg.selected_metric)
+    if score is None:  # not computed at this validation (--bleu-interval)
+        return False
+    state = run.state
+    if (score, -loss) > (state.best_score, -state.best_score_loss):
+        state.best_score, state.best_score_loss = score, loss
+        return True
+    return False
+
+
+def validation_record(run: Run, loss: float) -> dict[str, Any]:
+    """Rank 0: the validation's scores (greedy BLEU/chrF for translation), logged."""
+    state, cfg = run.state, run.cfg
+    record: dict[str, Any] = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+    if run.ema_val_loss is not None:
+        record["val_loss_ema"] = run.ema_val_loss
     if wants_bleu(cfg, state.step):
         from lmcli.bleu import greedy_bleu
 
@@ -363,14 +405,10 @@ def validate(run: Run) -> bool:
                 run.model, run.data.tokenizer, run.data.val, cfg.bleu_samples, prefix_lm=cfg.prefix_lm
             )
         record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
-        bleu = f", greedy BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} ({scores['sentences']})"
     run.metrics.append(record)
-    train_loss = run.train_loss if run.train_loss is not None else float("nan")
-    run.info(
-        f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
-        f"(ppl {math.exp(min(loss, 50)):.2f}){bleu}" + (" *best*" if improved else "")
-    )
-    return improved
+    if "val_bleu" in record:
+        record["sentences"] = scores["sentences"]  # for the message, not the metrics file
+    return record
 
 
 def save(run: Run, clock: Clock, improved: bool) -> None:
@@ -399,6 +437,10 @@ def save(run: Run, clock: Clock, improved: bool) -> None:
         "scaler": run.scaler.state_dict(),
         "rng": rngs,
     }
+    if run.ema is not None:
+        trainer_state["ema"] = run.ema.state_dict()
+        ema_meta = {**meta, "val_loss": run.ema_val_loss, "ema_decay": cfg.ema}
+        save_checkpoint(run.run_dir / "ema", run.ema.module, cfg, run.data.tokenizer, meta=ema_meta)
     last = run.run_dir / "last"
     save_checkpoint(last, run.model, cfg, run.data.tokenizer, meta=meta, state=trainer_state, base=run.base)
     if improved:
@@ -478,8 +520,9 @@ def open_run(
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
     state = TrainState()
+    ema = EMA(model, cfg.ema) if cfg.ema else None
     if resumed is not None:
-        restore(resumed.state, state, optimizer, scaler, dist_info, device)
+        restore(resumed.state, state, optimizer, scaler, dist_info, cfg, ema, device)
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
 
@@ -508,6 +551,7 @@ def open_run(
         saved_step=state.step if resumed else -1,
         base=base,
         flops_per_token=flops_per_token(model_config, matmul_params(model), round(data.tokens_per_example())),
+        ema=ema,
     )
     run.peak_tflops, run.peak_source = peak_tflops(device, cfg.peak_tflops)
     if dist_info.is_main:
@@ -630,11 +674,21 @@ def restore(
     optimizer: Any,
     scaler: Any,
     dist_info: Dist,
+    cfg: TrainConfig,
+    ema: EMA | None,
     device: torch.device | None = None,
 ) -> None:
-    """A resumed run's counters, optimizer, scaler and this rank's RNG states (its GPU's only)."""
+    """A resumed run's counters, optimizer, scaler, weight average and this rank's RNG states
+    (its GPU's only)."""
+    was = "muon" if "muon" in saved["optimizer"] else "adamw"
+    if was != cfg.optimizer:
+        raise LmcliError(
+            f"cannot resume a run trained with --optimizer {was} with --optimizer {cfg.optimizer}"
+        )
     state.load_state_dict(saved)
     optimizer.load_state_dict(saved["optimizer"])
+    if ema is not None and "ema" in saved:  # else (--ema added on resume) it starts from here
+        ema.load_state_dict(saved["ema"])
     # a run saved without a scaler (bf16, float32) has an empty state: a float16 resume starts
     # a fresh scale; a float16 run resumed in bf16 ignores its scale
     if saved.get("scaler") and scaler.is_enabled():

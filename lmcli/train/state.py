@@ -24,14 +24,25 @@ class TrainState:
     cursor: int = 0  # training windows (or pairs) consumed, by all ranks together
     best_val: float = math.inf  # the lowest validation loss so far
     elapsed: float = 0.0  # seconds of training before this session
+    best_score: float = -math.inf  # the highest --select score (BLEU, chrF) so far
+    best_score_loss: float = math.inf  # the validation loss at that score (breaks ties)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "cursor": self.cursor, "best_val": self.best_val, "elapsed": self.elapsed}
+        return {
+            "step": self.step,
+            "cursor": self.cursor,
+            "best_val": self.best_val,
+            "elapsed": self.elapsed,
+            "best_score": self.best_score,
+            "best_score_loss": self.best_score_loss,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
         self.best_val = float(state.get("best_val", math.inf))
         self.elapsed = float(state.get("elapsed", 0.0))
+        self.best_score = float(state.get("best_score", -math.inf))
+        self.best_score_loss = float(state.get("best_score_loss", math.inf))
 
 
 def seed_everything(seed: int) -> None:

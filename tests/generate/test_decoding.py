@@ -45,6 +45,12 @@ ARCHITECTURES += [  # grouped-query attention (Llama, Mistral), with query/key/v
     dict(position="rope", rope_scaling="llama3", rope_factor=8.0, rope_original_context=8, n_kv_head=1),
     dict(position="rope", rope_scaling="yarn", rope_factor=4.0, rope_original_context=8, n_kv_head=1),
 ]
+ARCHITECTURES += [  # issue 18's options: QK-norm, ReLU^2, soft-capped logits (a small cap: tanh bends)
+    dict(qk_norm=True),
+    dict(position="rope", norm="rmsnorm", mlp="relu2", bias=False, qk_norm=True, n_head=4, n_kv_head=2),
+    dict(position="alibi", norm_placement="post", qk_norm=True, logit_softcap=0.5),
+    dict(position="rope", mlp="relu2", logit_softcap=0.5, zero_init=True),
+]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["plain", "fastpath"])

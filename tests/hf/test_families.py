@@ -348,4 +348,16 @@ def test_a_model_no_family_expresses_is_refused_naming_what_does_not_fit(tmp_pat
     run = make_run(tmp_path / "run2", n_head=2, n_kv_head=1)
     with pytest.raises(LmcliError, match="GPT-2 cannot express this model \\(grouped-query attention\\)"):
         export_hf(run, tmp_path / "hf")
+    for i, (options, message) in enumerate(
+        [
+            (dict(qk_norm=True), "GPT-2 cannot express this model \\(qk-norm\\)"),
+            (dict(logit_softcap=30.0), "GPT-2 cannot express this model \\(logit soft-capping\\)"),
+            (
+                dict(position="rope", norm="rmsnorm", mlp="relu2", bias=False, qk_norm=True),
+                "no Hugging Face family expresses this model \\(a relu2 MLP, qk-norm\\)",
+            ),
+        ]
+    ):
+        with pytest.raises(LmcliError, match=message):
+            export_hf(make_run(tmp_path / f"new-{i}", **options), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -31,7 +31,52 @@ def test_future_tokens_never_change_earlier_logits(position: str, norm: str, pla
         assert not torch.allclose(out[:, t], base[:, t]), "the changed token must matter"
 
 
-@pytest.mark.parametrize("mlp", ["gelu", "relu", "swiglu"])
+NEW_OPTIONS = [
+    dict(qk_norm=True),
+    dict(mlp="relu2"),
+    dict(logit_softcap=0.5),
+    dict(qk_norm=True, position="rope"),
+]
+
+
+@pytest.mark.parametrize("options", NEW_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_future_tokens_never_change_earlier_logits_with_the_new_options(options: dict) -> None:
+    model = tiny_model(**SHAPE, **options)
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norm gains, so QK-norm's weights count too
+            p.add_(0.1 * torch.randn_like(p))
+    idx = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(1))
+    base = model(idx)
+    for t in range(16):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1) % 13
+        out = model(changed)
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[:, t], base[:, t]), "the changed token must matter"
+
+
+def test_logit_softcap_bounds_the_logits_and_qk_norm_normalizes_queries() -> None:
+    capped = tiny_model(**SHAPE, logit_softcap=0.05)
+    plain = tiny_model(**SHAPE)
+    idx = torch.randint(0, 13, (1, 8), generator=torch.Generator().manual_seed(3))
+    out = capped(idx)
+    assert out.abs().max() < 0.05
+    torch.testing.assert_close(out, 0.05 * torch.tanh(plain(idx) / 0.05))  # same seed, same weights
+    attn = tiny_model(**SHAPE, qk_norm=True).h[0].attn
+    q, k = attn.normalize_qk(3 * torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    torch.testing.assert_close(q.pow(2).mean(-1), torch.ones(1, 2, 5), rtol=1e-4, atol=1e-4)
+
+
+def test_zero_init_starts_residual_projections_at_zero_and_they_learn() -> None:
+    model = tiny_model(**SHAPE, zero_init=True).train()
+    projections = [p for n, p in model.named_parameters() if n.endswith("c_proj.weight")]
+    assert len(projections) == 4 and all((p == 0).all() for p in projections)
+    idx = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+    assert all(p.grad.abs().sum() > 0 for p in projections)  # the gradient reaches them
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "relu", "relu2", "swiglu"])
 def test_mlp_variants_run_and_differ(mlp: str) -> None:
     model = tiny_model(**SHAPE, mlp=mlp)
     out = model(torch.zeros(1, 4, dtype=torch.long))

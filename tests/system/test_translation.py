@@ -157,3 +157,24 @@ def test_line_count_mismatch_is_one_line_naming_both_counts(tmp_path: Path, caps
 def test_translation_option_errors(kw: dict, message: str) -> None:
     with pytest.raises(LmcliError, match=message):
         TrainConfig(**kw)
+
+
+@pytest.mark.parametrize("select", [None, "val_chrf", "val_loss"])
+def test_best_follows_the_selected_metric_bleu_by_default(tmp_path: Path, select: str | None) -> None:
+    """best/ is the checkpoint of the validation with the highest --select score (greedy BLEU by
+    default for translation; equal scores: the lower loss; with val_loss, the lowest loss)."""
+    options = {} if select is None else {"select": select}
+    train_reversal(tmp_path, "run", max_steps=90, eval_interval=30, bleu_samples=20, **options)
+    scored = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    key = select or "val_bleu"
+    sign = 1 if key == "val_loss" else -1
+    best = min(scored, key=lambda r: (sign * r[key], r["val_loss"]))
+    assert load_checkpoint(tmp_path / "run" / "best").meta["step"] == best["step"]
+    assert load_checkpoint(tmp_path / "run").train_config.selected_metric == key
+
+
+def test_select_bleu_needs_translation_with_bleu_samples() -> None:
+    with pytest.raises(LmcliError, match="--select val_bleu needs --task translation and --bleu-samples"):
+        TrainConfig(select="val_bleu")
+    with pytest.raises(LmcliError, match="--select val_chrf needs"):
+        TrainConfig(task="translation", source="s", target="t", bleu_samples=0, select="val_chrf")

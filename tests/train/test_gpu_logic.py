@@ -87,11 +87,11 @@ def test_resuming_a_bf16_run_in_float16_starts_a_fresh_scaler() -> None:
     assert saved["scaler"] == {}
     scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
     state = TrainState()
-    restore(saved, state, make_optimizer(model, cfg, torch.device("cpu")), scaler, Dist())
+    restore(saved, state, make_optimizer(model, cfg, torch.device("cpu")), scaler, Dist(), cfg, None)
     assert state.step == 7 and scaler.get_scale() == 1024.0
     # a float16 run's scale is carried over
     saved["scaler"] = torch.amp.GradScaler("cpu", init_scale=64.0).state_dict()
-    restore(saved, state, make_optimizer(model, cfg, torch.device("cpu")), scaler, Dist())
+    restore(saved, state, make_optimizer(model, cfg, torch.device("cpu")), scaler, Dist(), cfg, None)
     assert scaler.get_scale() == 64.0
 
 

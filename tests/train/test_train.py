@@ -193,3 +193,147 @@ def test_deterministic_flag_turns_on_torchs_deterministic_algorithms_for_the_run
     assert seen == [False, False, True, True]
     assert not torch.are_deterministic_algorithms_enabled()  # only for the run
     assert json.loads((result.run_dir / "config.json").read_text())["train"]["deterministic"] is True
+
+
+# ----------------------------------------------------------------------------- issue 18: Muon, EMA, schedules
+
+
+@pytest.mark.parametrize(
+    "options", [dict(optimizer="muon"), dict(ema=0.9), dict(optimizer="muon", ema=0.95, schedule="wsd")]
+)
+def test_muon_and_ema_resume_bit_identically(tmp_path: Path, options: dict) -> None:
+    """Crash after the step-10 checkpoint, resume: weights (and the EMA checkpoint) equal an
+    uninterrupted run's bit for bit, so the Muon momentum and the average are restored exactly."""
+    full = train(MODEL, config(tmp_path, "full", max_steps=20, **options), reporter=quiet(), progress=False)
+    cfg = config(tmp_path, "crashed", max_steps=20, **options)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(MODEL, cfg, reporter=Reporter(info=lambda m: None, progress=CrashAt(15)), progress=False)
+    resumed = train(MODEL, cfg, resume=tmp_path / "crashed", reporter=quiet(), progress=False)
+    assert_same_weights(weights(full.run_dir), weights(resumed.run_dir))
+    if options.get("ema"):
+        ema_full, ema_resumed = (load_checkpoint(r / "ema") for r in (full.run_dir, resumed.run_dir))
+        resumed_state = ema_resumed.model.state_dict()
+        for name, value in ema_full.model.state_dict().items():
+            assert torch.equal(value, resumed_state[name]), name
+        last = load_checkpoint(full.run_dir / "last").model.state_dict()["wte.weight"]
+        assert not torch.equal(ema_full.model.state_dict()["wte.weight"], last), "an average, not a copy"
+        records = MetricsLog(full.run_dir / "metrics.jsonl").read()
+        assert [r["step"] for r in records if "val_loss_ema" in r] == [10, 20]
+
+
+def test_muon_trains_the_block_matrices_and_adamw_the_rest(tmp_path: Path) -> None:
+    from lmcli.train.optim import MuonAdamW, make_optimizer
+
+    model = tiny_model(13, n_embd=16)
+    opt = make_optimizer(model, TrainConfig(optimizer="muon", muon_lr=0.05, lr=1e-3), torch.device("cpu"))
+    assert isinstance(opt, MuonAdamW)
+    muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in muon) == (name.startswith("h.") and p.dim() == 2), name
+    assert opt.muon.param_groups[0]["lr"] == 0.05 and all(g["lr"] == 1e-3 for g in opt.adamw.param_groups)
+    result = train(
+        MODEL, config(tmp_path, "m", max_steps=30, optimizer="muon"), reporter=quiet(), progress=False
+    )
+    records = MetricsLog(result.run_dir / "metrics.jsonl").read()
+    losses = [r["train_loss"] for r in records if "train_loss" in r]
+    assert losses[-1] < losses[0] - 0.8
+
+
+def test_resuming_with_another_optimizer_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    from helpers import assert_one_line_error, run_cli
+
+    train(MODEL, config(tmp_path, "run", max_steps=10), reporter=quiet(), progress=False)
+    before = (tmp_path / "run" / "last" / "model.safetensors").read_bytes()
+    code, _, err = run_cli(["train", "--resume", str(tmp_path / "run"), "--optimizer", "muon", "-q"], capsys)
+    assert_one_line_error(
+        code, err, "cannot resume a run trained with --optimizer adamw with --optimizer muon"
+    )
+    assert (tmp_path / "run" / "last" / "model.safetensors").read_bytes() == before
+
+
+def test_schedules_warm_up_and_end_at_the_floor_by_steps_or_by_time() -> None:
+    wsd = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
+    lrs = [lr_at(s, wsd, 100) for s in range(101)]
+    assert (
+        lrs[9] < 1.0 and all(lr == 1.0 for lr in lrs[10:80]) and lrs[80] == pytest.approx(1.0)
+    )  # stable to 80%
+    assert all(a > b for a, b in zip(lrs[80:], lrs[81:], strict=False)) and lrs[100] == pytest.approx(0.1)
+    assert lrs[90] == pytest.approx(0.55)  # linear in the last 20%
+    # bounded by --max-time only: the time fraction drives the same shape
+    assert lr_at(500, wsd, None, time_fraction=0.5) == 1.0
+    assert lr_at(500, wsd, None, time_fraction=0.9) == pytest.approx(0.55)
+    assert lr_at(500, wsd, None, time_fraction=1.0) == pytest.approx(0.1)
+    linear = TrainConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
+    assert [lr_at(s, linear, 4) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert lr_at(0, linear, None, time_fraction=0.25) == pytest.approx(0.75)
+
+
+def test_muon_groups_follow_the_schedule_from_their_own_peak(tmp_path: Path) -> None:
+    result = train(
+        MODEL,
+        config(
+            tmp_path, "m", max_steps=10, optimizer="muon", muon_lr=0.03, schedule="linear", warmup_steps=0
+        ),
+        reporter=quiet(),
+        progress=False,
+    )
+    state = torch.load(result.run_dir / "last" / "trainer_state.pt", weights_only=True)["optimizer"]
+    muon_lr = state["muon"]["param_groups"][0]["lr"]
+    adamw_lr = state["adamw"]["param_groups"][0]["lr"]
+    assert muon_lr / 0.03 == pytest.approx(adamw_lr / 3e-3) and adamw_lr < 3e-3
+
+
+def test_average_of_the_last_checkpoints_is_their_mean_and_a_loadable_checkpoint(
+    tmp_path: Path, capsys
+) -> None:
+    from helpers import assert_one_line_error, run_cli
+
+    from lmcli.train.averaging import average_checkpoints
+
+    run = train(
+        MODEL,
+        config(tmp_path, "run", max_steps=40, keep_last=3, save_interval=10),
+        reporter=quiet(),
+        progress=False,
+    ).run_dir
+    kept = sorted(p.name for p in run.glob("step-*"))
+    assert kept == ["step-0000020", "step-0000030", "step-0000040"]
+    code, out, _ = run_cli(["average", str(run), "--last", "2"], capsys)
+    assert code == 0 and str(run / "average-last-2") in out
+    mean = load_checkpoint(run / "average-last-2")
+    a, b = (load_checkpoint(run / name).model.state_dict() for name in kept[1:])
+    for name, value in mean.model.state_dict().items():
+        torch.testing.assert_close(value, (a[name] + b[name]) / 2, rtol=0, atol=1e-7)
+    assert mean.meta["step"] == 40 and mean.meta["averaged"] == kept[1:]
+    assert not torch.equal(mean.model.state_dict()["wte.weight"], b["wte.weight"])
+    code, _, err = run_cli(["average", str(run), "--last", "4"], capsys)
+    assert_one_line_error(code, err, "has 3 step-N checkpoint(s), --last 4 asks for more")
+    code, _, err = run_cli(["average", str(run), "--last", "2"], capsys)
+    assert_one_line_error(code, err, "average-last-2 already exists")
+    with pytest.raises(LmcliError, match="no such run folder"):
+        average_checkpoints(tmp_path / "nothing", 2)
+
+
+def test_cpu_muon_is_torchs_muon_in_float32() -> None:
+    """lmcli's CPU Muon takes torch's step (torch's Newton-Schulz runs in bfloat16: equal to its
+    rounding, ~3% of the update) and keeps the same state."""
+    from lmcli.train.optim import Muon
+
+    torch.manual_seed(0)
+    shapes = [(96, 32), (32, 96), (32, 32)]
+    ours = [torch.nn.Parameter(0.02 * torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    a, b = Muon(ours, lr=0.02, weight_decay=0.1), torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    start = [p.detach().clone() for p in ours]
+    for _ in range(3):
+        grads = [torch.randn(s) for s in shapes]
+        for p, q, g in zip(ours, theirs, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    for p, q, p0 in zip(ours, theirs, start, strict=True):
+        moved = (q - p0).abs().max().item()
+        assert (p - q).abs().max().item() < 0.05 * moved
+    assert a.state_dict()["state"].keys() == b.state_dict()["state"].keys()
+    for s_a, s_b in zip(a.state_dict()["state"].values(), b.state_dict()["state"].values(), strict=True):
+        torch.testing.assert_close(s_a["momentum_buffer"], s_b["momentum_buffer"])
