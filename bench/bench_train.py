@@ -67,7 +67,7 @@ def hf_train_step(hf: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch,
 
 def run() -> list[Row]:
     device = torch.device("cpu")
-    cfg = TrainConfig(batch_size=BATCH, warmup_steps=0)
+    cfg = TrainConfig(batch_size=BATCH, warmup_steps=0, optimizer="adamw")  # the same optimizer on both sides
     model = lmcli_model(VOCAB, BLOCK, **SMALL).train()
     hf = hf_twin(model).train()
     check_same_logits(model, hf, VOCAB)

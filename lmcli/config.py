@@ -34,8 +34,8 @@ RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 ExportFormat = Literal["hf", "gguf", "lmcli"]
 GgufType = Literal["f32", "f16", "q8_0"]
 LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGETS: the layers they name
-Optimizer = Literal["adamw", "muon"]
-Schedule = Literal["cosine", "wsd", "linear"]
+Optimizer = Literal["auto", "adamw", "muon"]
+Schedule = Literal["auto", "cosine", "wsd", "linear"]
 Select = Literal["val_loss", "val_bleu", "val_chrf"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
@@ -61,6 +61,7 @@ def option(
     path: bool = False,
     resume: Literal["fixed", "free", "derived"] = "fixed",
     stored: bool = True,
+    absent: Any = None,
 ) -> Any:
     """A config field with everything the CLI, the checks and resume need to know about it.
 
@@ -73,7 +74,8 @@ def option(
     whether ``--resume`` may change it (``free``), must keep it (``fixed``), or neither because
     the data sets it (``derived``). ``stored=False``: a run folder's stored value is never
     used (resume, eval): a path lmcli writes to comes from this machine's flags or defaults,
-    not from a run folder someone shared.
+    not from a run folder someone shared. ``absent``: the value a run folder written before
+    the option existed had in effect (when it differs from today's default).
     """
     meta = {
         "help": help,
@@ -87,6 +89,7 @@ def option(
         "path": path,
         "resume": resume,
         "stored": stored,
+        "absent": absent,
     }
     return dataclasses.field(default=default, metadata=meta)
 
@@ -379,13 +382,19 @@ class TrainConfig:
     lr: float = option(1e-3, "Peak learning rate (AdamW).", gt=0)
     min_lr_ratio: float = option(0.1, "Floor of the decay as a fraction of the peak.", ge=0, le=1)
     schedule: Schedule = option(
-        "cosine", "Learning rate after warmup: cosine or linear decay, or wsd (warmup-stable-decay)."
+        "auto",
+        "Learning rate after warmup: wsd (warmup-stable-decay), cosine or linear decay; "
+        "auto: wsd for a language model from scratch, else cosine.",
+        absent="cosine",
     )
     decay_fraction: float = option(
         0.2, "wsd: the last fraction of the run (steps or --max-time) over which the rate decays.", gt=0, le=1
     )
     optimizer: Optimizer = option(
-        "adamw", "adamw, or muon: Muon for the blocks' weight matrices, AdamW (--lr) for the rest."
+        "auto",
+        "muon: Muon for the blocks' weight matrices, AdamW (--lr) for the rest; adamw; "
+        "auto: muon for a language model from scratch, else adamw.",
+        absent="adamw",
     )
     muon_lr: float = option(0.02, "Muon: peak learning rate of the blocks' weight matrices.", gt=0)
     muon_momentum: float = option(0.95, "Muon: momentum (Nesterov).", ge=0, lt=1)
@@ -465,6 +474,23 @@ class TrainConfig:
             raise LmcliError(f"--select {self.select} needs --task translation and --bleu-samples above 0")
         if self.tokenizer == "bpe" and self.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
+
+    @property
+    def optimizer_kind(self) -> str:
+        """The optimizer: ``auto`` is Muon for a language model trained from scratch (where it
+        was measured, docs/time-to-quality.md), AdamW for fine-tuning (``--init-from``; LoRA's
+        low-rank adapters are no matrices for Muon to orthogonalize) and translation."""
+        if self.optimizer != "auto":
+            return self.optimizer
+        return "muon" if self.task == "lm" and not self.init_from else "adamw"
+
+    @property
+    def schedule_kind(self) -> str:
+        """The schedule: ``auto`` is wsd with ``optimizer_kind``'s Muon (a language model from
+        scratch), cosine elsewhere."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "wsd" if self.task == "lm" and not self.init_from else "cosine"
 
     @property
     def selected_metric(self) -> str:
@@ -674,9 +700,14 @@ def from_dict(cls: type[C], data: dict[str, Any], *, source: str = "config") -> 
 
 
 def stored_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    """The options of a config read from a run folder that may be used (``stored=True``)."""
+    """The options of a config read from a run folder that may be used (``stored=True``); an
+    option the folder predates gets the value it had then (``absent``)."""
     dropped = {f.name for f in fields(cls) if not f.metadata.get("stored", True)}
-    return {k: v for k, v in data.items() if k not in dropped}
+    kept = {k: v for k, v in data.items() if k not in dropped}
+    for f in fields(cls):
+        if f.name not in data and f.metadata.get("absent") is not None:
+            kept[f.name] = f.metadata["absent"]
+    return kept
 
 
 def field_names(cls: type) -> set[str]:

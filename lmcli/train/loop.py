@@ -681,9 +681,9 @@ def restore(
     """A resumed run's counters, optimizer, scaler, weight average and this rank's RNG states
     (its GPU's only)."""
     was = "muon" if "muon" in saved["optimizer"] else "adamw"
-    if was != cfg.optimizer:
+    if was != cfg.optimizer_kind:
         raise LmcliError(
-            f"cannot resume a run trained with --optimizer {was} with --optimizer {cfg.optimizer}"
+            f"cannot resume a run trained with --optimizer {was} with --optimizer {cfg.optimizer_kind}"
         )
     state.load_state_dict(saved)
     optimizer.load_state_dict(saved["optimizer"])

@@ -13,7 +13,7 @@ from lmcli.config import TrainConfig
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> Any:
     """AdamW (weight decay on matrices only), or with ``--optimizer muon`` a ``MuonAdamW``."""
-    if cfg.optimizer == "muon":
+    if cfg.optimizer_kind == "muon":
         return make_muon(model, cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     return make_adamw(params, cfg, device)
@@ -145,7 +145,7 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int | None, time_fraction: flo
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
     floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "wsd":
+    if cfg.schedule_kind == "wsd":
         done = step / max_steps if max_steps is not None else time_fraction
         left = 1.0 - min(max(done, 0.0), 1.0)  # fraction of the run still ahead
         if left >= cfg.decay_fraction:
@@ -156,7 +156,7 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int | None, time_fraction: flo
         progress = min((step - cfg.warmup_steps) / span, 1.0)
     else:
         progress = min(max(time_fraction, 0.0), 1.0)
-    if cfg.schedule == "linear":
+    if cfg.schedule_kind == "linear":
         return floor + (1.0 - progress) * (cfg.lr - floor)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - floor)
 
