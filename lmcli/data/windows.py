@@ -19,11 +19,13 @@ IGNORE = -100  # a target id the loss skips (F.cross_entropy's default ignore_in
 
 @dataclass
 class Batch:
-    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,)."""
+    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,)
+    and, when the loss reads only some positions, their flat indices (N,) into the (B * T) grid."""
 
     x: torch.Tensor
     y: torch.Tensor
     prefix_len: torch.Tensor | None = None
+    index: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -33,7 +35,7 @@ class Batch:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
-        return Batch(move(self.x), move(self.y), move(self.prefix_len))
+        return Batch(move(self.x), move(self.y), move(self.prefix_len), move(self.index))
 
     @property
     def n_targets(self) -> int:
