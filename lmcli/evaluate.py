@@ -324,14 +324,15 @@ def evaluate_pairs(
 ) -> Score:
     """Response-only perplexity of a translation or SFT model on tokenized examples: the scored
     positions gathered by index, as in training."""
-    from lmcli.data.examples import collate
+    from lmcli.data.examples import collate, pad_multiple
 
     device = next(model.parameters()).device
+    multiple = pad_multiple(False, device)
     score = Score()
     context = model.config.block_size
     for start in range(0, len(pairs), batch_size):
         indices = list(range(start, min(start + batch_size, len(pairs))))
-        host = collate(pairs, indices, tokenizer.pad_id, context)
+        host = collate(pairs, indices, tokenizer.pad_id, context, multiple)
         batch = host.to(device)
         assert batch.index is not None
         logits = model(

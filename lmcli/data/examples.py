@@ -5,9 +5,11 @@ chat template) become the same thing: a token sequence, a flag per token saying 
 reads it (the target, or every assistant reply and its end token), and a prefix length (the
 tokens before the first scored one: the prompt). One cache holds them (a flat token file, a flat
 mask file and an index of offsets, lengths and prefixes); ``ExampleSampler`` draws whole examples,
-bucketed by length; ``collate`` pads them on the right to a width that repeats (a multiple of 64,
-or of the context when it is shorter) and lists, on the host, the flat positions the loss reads,
-so the model gathers those rows without a device-to-host sync.
+bucketed by length; ``collate`` pads them on the right and lists, on the host, the flat positions
+the loss reads, so the model gathers those rows without a device-to-host sync. Compiled or on a
+GPU, batch widths are multiples of 64 (of the context when it is shorter) so that shapes repeat
+(no recompiles); a CPU in eager mode pads only to the longest example, as every extra column is
+compute spent.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from lmcli.safe_io import atomic_write, remove_stale_temps, temp_file
 from lmcli.tokenizer import Tokenizer
 
 EXAMPLE_CACHE_VERSION = 1
-PAD_MULTIPLE = 64  # batch widths are multiples of this (or of the context when it is shorter)
+PAD_MULTIPLE = 64  # compiled or on a GPU, batch widths are multiples of this (or of the context)
 
 
 @dataclass
@@ -222,18 +224,26 @@ def _reuse(paths: dict[str, Path], dtype: str) -> ExampleSet | None:
 # ----------------------------------------------------------------------------- batches
 
 
-def batch_width(longest: int, context: int) -> int:
-    """The padded width of a batch whose longest input is ``longest``: a multiple of 64 (of the
-    context when it is shorter), at most the context, so compiled shapes repeat."""
-    multiple = min(PAD_MULTIPLE, context)
+def pad_multiple(compiled: bool, device: torch.device) -> int:
+    """What batch widths are multiples of: 64 when compiled or on a GPU (shapes repeat, kernels
+    and compiled graphs are reused), else 1 (a CPU in eager mode gains nothing from padding)."""
+    return PAD_MULTIPLE if compiled or device.type == "cuda" else 1
+
+
+def batch_width(longest: int, context: int, multiple: int = 1) -> int:
+    """The padded width of a batch whose longest input is ``longest``: a multiple of ``multiple``
+    (of the context when it is shorter), at most the context."""
+    multiple = min(multiple, context)
     return min(-(-longest // multiple) * multiple, context)
 
 
-def collate(examples: ExampleSet, indices: list[int] | np.ndarray, pad_id: int, context: int) -> Batch:
+def collate(
+    examples: ExampleSet, indices: list[int] | np.ndarray, pad_id: int, context: int, multiple: int = 1
+) -> Batch:
     """Right-padded inputs, targets with IGNORE where the loss reads nothing, prompt lengths, and
     the flat positions (row * width + column) of the scored targets, all built on the host."""
     seqs = [np.asarray(examples.sequence(int(i)), dtype=np.int64) for i in indices]
-    width = batch_width(max(len(s) for s in seqs) - 1, context)
+    width = batch_width(max(len(s) for s in seqs) - 1, context, multiple)
     x = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     y = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
     prefix = torch.empty(len(seqs), dtype=torch.long)
@@ -256,9 +266,12 @@ class ExampleSampler(EpochStream):
     length (little padding) while the order stays random. The position is examples consumed.
     """
 
-    def __init__(self, examples: ExampleSet, batch_size: int, seed: int, pad_id: int, context: int) -> None:
+    def __init__(
+        self, examples: ExampleSet, batch_size: int, seed: int, pad_id: int, context: int, multiple: int = 1
+    ) -> None:
         super().__init__(len(examples), seed)
-        self.examples, self.batch_size, self.pad_id, self.context = examples, batch_size, pad_id, context
+        self.examples, self.batch_size, self.pad_id = examples, batch_size, pad_id
+        self.context, self.multiple = context, multiple
 
     def order(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, epoch])
@@ -277,4 +290,4 @@ class ExampleSampler(EpochStream):
         return self.take(first, count)
 
     def batch(self, first: int, count: int) -> Batch:
-        return collate(self.examples, self.indices(first, count), self.pad_id, self.context)
+        return collate(self.examples, self.indices(first, count), self.pad_id, self.context, self.multiple)

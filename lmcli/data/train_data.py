@@ -76,6 +76,7 @@ class ExampleData:
     val: ExampleSet
     block_size: int
     info: dict[str, Any] = field(default_factory=dict)
+    pad_multiple: int = 1  # batch widths are multiples of this (examples.pad_multiple)
 
     @property
     def train_tokens(self) -> int:
@@ -86,7 +87,9 @@ class ExampleData:
         return int(self.val.length.sum())
 
     def sampler(self, batch_size: int, seed: int) -> ExampleSampler:
-        return ExampleSampler(self.train, batch_size, seed, self.tokenizer.pad_id, self.block_size)
+        return ExampleSampler(
+            self.train, batch_size, seed, self.tokenizer.pad_id, self.block_size, self.pad_multiple
+        )
 
     def tokens_per_example(self) -> float:
         return float(self.train.length.mean())
@@ -95,7 +98,8 @@ class ExampleData:
         """The first ``limit`` validation examples (this rank's share), ``batch_size`` at a time."""
         indices = np.arange(min(limit, len(self.val)))[rank::world]
         for i in range(0, len(indices), batch_size):
-            yield collate(self.val, indices[i : i + batch_size], self.tokenizer.pad_id, self.block_size)
+            batch = indices[i : i + batch_size]
+            yield collate(self.val, batch, self.tokenizer.pad_id, self.block_size, self.pad_multiple)
 
 
 TrainData = StreamData | ExampleData

@@ -115,7 +115,9 @@ def test_pair_sampler_is_without_replacement_and_bucketed(tmp_path: Path) -> Non
     pad = sum(int((n.max() - n).sum()) for n in lengths)
     total = sum(int(n.max()) * len(n) for n in lengths)
     assert pad / total < 0.1  # bucketing keeps pairs of a batch of similar length
-    assert {sampler.batch(i, 8).x.size(1) for i in range(0, 400, 8)} <= {64, 127}  # widths repeat
+    assert [sampler.batch(i, 8).x.size(1) for i in range(0, 400, 8)] == [int(n.max()) - 1 for n in lengths]
+    compiled = ExampleSampler(pairs, batch_size=8, seed=0, pad_id=tok.pad_id, context=127, multiple=64)
+    assert {compiled.batch(i, 8).x.size(1) for i in range(0, 400, 8)} <= {64, 127}  # widths repeat
 
 
 def test_read_lines_splits_at_newlines_only_and_reads_gz(tmp_path: Path) -> None:

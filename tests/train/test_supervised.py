@@ -11,7 +11,7 @@ import torch
 from helpers import read_metrics
 
 from lmcli.config import ModelConfig, TrainConfig
-from lmcli.data.examples import ExampleSampler, batch_width, collate
+from lmcli.data.examples import ExampleSampler, batch_width, collate, pad_multiple
 from lmcli.data.train_data import load_train_data
 from lmcli.train import Reporter, train
 from lmcli.train.scoring import batch_loss
@@ -70,8 +70,14 @@ def config(tmp: Path, prefix_lm: bool, **overrides) -> TrainConfig:
 SHAPE = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
 
-@pytest.mark.parametrize("prefix_lm", [False, True])
-def test_translation_trains_as_it_did_before_the_examples_were_unified(tmp_path: Path, prefix_lm: bool) -> None:
+@pytest.mark.parametrize("prefix_lm, padded", [(False, False), (True, False), (False, True)])
+def test_translation_trains_as_it_did_before_the_examples_were_unified(
+    tmp_path: Path, monkeypatch, prefix_lm: bool, padded: bool
+) -> None:
+    """Also with batches padded as for torch.compile (here to the context, 16): padding columns
+    change no loss."""
+    if padded:
+        monkeypatch.setattr("lmcli.train.loop.pad_multiple", lambda compiled, device: 64)
     train(SHAPE, config(tmp_path, prefix_lm), reporter=Reporter(info=lambda m: None), progress=False)
     rows = read_metrics(tmp_path / f"run{int(prefix_lm)}")
     train_losses = [r["train_loss"] for r in rows if "train_loss" in r]
@@ -82,13 +88,19 @@ def test_translation_trains_as_it_did_before_the_examples_were_unified(tmp_path:
 
 
 def test_batches_pad_to_repeating_widths_and_index_the_scored_positions(tmp_path: Path) -> None:
-    assert [batch_width(n, 512) for n in (1, 64, 65, 500)] == [64, 64, 128, 512]
-    assert [batch_width(n, 16) for n in (3, 16)] == [16, 16]
-    assert batch_width(70, 100) == 100  # never wider than the context
+    compiled = pad_multiple(True, torch.device("cpu"))
+    assert compiled == pad_multiple(False, torch.device("cuda")) == 64
+    assert pad_multiple(False, torch.device("cpu")) == 1  # eager on a CPU: no column wasted
+    assert [batch_width(n, 512, 64) for n in (1, 64, 65, 500)] == [64, 64, 128, 512]
+    assert [batch_width(n, 16, 64) for n in (3, 16)] == [16, 16]
+    assert batch_width(70, 100, 64) == 100  # never wider than the context
+    assert batch_width(70, 100, 1) == 70
     data = load_train_data(config(tmp_path, False), block_size=100, progress=False)
-    batch = collate(data.train, list(range(8)), data.tokenizer.pad_id, 100)
+    batch = collate(data.train, list(range(8)), data.tokenizer.pad_id, 100, compiled)
     assert batch.x.size(1) == 64 and batch.index is not None
     assert torch.equal(batch.index, (batch.y.view(-1) != -100).nonzero().squeeze(1))
+    longest = max(int(n) for n in data.train.length[:8]) - 1
+    assert collate(data.train, list(range(8)), data.tokenizer.pad_id, 100).x.size(1) == longest
 
 
 def test_a_scored_training_step_is_one_graph_without_breaks(tmp_path: Path) -> None:
@@ -99,7 +111,7 @@ def test_a_scored_training_step_is_one_graph_without_breaks(tmp_path: Path) -> N
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=data.tokenizer.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=16))
-    batch = ExampleSampler(data.train, 8, 0, data.tokenizer.pad_id, 16).batch(0, 8)
+    batch = ExampleSampler(data.train, 8, 0, data.tokenizer.pad_id, 16, pad_multiple(True, torch.device("cpu"))).batch(0, 8)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda b: batch_loss(model, b, cfg))(batch)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
