@@ -340,7 +340,8 @@ class TrainConfig:
     )
     init_from: str | None = option(
         None,
-        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral): fine-tuning.",
+        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: "
+        "fine-tuning, with its tokenizer and chat template.",
         path=True,
     )
     batch_size: int = option(8, "Sequences per micro-batch.", gt=0)

@@ -442,9 +442,13 @@ def open_run(
 
     init = None
     if cfg.init_from and not resumed:
-        from lmcli.hf import load_hf_folder
+        from lmcli.hf import is_hf_folder, load_hf_folder
 
-        init = load_hf_folder(cfg.init_from, torch.float32, info)  # trained in float32, as every model
+        if is_hf_folder(cfg.init_from):
+            init = load_hf_folder(cfg.init_from, torch.float32, info)  # trained in float32, as every model
+        else:  # an lmcli run or checkpoint folder: its weights, its tokenizer (and chat template)
+            start = load_checkpoint(cfg.init_from)
+            init = (start.model.float(), start.tokenizer)
         model_config = init[0].config
     tokenizer = resumed.tokenizer if resumed else init[1] if init else None
     data = in_turn(  # rank 0 fills the token cache first, the other ranks read it

@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_one_line_error, read_metrics, run_cli
@@ -121,3 +122,33 @@ def test_a_template_that_fails_to_render_is_a_one_line_error(tmp_path: Path, cap
         capsys,
     )
     assert_one_line_error(code, err, "chat template: needs a system message")
+
+
+def test_sft_from_an_lmcli_run_takes_its_weights_tokenizer_and_template(tmp_path: Path, capsys) -> None:
+    from helpers import tiny_model, tiny_tokenizer
+
+    from lmcli.checkpoint import save_checkpoint
+    from lmcli.config import TrainConfig
+
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    base = tiny_model(tok.vocab_size, block_size=32)
+    save_checkpoint(tmp_path / "base" / "last", base, TrainConfig(), tok, meta={"step": 0})
+    rows = [{"prompt": "the cat", "response": "sat on the mat."}] * 20
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    code, _, err = run_cli(
+        [
+            *("train", "--task", "sft", data, "--init-from", str(tmp_path / "base"), "-o", str(tmp_path / "run")),
+            *("--max-steps", "2", "--batch-size", "4", "--eval-interval", "2", "--cache-dir", str(tmp_path / "c"), "-q"),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    tuned = load_checkpoint(tmp_path / "run")
+    assert tuned.tokenizer.fingerprint == tok.fingerprint and tuned.tokenizer.chat_template == tok.chat_template
+    assert tuned.model_config == base.config
+    # the examples were rendered with the run's template: the prompt, <eos>, the reply, <eos>
+    data_cache = list((tmp_path / "c").glob("examples-*.bin"))
+    assert len(data_cache) == 1
+    ids = [*tok.encode("the cat"), tok.eos_id, *tok.encode("sat on the mat."), tok.eos_id]
+    assert np.fromfile(data_cache[0], dtype=np.uint16)[: len(ids)].tolist() == ids
