@@ -160,3 +160,22 @@ def test_a_template_that_fails_to_render_is_one_line(tmp_path: Path) -> None:
     shifting = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
     with pytest.raises(LmcliError, match="is not a prefix"):
         encode_conversation(CHAT[1:], shifting, tok)
+
+
+def test_long_conversations_are_truncated_or_skipped_and_counted(tmp_path: Path) -> None:
+    from lmcli.config import TrainConfig
+    from lmcli.data.train_data import load_train_data
+
+    rows = [{"prompt": "who sat?", "response": "the cat."}] * 18
+    rows += [{"prompt": "who sat?", "response": "the cat sat on the mat. " * 3}]  # the reply is cut
+    rows += [{"prompt": "the dog sat on the log. " * 4, "response": "yes"}]  # no reply within the context
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = TrainConfig(task="sft", corpus=(str(tmp_path / "d.jsonl"),), cache_dir=str(tmp_path / "c"), val_fraction=0.1)
+    said: list[str] = []
+    data = load_train_data(cfg, block_size=47, progress=False, info=said.append)
+    assert said == [
+        "warning: skipped 1 conversation(s) with no reply within the context (48 tokens)",
+        "warning: truncated 1 conversation(s) longer than the context (48 tokens)",
+    ]
+    assert (data.info["examples"], data.info["truncated"], data.info["beyond"]) == (18, 1, 1)
+    assert len(data.val) == 1 and data.val.length.tolist() == [48]  # the cut one, last in the file
