@@ -80,10 +80,10 @@ def _generation_tag() -> Any:
     return Generation
 
 
-def _render_jinja(
-    template: str, messages: list[Message], tokenizer: Tokenizer, add_generation_prompt: bool = True
-) -> str:
-    """The Hugging Face template rendered as ``transformers``' ``apply_chat_template`` does."""
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> Any:
+    """The template compiled once (a conversation renders it once per reply when fine-tuning) in
+    the environment ``transformers`` renders chat templates in: sandboxed, its helpers."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -100,6 +100,15 @@ def _render_jinja(
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _render_jinja(
+    template: str, messages: list[Message], tokenizer: Tokenizer, add_generation_prompt: bool = True
+) -> str:
+    """The Hugging Face template rendered as ``transformers``' ``apply_chat_template`` does."""
+    import jinja2
+
     context = {
         "messages": messages,
         "add_generation_prompt": add_generation_prompt,
@@ -109,10 +118,10 @@ def _render_jinja(
         "unk_token": _special(tokenizer, tokenizer.unk_id),
     }
     try:
-        return env.from_string(template).render(**context)
+        return _compile(template).render(**context)
     except jinja2.exceptions.TemplateError as exc:
         raise LmcliError(f"chat template: {exc}") from None
-    except Exception as exc:  # a template's own bug: an undefined filter, a wrong type, ...
+    except Exception as exc:  # a template's own bug: a wrong type, a bad attribute, ...
         raise LmcliError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
 
 
