@@ -335,9 +335,7 @@ def evaluate_pairs(
         host = collate(pairs, indices, tokenizer.pad_id, context, multiple)
         batch = host.to(device)
         assert batch.index is not None
-        logits = model(
-            batch.x, prefix_len=batch.prefix_len if prefix_lm else None, output_index=batch.index
-        )
+        logits = model(batch.x, prefix_len=batch.prefix_len if prefix_lm else None, output_index=batch.index)
         targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
         score.nll += F.cross_entropy(logits.float(), targets, reduction="sum").item()
         score.tokens += int(batch.index.numel())
@@ -407,7 +405,9 @@ def _pairs_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig) -> tuple[ExampleSet, s
     if ckpt.train_config.task == "sft":
         if cfg.source or cfg.target:
             raise LmcliError("--source and --target are for translation models")
-        data = load_train_data(ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False)
+        data = load_train_data(
+            ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False
+        )
         return data.val, "the run's validation conversations, reply tokens only"
     if cfg.source or cfg.target:
         if not (cfg.source and cfg.target):

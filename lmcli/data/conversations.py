@@ -36,7 +36,10 @@ def conversation(row: Any, where: str) -> list[Message]:
         except LmcliError as exc:
             raise LmcliError(f"{where}: {exc}") from None
     elif "prompt" in row and "response" in row:
-        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+        messages = [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["response"]},
+        ]
         if row.get("system") is not None:
             messages.insert(0, {"role": "system", "content": row["system"]})
         for m in messages:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from lmcli.config import TrainConfig
-from lmcli.data.corpus import Corpus, FileCorpus, open_corpus
 from lmcli.data.conversations import ConversationRows
+from lmcli.data.corpus import Corpus, FileCorpus, open_corpus
 from lmcli.data.examples import ExampleSampler, ExampleSet, ExampleSource, collate, tokenize_examples
 from lmcli.data.pairs import AlignedFiles, DatasetPairs, PairCorpus, TableFile
 from lmcli.data.token_cache import default_cache_dir, tokenize_corpus
@@ -230,7 +230,10 @@ def _prepare_examples(
             where = "--val-source/--val-target" if cfg.task == "translation" else "--val FILE"
             raise LmcliError(f"no validation {what}: give {where} or a larger --val-fraction")
         order = np.arange(len(examples))
-        train, val = examples.subset(order[: len(examples) - n_val]), examples.subset(order[len(examples) - n_val :])
+        train, val = (
+            examples.subset(order[: len(examples) - n_val]),
+            examples.subset(order[len(examples) - n_val :]),
+        )
     report_skipped(examples, what, block_size, info)
     stats = examples.stats
     facts = {
@@ -249,10 +252,8 @@ def report_skipped(examples: ExampleSet, what: str, block_size: int, info: Info,
     stats = examples.stats
     if stats.empty:
         info(f"warning: skipped {stats.empty} {which}{what} with an empty side")
+    context = f"the context ({block_size + 1} tokens)"
     if stats.beyond:
-        info(
-            f"warning: skipped {stats.beyond} {which}{what} with no reply within the context "
-            f"({block_size + 1} tokens)"
-        )
+        info(f"warning: skipped {stats.beyond} {which}{what} with no reply within {context}")
     if stats.truncated:
-        info(f"warning: truncated {stats.truncated} {which}{what} longer than the context ({block_size + 1} tokens)")
+        info(f"warning: truncated {stats.truncated} {which}{what} longer than {context}")

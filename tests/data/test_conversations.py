@@ -43,7 +43,8 @@ CHATML_MARKED = (
     "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
     "{{ '\\n' }}"
     "{%- else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -97,7 +98,10 @@ def chatml_folder(tmp_path_factory) -> Path:
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     raw.train_from_iterator([TEXT * 5], trainer=trainer)
     fast = transformers.PreTrainedTokenizerFast(
@@ -110,7 +114,9 @@ def chatml_folder(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("template", [CHATML, CHATML_MARKED], ids=["plain", "generation-tags"])
-def test_a_jinja_chat_template_scores_what_transformers_marks_as_assistant(chatml_folder: Path, template: str) -> None:
+def test_a_jinja_chat_template_scores_what_transformers_marks_as_assistant(
+    chatml_folder: Path, template: str
+) -> None:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(chatml_folder)
     marked = hf.apply_chat_template(
@@ -133,12 +139,18 @@ def test_a_jinja_chat_template_scores_what_transformers_marks_as_assistant(chatm
     [
         ({"prompt": "hi"}, 'expected "prompt" and "response", or "messages"'),
         ({"question": "hi", "answer": "yo"}, "found: question, answer"),
-        ({"messages": [{"role": "assistant", "content": "hi"}]}, "roles out of order: message 0 is 'assistant'"),
+        (
+            {"messages": [{"role": "assistant", "content": "hi"}]},
+            "roles out of order: message 0 is 'assistant'",
+        ),
         (
             {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
             "roles out of order: message 1 is 'user'",
         ),
-        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]}, "empty assistant"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]},
+            "empty assistant",
+        ),
         ({"prompt": "hi", "response": ""}, "message 1 is an empty assistant turn"),
         ({"messages": [{"role": "user", "content": "a"}]}, "ends with a user turn"),
         ({"messages": [{"role": "robot", "content": "a"}]}, "role 'robot'"),
@@ -147,7 +159,9 @@ def test_a_jinja_chat_template_scores_what_transformers_marks_as_assistant(chatm
     ],
 )
 def test_bad_rows_are_named_in_one_line(row: object, message: str) -> None:
-    with pytest.raises(LmcliError, match="^data.jsonl:3: .*" + message.replace("(", r"\(").replace("?", r"\?")):
+    with pytest.raises(
+        LmcliError, match="^data.jsonl:3: .*" + message.replace("(", r"\(").replace("?", r"\?")
+    ):
         conversation(row, "data.jsonl:3")
 
 
@@ -170,7 +184,9 @@ def test_long_conversations_are_truncated_or_skipped_and_counted(tmp_path: Path)
     rows += [{"prompt": "who sat?", "response": "the cat sat on the mat. " * 3}]  # the reply is cut
     rows += [{"prompt": "the dog sat on the log. " * 4, "response": "yes"}]  # no reply within the context
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = TrainConfig(task="sft", corpus=(str(tmp_path / "d.jsonl"),), cache_dir=str(tmp_path / "c"), val_fraction=0.1)
+    cfg = TrainConfig(
+        task="sft", corpus=(str(tmp_path / "d.jsonl"),), cache_dir=str(tmp_path / "c"), val_fraction=0.1
+    )
     said: list[str] = []
     data = load_train_data(cfg, block_size=47, progress=False, info=said.append)
     assert said == [

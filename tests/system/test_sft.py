@@ -30,7 +30,8 @@ def words(n: int, seed: int) -> list[str]:
 
 def prompts(ws: list[str]) -> list[tuple[str, str]]:
     """(prompt, answer) pairs: "cpy WORD" and "nxt WORD" alternating."""
-    return [(f"{name} {w}", TASKS[name](w)) for w, name in zip(ws, [*TASKS] * len(ws))]
+    names = [*TASKS] * len(ws)
+    return [(f"{name} {w}", TASKS[name](w)) for w, name in zip(ws, names[: len(ws)], strict=True)]
 
 
 def instruction_rows(ws: list[str]) -> list[dict]:
@@ -70,7 +71,16 @@ def test_a_tiny_model_fine_tuned_with_sft_answers_held_out_prompts(tmp_path: Pat
     data = write_jsonl(tmp_path / "train.jsonl", instruction_rows(train_words))
     code, _, err = run_cli(
         [
-            *("train", "--task", "sft", data, "-o", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c")),
+            *(
+                "train",
+                "--task",
+                "sft",
+                data,
+                "-o",
+                str(tmp_path / "run"),
+                "--cache-dir",
+                str(tmp_path / "c"),
+            ),
             *("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32"),
             *("--batch-size", "64", "--lr", "3e-3", "--warmup-steps", "20", "--max-steps", "250"),
             *("--eval-interval", "125", "--eval-batches", "2", "--val-fraction", "0.05", "-q"),
@@ -95,12 +105,18 @@ def test_a_tiny_model_fine_tuned_with_sft_answers_held_out_prompts(tmp_path: Pat
 @pytest.mark.parametrize(
     "rows, message",
     [
-        ([{"prompt": "cpy ab", "response": "ab"}, {"prompt": "cpy cd"}], 'train.jsonl:2: expected "prompt" and "response"'),
+        (
+            [{"prompt": "cpy ab", "response": "ab"}, {"prompt": "cpy cd"}],
+            'train.jsonl:2: expected "prompt" and "response"',
+        ),
         (
             [{"messages": [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "cpy ab"}]}],
             "train.jsonl:1: roles out of order",
         ),
-        ([{"messages": [{"role": "user", "content": "cpy ab"}, {"role": "assistant", "content": ""}]}], "empty assistant turn"),
+        (
+            [{"messages": [{"role": "user", "content": "cpy ab"}, {"role": "assistant", "content": ""}]}],
+            "empty assistant turn",
+        ),
     ],
 )
 def test_bad_rows_are_one_line_errors(tmp_path: Path, capsys, rows: list, message: str) -> None:
@@ -114,11 +130,23 @@ def test_a_template_that_fails_to_render_is_a_one_line_error(tmp_path: Path, cap
     from helpers import tiny_tokenizer
 
     tok = tiny_tokenizer("cpy nxt abcdefgh system user assistant")
-    tok.chat_template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system message') }}{% endif %}"
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system message') }}{% endif %}"
+    )
     tok.save(tmp_path / "tokenizer.json")
     data = write_jsonl(tmp_path / "train.jsonl", instruction_rows(words(20, 0)))
     code, _, err = run_cli(
-        ["train", "--task", "sft", data, "--tokenizer", str(tmp_path / "tokenizer.json"), "-o", str(tmp_path / "r"), "-q"],
+        [
+            "train",
+            "--task",
+            "sft",
+            data,
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+            "-o",
+            str(tmp_path / "r"),
+            "-q",
+        ],
         capsys,
     )
     assert_one_line_error(code, err, "chat template: needs a system message")
@@ -138,14 +166,35 @@ def test_sft_from_an_lmcli_run_takes_its_weights_tokenizer_and_template(tmp_path
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     code, _, err = run_cli(
         [
-            *("train", "--task", "sft", data, "--init-from", str(tmp_path / "base"), "-o", str(tmp_path / "run")),
-            *("--max-steps", "2", "--batch-size", "4", "--eval-interval", "2", "--cache-dir", str(tmp_path / "c"), "-q"),
+            *(
+                "train",
+                "--task",
+                "sft",
+                data,
+                "--init-from",
+                str(tmp_path / "base"),
+                "-o",
+                str(tmp_path / "run"),
+            ),
+            *(
+                "--max-steps",
+                "2",
+                "--batch-size",
+                "4",
+                "--eval-interval",
+                "2",
+                "--cache-dir",
+                str(tmp_path / "c"),
+                "-q",
+            ),
         ],
         capsys,
     )
     assert code == 0, err
     tuned = load_checkpoint(tmp_path / "run")
-    assert tuned.tokenizer.fingerprint == tok.fingerprint and tuned.tokenizer.chat_template == tok.chat_template
+    assert (
+        tuned.tokenizer.fingerprint == tok.fingerprint and tuned.tokenizer.chat_template == tok.chat_template
+    )
     assert tuned.model_config == base.config
     # the examples were rendered with the run's template: the prompt, <eos>, the reply, <eos>
     data_cache = list((tmp_path / "c").glob("examples-*.bin"))

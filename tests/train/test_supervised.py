@@ -110,8 +110,12 @@ def test_a_scored_training_step_is_one_graph_without_breaks(tmp_path: Path) -> N
     from lmcli.model import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=data.tokenizer.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=16))
-    batch = ExampleSampler(data.train, 8, 0, data.tokenizer.pad_id, 16, pad_multiple(True, torch.device("cpu"))).batch(0, 8)
+    model = Transformer(
+        ModelConfig(vocab_size=data.tokenizer.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=16)
+    )
+    batch = ExampleSampler(
+        data.train, 8, 0, data.tokenizer.pad_id, 16, pad_multiple(True, torch.device("cpu"))
+    ).batch(0, 8)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda b: batch_loss(model, b, cfg))(batch)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
