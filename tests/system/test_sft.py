@@ -82,8 +82,8 @@ def test_a_tiny_model_fine_tuned_with_sft_answers_held_out_prompts(tmp_path: Pat
                 str(tmp_path / "c"),
             ),
             *("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32"),
-            *("--batch-size", "64", "--lr", "3e-3", "--warmup-steps", "20", "--max-steps", "250"),
-            *("--eval-interval", "125", "--eval-batches", "2", "--val-fraction", "0.05", "-q"),
+            *("--batch-size", "64", "--lr", "3e-3", "--warmup-steps", "20", "--max-steps", "350"),
+            *("--eval-interval", "175", "--eval-batches", "2", "--val-fraction", "0.05", "-q"),
         ],
         capsys,
     )
