@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmcli.data.pairs import PairSet
+    from lmcli.data.examples import ExampleSet
     from lmcli.model import Transformer
     from lmcli.tokenizer import Tokenizer
 
@@ -35,7 +35,7 @@ def score_translations(hypotheses: list[str], references: list[str]) -> dict[str
 def greedy_bleu(
     model: Transformer,
     tokenizer: Tokenizer,
-    pairs: PairSet,
+    pairs: ExampleSet,
     n: int,
     *,
     prefix_lm: bool = False,

@@ -12,6 +12,13 @@ each message as ``ROLE <sep> CONTENT <eos>``, then ``assistant <sep>``: the repl
 model writes until its ``<eos>``. ``encode`` turns the rendered prompt into token ids: the
 template's special tokens become the special ids, while the same strings typed in a message stay
 plain text under lmcli's template.
+
+``encode_conversation`` renders a whole conversation for fine-tuning and marks the tokens the
+loss reads: each assistant reply and its end token. Under lmcli's template these are the reply's
+``CONTENT <eos>``; under a Hugging Face template the conversation is rendered prefix by prefix:
+a reply is the text that rendering it adds to the conversation before it (rendered with the
+generation prompt), its trailing whitespace left out, so the template's own end-of-turn token
+belongs to the reply and the layout between turns does not.
 """
 
 from __future__ import annotations
@@ -52,18 +59,31 @@ def _special(tokenizer: Tokenizer, token_id: int | None) -> str:
 
 
 def _lmcli_parts(messages: list[Message], tokenizer: Tokenizer) -> list[tuple[str, bool]]:
-    """lmcli's template as (piece, is_special) pairs."""
+    """lmcli's template of a prompt as (piece, is_special) pairs: the conversation, then the
+    assistant's header."""
     sep = tokenizer.sep_id if tokenizer.sep_id is not None else tokenizer.eos_id
-    parts = [(_special(tokenizer, tokenizer.bos_id), True)]
-    for m in messages:
-        parts += [(m["role"], False), (_special(tokenizer, sep), True)]
-        parts += [(m["content"], False), (_special(tokenizer, tokenizer.eos_id), True)]
-    parts += [("assistant", False), (_special(tokenizer, sep), True)]
-    return parts
+    parts = [(piece, special) for piece, special, _ in _lmcli_conversation(messages, tokenizer)]
+    return parts + [("assistant", False), (_special(tokenizer, sep), True)]
 
 
-def _render_jinja(template: str, messages: list[Message], tokenizer: Tokenizer) -> str:
-    """The Hugging Face template rendered as ``transformers``' ``apply_chat_template`` does."""
+def _generation_tag() -> Any:
+    """Hugging Face's ``{% generation %}...{% endgeneration %}`` block, rendered as its body."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> Any:
+    """The template compiled once (a conversation renders it once per reply when fine-tuning) in
+    the environment ``transformers`` renders chat templates in: sandboxed, its helpers."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -74,22 +94,35 @@ def _render_jinja(template: str, messages: list[Message], tokenizer: Tokenizer) 
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _render_jinja(
+    template: str, messages: list[Message], tokenizer: Tokenizer, add_generation_prompt: bool = True
+) -> str:
+    """The Hugging Face template rendered as ``transformers``' ``apply_chat_template`` does."""
+    import jinja2
+
     context = {
         "messages": messages,
-        "add_generation_prompt": True,
+        "add_generation_prompt": add_generation_prompt,
         "bos_token": _special(tokenizer, tokenizer.bos_id),
         "eos_token": _special(tokenizer, tokenizer.eos_id),
         "pad_token": _special(tokenizer, tokenizer.pad_id),
         "unk_token": _special(tokenizer, tokenizer.unk_id),
     }
     try:
-        return env.from_string(template).render(**context)
+        return _compile(template).render(**context)
     except jinja2.exceptions.TemplateError as exc:
         raise LmcliError(f"chat template: {exc}") from None
+    except Exception as exc:  # a template's own bug: a wrong type, a bad attribute, ...
+        raise LmcliError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
 
 
 def check_messages(messages: Any) -> list[Message]:
@@ -138,6 +171,50 @@ def encode(messages: list[Message], template: str | None, tokenizer: Tokenizer) 
         return ids
     text = render(messages, template, tokenizer)
     return _special_parser(tokenizer).encode(text, add_special_tokens=False).ids
+
+
+def encode_conversation(
+    messages: list[Message], template: str | None, tokenizer: Tokenizer
+) -> tuple[list[int], list[bool]]:
+    """A whole conversation's token ids and, per token, whether the loss reads it: the tokens of
+    each assistant reply and its end token; system and user turns and the template's layout are
+    context."""
+    messages = check_messages(messages)
+    if template is None:
+        ids: list[int] = []
+        scored: list[bool] = []
+        for piece, special, reply in _lmcli_conversation(messages, tokenizer):
+            piece_ids = [tokenizer.hf.token_to_id(piece)] if special else tokenizer.encode(piece)
+            ids += piece_ids
+            scored += [reply] * len(piece_ids)
+        return ids, scored
+    full = _render_jinja(template, messages, tokenizer, add_generation_prompt=False)
+    spans = []  # (start, end) characters of each reply in the full text
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render_jinja(template, messages[:k], tokenizer, add_generation_prompt=True)
+        upto = _render_jinja(template, messages[: k + 1], tokenizer, add_generation_prompt=False)
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise LmcliError(
+                f"chat template: rendering the conversation up to message {k} is not a prefix of "
+                "rendering all of it, so the reply's tokens cannot be found"
+            )
+        spans.append((len(before), len(upto.rstrip())))
+    enc = _special_parser(tokenizer).encode(full, add_special_tokens=False)
+    scored = [any(a <= start < b for a, b in spans) for start, _ in enc.offsets]
+    return list(enc.ids), scored
+
+
+def _lmcli_conversation(messages: list[Message], tokenizer: Tokenizer) -> list[tuple[str, bool, bool]]:
+    """lmcli's template of a whole conversation as (piece, is_special, is_reply) triples."""
+    sep = tokenizer.sep_id if tokenizer.sep_id is not None else tokenizer.eos_id
+    parts = [(_special(tokenizer, tokenizer.bos_id), True, False)]
+    for m in messages:
+        reply = m["role"] == "assistant"
+        parts += [(m["role"], False, False), (_special(tokenizer, sep), True, False)]
+        parts += [(m["content"], False, reply), (_special(tokenizer, tokenizer.eos_id), True, reply)]
+    return parts
 
 
 @functools.lru_cache(maxsize=4)

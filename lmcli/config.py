@@ -27,7 +27,7 @@ Position = Literal["learned", "sinusoidal", "rope", "alibi"]
 Mlp = Literal["gelu", "relu", "relu2", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post"]
-Task = Literal["lm", "translation"]
+Task = Literal["lm", "translation", "sft"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
@@ -329,7 +329,11 @@ class TrainConfig:
     out: str | None = option(
         None, "Run folder.", short="-o", default_help="checkpoints/run-<time>", stored=False
     )
-    task: Task = option("lm", "lm (language modelling) or translation (source <sep> target).")
+    task: Task = option(
+        "lm",
+        "lm (language modelling), translation (source <sep> target) or sft (prompt/response or "
+        "chat rows; the loss on the replies only).",
+    )
     source: str | None = option(None, "Translation: line-aligned source file (.gz allowed).", path=True)
     target: str | None = option(None, "Translation: line-aligned target file (.gz allowed).", path=True)
     source_field: str = option("source", "Translation: TSV/JSONL/dataset column or language of the source.")
@@ -357,7 +361,8 @@ class TrainConfig:
     )
     init_from: str | None = option(
         None,
-        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: fine-tuning.",
+        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: "
+        "fine-tuning, with its tokenizer and chat template.",
         path=True,
     )
     lora_rank: int = option(
@@ -443,7 +448,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.task == "lm" and (self.source or self.target or self.val_source or self.prefix_lm):
+        if self.task != "translation" and (self.source or self.target or self.val_source or self.prefix_lm):
             raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
         if (self.source is None) != (self.target is None):
             raise LmcliError("give both --source and --target")

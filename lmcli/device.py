@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -129,41 +130,46 @@ def memory_of(device: torch.device) -> int | None:
 class Staging:
     """Host-to-device copies of batches through reusable page-locked ("pinned") buffers.
 
-    Each tensor shape has two buffers used in turn (double buffering): a batch is written into
-    one while the previous batch's copy out of the other may still be in flight; a buffer is
-    refilled only after its last copy finished (a CUDA event). One ``non_blocking`` copy per
-    tensor; callers slice views (inputs, targets) on the device. On a CPU nothing is staged
-    (a batch is already where it is used) unless ``pin`` is given: ``pin=False`` stages through
-    ordinary memory with synchronous copies (same values, same reuse: what a CPU test exercises).
+    Each kind of tensor (``name``: a batch's tokens, its index, ...) has two flat buffers used
+    in turn (double buffering): a batch is written into one while the previous batch's copy
+    out of the other may still be in flight; a buffer is refilled only after its last copy
+    finished (a CUDA event). A buffer grows to the largest tensor of its kind and is viewed in
+    the shape at hand, so batches whose shapes vary (length buckets, scored positions) reuse it
+    and memory stays bounded. One ``non_blocking`` copy per tensor; callers slice views
+    (inputs, targets) on the device. On a CPU nothing is staged (a batch is already where it
+    is used) unless ``pin`` is given: ``pin=False`` stages through ordinary memory with
+    synchronous copies (same values, same reuse: what a CPU test exercises).
     """
 
     def __init__(self, device: torch.device, pin: bool | None = None) -> None:
         self.device = device
         self.staged = device.type == "cuda" or pin is not None
         self.pin = device.type == "cuda" if pin is None else pin
-        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-        self._turn: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+        self._buffers: dict[tuple[str, torch.dtype], list[torch.Tensor | None]] = {}
+        self._turn: dict[tuple[str, torch.dtype], int] = {}
         self._done: dict[int, Any] = {}  # buffer data_ptr -> the CUDA event of its last copy
 
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The next of the two buffers for ``shape``/``dtype``, free to be overwritten."""
-        key = (tuple(shape), dtype)
-        if key not in self._buffers:
-            self._buffers[key] = [torch.empty(shape, dtype=dtype, pin_memory=self.pin) for _ in range(2)]
-            self._turn[key] = 0
-        turn = self._turn[key]
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, name: str = "tensor") -> torch.Tensor:
+        """The next of the two ``name`` buffers, free to be overwritten, viewed as ``shape``."""
+        key = (name, dtype)
+        pair = self._buffers.setdefault(key, [None, None])
+        turn = self._turn.get(key, 0)
         self._turn[key] = 1 - turn
-        buf = self._buffers[key][turn]
-        event = self._done.pop(buf.data_ptr(), None)
-        if event is not None:
-            event.synchronize()  # the copy that read it last has finished
-        return buf
+        buf = pair[turn]
+        if buf is not None:
+            event = self._done.pop(buf.data_ptr(), None)
+            if event is not None:
+                event.synchronize()  # the copy that read it last has finished
+        n = math.prod(shape)
+        if buf is None or buf.numel() < n:
+            buf = pair[turn] = torch.empty(n, dtype=dtype, pin_memory=self.pin)
+        return buf[:n].view(shape)
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A device copy of ``t`` made through a staging buffer (one copy on the device)."""
+    def to_device(self, t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+        """A device copy of ``t`` made through a ``name`` staging buffer (one copy on the device)."""
         if not self.staged:
             return t
-        buf = self.buffer(tuple(t.shape), t.dtype)
+        buf = self.buffer(tuple(t.shape), t.dtype, name)
         buf.copy_(t)
         out = buf.to(self.device, non_blocking=self.pin, copy=True)
         if self.device.type == "cuda":

@@ -35,7 +35,7 @@ LINE_BLOCK = 4096  # --per-line: lines read, sorted by length and scored at a ti
 
 if TYPE_CHECKING:
     from lmcli.checkpoint import Checkpoint
-    from lmcli.data.pairs import PairSet
+    from lmcli.data.examples import ExampleSet
 
 
 @dataclass
@@ -321,26 +321,28 @@ def _line_record(number: int, line: str, tokens: int, nll: float) -> dict:
 @fastpath.scoped
 @torch.inference_mode()
 def evaluate_pairs(
-    model: Transformer, tokenizer: Tokenizer, pairs: PairSet, prefix_lm: bool, batch_size: int = 32
+    model: Transformer, tokenizer: Tokenizer, pairs: ExampleSet, prefix_lm: bool, batch_size: int = 32
 ) -> Score:
-    """Target-only perplexity of a translation model on tokenized pairs."""
-    from lmcli.data.pairs import collate
+    """Response-only perplexity of a translation or SFT model on tokenized examples: the scored
+    positions gathered by index, as in training."""
+    from lmcli.data.examples import collate, pad_multiple
 
     device = next(model.parameters()).device
+    multiple = pad_multiple(False, device)
     score = Score()
     nll = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per batch
+    context = model.config.block_size
     for start in range(0, len(pairs), batch_size):
-        batch = collate(pairs, list(range(start, min(start + batch_size, len(pairs)))), tokenizer.pad_id)
-        mask = batch.y != IGNORE
-        logits = model(
-            batch.x.to(device),
-            prefix_len=batch.prefix_len.to(device) if prefix_lm else None,
-            output_mask=mask.to(device),
-        )
-        nll += F.cross_entropy(logits.float(), batch.y[mask].to(device), reduction="sum")
-        score.tokens += int(mask.sum())
-        for row in range(batch.y.size(0)):
-            target = batch.y[row][batch.y[row] != IGNORE].tolist()
+        indices = list(range(start, min(start + batch_size, len(pairs))))
+        host = collate(pairs, indices, tokenizer.pad_id, context, multiple)
+        batch = host.to(device)
+        assert batch.index is not None
+        logits = model(batch.x, prefix_len=batch.prefix_len if prefix_lm else None, output_index=batch.index)
+        targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
+        nll += F.cross_entropy(logits.float(), targets, reduction="sum")
+        score.tokens += int(host.index.numel())  # counted on the host
+        for row in range(host.y.size(0)):
+            target = host.y[row][host.y[row] != IGNORE].tolist()
             score.bytes += len(tokenizer.decode(target).encode("utf-8")) + 1
     score.nll += nll.item()
     return score
@@ -365,7 +367,7 @@ def evaluate_run(
     if stride > context:
         raise LmcliError(f"stride must be between 1 and the context ({context}), got {stride}")
     with fastpath.inference(model):
-        if ckpt.train_config.task == "translation":
+        if ckpt.train_config.task in ("translation", "sft"):
             pairs, what = _pairs_to_evaluate(ckpt, cfg)
             return evaluate_pairs(model, tok, pairs, ckpt.train_config.prefix_lm, cfg.batch_size), what
         chunks, what = _text_to_evaluate(ckpt, cfg, paths)
@@ -395,17 +397,26 @@ def split_lines(chunks: Iterable[str]) -> Iterator[str]:
         yield from carry.splitlines()
 
 
-def _pairs_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig) -> tuple[PairSet, str]:
-    """A translation model's pairs: --source/--target files, or its run's validation pairs."""
-    from lmcli.data.pairs import AlignedFiles, tokenize_pairs
+def _pairs_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig) -> tuple[ExampleSet, str]:
+    """A translation model's pairs (--source/--target files) or a translation or SFT model's
+    validation examples."""
+    from lmcli.data.examples import tokenize_examples
+    from lmcli.data.pairs import AlignedFiles
     from lmcli.data.train_data import cache_dir_of, load_train_data
 
     block_size = ckpt.model.config.block_size
+    if ckpt.train_config.task == "sft":
+        if cfg.source or cfg.target:
+            raise LmcliError("--source and --target are for translation models")
+        data = load_train_data(
+            ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False
+        )
+        return data.val, "the run's validation conversations, reply tokens only"
     if cfg.source or cfg.target:
         if not (cfg.source and cfg.target):
             raise LmcliError("give both --source and --target")
         corpus = AlignedFiles(cfg.source, cfg.target)
-        pairs = tokenize_pairs(corpus, ckpt.tokenizer, block_size + 1, cache_dir_of(ckpt.train_config))
+        pairs = tokenize_examples(corpus, ckpt.tokenizer, block_size + 1, cache_dir_of(ckpt.train_config))
         return pairs, f"{cfg.source} -> {cfg.target}, target tokens only"
     data = load_train_data(ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False)
     return data.val, "the run's validation pairs, target tokens only"

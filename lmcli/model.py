@@ -300,14 +300,14 @@ class Transformer(nn.Module):
         *,
         prefix_len: Tensor | None = None,
         last_only: bool = False,
-        output_mask: Tensor | None = None,
+        output_index: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, T, V) for token ids ``idx`` (B, T); (B, 1, V) with ``last_only``.
 
         With a ``cache``, ``idx`` continues the cached columns and the cache advances by T.
         ``prefix_len`` (B,) makes the first columns attend to each other bidirectionally.
-        ``output_mask`` (B, T) bool computes logits only where it is True, as (N, V): the
-        vocabulary projection is skipped for positions no loss reads (source, padding).
+        ``output_index`` (N,) computes logits only at those flat positions of the (B * T) grid, as
+        (N, V): the vocabulary projection is skipped for positions no loss reads (prompt, padding).
         """
         B, T = idx.size()
         n_cached = cache.length if cache is not None else 0
@@ -315,7 +315,7 @@ class Transformer(nn.Module):
         if limit is not None and n_cached + T > limit:
             raise ValueError(f"sequence of {n_cached + T} tokens exceeds the context {limit}")
         if self.fast_step is not None and cache is not None and T == 1 and not self.training:
-            if prefix_len is None and output_mask is None:
+            if prefix_len is None and output_index is None:
                 return self.fast_step(idx, cache)  # lmcli.fastpath: the same arithmetic, fewer calls
         if cache is not None:
             pos = cache.positions(T)  # (B or 1, T)
@@ -335,8 +335,8 @@ class Transformer(nn.Module):
             cache.advance(T)
         if last_only:
             x = x[:, -1:, :]
-        elif output_mask is not None:
-            x = x[output_mask]  # (B, T, C) -> (N, C)
+        elif output_index is not None:
+            x = x.reshape(B * T, -1).index_select(0, output_index)  # (B, T, C) -> (N, C)
         return self.cap_logits(self.lm_head(self.ln_f(x)))
 
     def cap_logits(self, logits: Tensor) -> Tensor:

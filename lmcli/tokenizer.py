@@ -224,7 +224,17 @@ def token_text(value: object) -> str | None:
 
 
 def read_config(path: Path) -> tuple[dict[str, str], str | None]:
-    """The named roles and the chat template of a ``tokenizer_config.json`` (none if absent)."""
+    """The named roles and the chat template of a ``tokenizer_config.json`` (none if absent); the
+    template of a ``chat_template.jinja`` beside it (where transformers now saves it) comes first."""
+    specials, template = read_config_json(path)
+    jinja = path.parent / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    return specials, template
+
+
+def read_config_json(path: Path) -> tuple[dict[str, str], str | None]:
+    """The named roles and the chat template stored in a ``tokenizer_config.json``."""
     if not path.is_file():
         return {}, None
     try:

@@ -120,8 +120,8 @@ def test_staging_reuses_two_buffers_in_turn_and_copies_exactly() -> None:
     staging = Staging(CPU, pin=False)  # ordinary memory on the CPU: the same logic as pinned
     tokens = [torch.arange(i, i + 12).view(3, 4) for i in range(4)]
     outs = [staging.to_device(t) for t in tokens]
-    buffers = staging._buffers[((3, 4), torch.int64)]
-    assert len(buffers) == 2 and len(staging._buffers) == 1  # one shape: two buffers, reused
+    buffers = [b.view(3, 4) for b in staging._buffers[("tensor", torch.int64)]]
+    assert len(buffers) == 2 and len(staging._buffers) == 1  # one kind: two buffers, reused
     for t, out in zip(tokens, outs, strict=True):
         assert torch.equal(out, t)  # a copy that later refills of the buffer do not change
         assert all(out.data_ptr() != b.data_ptr() for b in buffers)
@@ -139,14 +139,25 @@ def test_a_window_batch_is_copied_once_and_sliced_on_the_device() -> None:
     # x and y are views of the one staged (B, T+1) copy
     assert moved.x.data_ptr() == moved.tokens.data_ptr()
     assert moved.y.data_ptr() == moved.tokens.data_ptr() + moved.tokens.element_size()
-    assert list(staging._buffers) == [((4, 9), torch.int64)]
+    assert list(staging._buffers) == [("tokens", torch.int64)]
+
+
+def test_staging_buffers_stay_two_per_kind_when_shapes_vary() -> None:
+    """Length buckets and scored positions change every batch: the buffers grow to the largest
+    and are reused, instead of two new pinned buffers per shape seen."""
+    staging = Staging(CPU, pin=False)
+    for n in (5, 40, 12, 40, 3, 33):
+        t = torch.arange(n)
+        assert torch.equal(staging.to_device(t, "index"), t)
+    pair = staging._buffers[("index", torch.int64)]
+    assert len(staging._buffers) == 1 and [b.numel() for b in pair] == [40, 40]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA build and device")
 def test_staging_pins_its_buffers_on_a_gpu() -> None:
     staging = Staging(CUDA)
     out = staging.to_device(torch.arange(12).view(3, 4))
-    assert out.is_cuda and all(b.is_pinned() for b in staging._buffers[((3, 4), torch.int64)])
+    assert out.is_cuda and all(b.is_pinned() for b in staging._buffers[("tensor", torch.int64)])
 
 
 def test_to_host_returns_cpu_tensors_unchanged() -> None:

@@ -2,9 +2,9 @@
 
 ``load_train_data`` reads the corpus, trains or loads the tokenizer, tokenizes into the cache
 (or reuses it) and splits off validation. It returns ``StreamData`` (language modelling:
-windows of one token stream) or ``PairData`` (translation: whole ``<bos> source <sep> target
-<eos>`` pairs); both offer the two things the training loop needs: a ``sampler`` and
-``val_batches``.
+windows of one token stream) or ``ExampleData`` (translation pairs and SFT conversations: whole
+examples whose loss reads the response only); both offer the two things the training loop
+needs: a ``sampler`` and ``val_batches``.
 """
 
 from __future__ import annotations
@@ -18,17 +18,10 @@ from typing import Any
 import numpy as np
 
 from lmcli.config import TrainConfig
+from lmcli.data.conversations import ConversationRows
 from lmcli.data.corpus import Corpus, FileCorpus, open_corpus
-from lmcli.data.pairs import (
-    AlignedFiles,
-    DatasetPairs,
-    PairCorpus,
-    PairSampler,
-    PairSet,
-    TableFile,
-    collate,
-    tokenize_pairs,
-)
+from lmcli.data.examples import ExampleSampler, ExampleSet, ExampleSource, collate, tokenize_examples
+from lmcli.data.pairs import AlignedFiles, DatasetPairs, PairCorpus, TableFile
 from lmcli.data.token_cache import default_cache_dir, tokenize_corpus
 from lmcli.data.windows import Batch, WindowSampler, eval_windows, require_window, windows_to_batch
 from lmcli.errors import LmcliError
@@ -75,14 +68,15 @@ class StreamData:
 
 
 @dataclass
-class PairData:
-    """Translation: tokenized train and validation pairs."""
+class ExampleData:
+    """Translation or SFT: tokenized train and validation examples."""
 
     tokenizer: Tokenizer
-    train: PairSet
-    val: PairSet
+    train: ExampleSet
+    val: ExampleSet
     block_size: int
     info: dict[str, Any] = field(default_factory=dict)
+    pad_multiple: int = 1  # batch widths are multiples of this (examples.pad_multiple)
 
     @property
     def train_tokens(self) -> int:
@@ -92,27 +86,30 @@ class PairData:
     def val_tokens(self) -> int:
         return int(self.val.length.sum())
 
-    def sampler(self, batch_size: int, seed: int) -> PairSampler:
-        return PairSampler(self.train, batch_size, seed, self.tokenizer.pad_id)
+    def sampler(self, batch_size: int, seed: int) -> ExampleSampler:
+        return ExampleSampler(
+            self.train, batch_size, seed, self.tokenizer.pad_id, self.block_size, self.pad_multiple
+        )
 
     def tokens_per_example(self) -> float:
         return float(self.train.length.mean())
 
     def val_batches(self, batch_size: int, limit: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
-        """The first ``limit`` validation pairs (this rank's share), ``batch_size`` at a time."""
+        """The first ``limit`` validation examples (this rank's share), ``batch_size`` at a time."""
         indices = np.arange(min(limit, len(self.val)))[rank::world]
         for i in range(0, len(indices), batch_size):
-            yield collate(self.val, indices[i : i + batch_size], self.tokenizer.pad_id)
+            batch = indices[i : i + batch_size]
+            yield collate(self.val, batch, self.tokenizer.pad_id, self.block_size, self.pad_multiple)
 
 
-TrainData = StreamData | PairData
+TrainData = StreamData | ExampleData
 
 
 def cache_dir_of(cfg: TrainConfig) -> Path:
     return Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
 
 
-def tokenizer_for(cfg: TrainConfig, corpus: Corpus | PairCorpus, cache_dir: Path) -> Tokenizer:
+def tokenizer_for(cfg: TrainConfig, corpus: Corpus | ExampleSource, cache_dir: Path) -> Tokenizer:
     """Load ``--tokenizer PATH``, or train char/byte/BPE on the corpus (trained ones are cached)."""
     if cfg.tokenizer not in ("char", "byte", "bpe"):
         return Tokenizer.load(cfg.tokenizer)
@@ -143,8 +140,8 @@ def load_train_data(
     info: Info = _stderr,
 ) -> TrainData:
     """Read, tokenize (or reuse the cache) and split the corpus for ``cfg.task``."""
-    if cfg.task == "translation":
-        return _prepare_pairs(cfg, block_size, tokenizer, info)
+    if cfg.task in ("translation", "sft"):
+        return _prepare_examples(cfg, block_size, tokenizer, info)
     return _prepare_stream(cfg, block_size, tokenizer, progress, info)
 
 
@@ -179,6 +176,20 @@ def _prepare_stream(
     return StreamData(tokenizer, train_ids, val_ids, block_size, {**meta, "cached": tokens.cached})
 
 
+def open_examples(cfg: TrainConfig, *, validation: bool = False) -> ExampleSource | None:
+    """The examples of ``cfg``: parallel text or conversations (or the validation ones; None when
+    there are none apart from the training data)."""
+    if cfg.task == "sft":
+        if validation:
+            return ConversationRows(cfg.val, "train") if cfg.val else None
+        if cfg.dataset:
+            return ConversationRows(cfg.dataset, cfg.split)
+        if len(cfg.corpus) == 1:
+            return ConversationRows(cfg.corpus[0], cfg.split)
+        raise LmcliError("sft needs one data file (JSONL, JSON or parquet) or --dataset")
+    return open_pairs(cfg, validation=validation)
+
+
 def open_pairs(cfg: TrainConfig, *, validation: bool = False) -> PairCorpus | None:
     """The parallel corpus of ``cfg`` (or its validation corpus; None when it has none)."""
     if validation:
@@ -198,34 +209,51 @@ def open_pairs(cfg: TrainConfig, *, validation: bool = False) -> PairCorpus | No
     )
 
 
-def _prepare_pairs(cfg: TrainConfig, block_size: int, tokenizer: Tokenizer | None, info: Info) -> PairData:
+def _prepare_examples(
+    cfg: TrainConfig, block_size: int, tokenizer: Tokenizer | None, info: Info
+) -> ExampleData:
     cache_dir = cache_dir_of(cfg)
-    corpus = open_pairs(cfg)
-    assert corpus is not None
+    source = open_examples(cfg)
+    assert source is not None
     if tokenizer is None:
-        tokenizer = tokenizer_for(cfg, corpus, cache_dir)
-    pairs = tokenize_pairs(corpus, tokenizer, block_size + 1, cache_dir)
-    val_corpus = open_pairs(cfg, validation=True)
-    if val_corpus is not None:
-        train, val = pairs, tokenize_pairs(val_corpus, tokenizer, block_size + 1, cache_dir)
+        tokenizer = tokenizer_for(cfg, source, cache_dir)
+    examples = tokenize_examples(source, tokenizer, block_size + 1, cache_dir)
+    what = "pair(s)" if cfg.task == "translation" else "conversation(s)"
+    val_source = open_examples(cfg, validation=True)
+    if val_source is not None:
+        val = tokenize_examples(val_source, tokenizer, block_size + 1, cache_dir)
+        train = examples
+        report_skipped(val, what, block_size, info, "validation ")
     else:
-        n_val = int(len(pairs) * cfg.val_fraction)
+        n_val = int(len(examples) * cfg.val_fraction)
         if n_val < 1:
-            raise LmcliError("no validation pairs: give --val-source/--val-target or a larger --val-fraction")
-        order = np.arange(len(pairs))
-        train, val = pairs.subset(order[: len(pairs) - n_val]), pairs.subset(order[len(pairs) - n_val :])
-    stats = pairs.stats
-    if stats.empty:
-        info(f"warning: skipped {stats.empty} pair(s) with an empty side")
-    if stats.truncated:
-        info(
-            f"warning: truncated {stats.truncated} pair(s) longer than the context ({block_size + 1} tokens)"
+            where = "--val-source/--val-target" if cfg.task == "translation" else "--val FILE"
+            raise LmcliError(f"no validation {what}: give {where} or a larger --val-fraction")
+        order = np.arange(len(examples))
+        train, val = (
+            examples.subset(order[: len(examples) - n_val]),
+            examples.subset(order[len(examples) - n_val :]),
         )
+    report_skipped(examples, what, block_size, info)
+    stats = examples.stats
     facts = {
-        "corpus": corpus.description,
-        "cached": pairs.cached,
-        "pairs": len(train),
+        "corpus": source.description,
+        "cached": examples.cached,
+        "examples": len(train),
         "empty": stats.empty,
         "truncated": stats.truncated,
+        "beyond": stats.beyond,
     }
-    return PairData(tokenizer, train, val, block_size, facts)
+    return ExampleData(tokenizer, train, val, block_size, facts)
+
+
+def report_skipped(examples: ExampleSet, what: str, block_size: int, info: Info, which: str = "") -> None:
+    """One warning per kind of example left out or cut: never a silent drop."""
+    stats = examples.stats
+    if stats.empty:
+        info(f"warning: skipped {stats.empty} {which}{what} with an empty side")
+    context = f"the context ({block_size + 1} tokens)"
+    if stats.beyond:
+        info(f"warning: skipped {stats.beyond} {which}{what} with no reply within {context}")
+    if stats.truncated:
+        info(f"warning: truncated {stats.truncated} {which}{what} longer than {context}")

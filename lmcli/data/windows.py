@@ -20,7 +20,8 @@ IGNORE = -100  # a target id the loss skips (F.cross_entropy's default ignore_in
 
 @dataclass
 class Batch:
-    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,).
+    """Inputs (B, T), targets (B, T) with IGNORE where no loss applies, optional prefix lengths (B,)
+    and, when the loss reads only some positions, their flat indices (N,) into the (B * T) grid.
 
     ``tokens`` (B, T+1), when set, is the tensor ``x`` and ``y`` are views of (language modelling):
     it is copied to the device once and sliced there.
@@ -30,23 +31,25 @@ class Batch:
     y: torch.Tensor
     prefix_len: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+    index: torch.Tensor | None = None
 
     def to(self, device: torch.device, staging: Staging | None = None) -> Batch:
         """The batch on ``device``; with ``staging``, copied through its pinned buffers."""
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        def move(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
             if t is None:
                 return None
             if staging is not None:
-                return staging.to_device(t)
+                return staging.to_device(t, name)
             if device.type == "cuda":
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
+        prefix_len, index = move(self.prefix_len, "prefix_len"), move(self.index, "index")
         if self.tokens is not None and (staging is not None or device.type != "cpu"):
-            tokens = move(self.tokens)  # (B, T+1) -> inputs (B, T) and targets (B, T), views
-            return Batch(tokens[:, :-1], tokens[:, 1:], move(self.prefix_len), tokens)
-        return Batch(move(self.x), move(self.y), move(self.prefix_len))
+            tokens = move(self.tokens, "tokens")  # (B, T+1) -> inputs (B, T) and targets (B, T), views
+            return Batch(tokens[:, :-1], tokens[:, 1:], prefix_len, tokens, index)
+        return Batch(move(self.x, "x"), move(self.y, "y"), prefix_len, index=index)
 
     @property
     def n_targets(self) -> int:

@@ -37,7 +37,8 @@ from lmcli.checkpoint import (
     step_checkpoints,
 )
 from lmcli.config import ModelConfig, TrainConfig
-from lmcli.data.train_data import TrainData, load_train_data
+from lmcli.data.examples import pad_multiple
+from lmcli.data.train_data import ExampleData, TrainData, load_train_data
 from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.errors import LmcliError
@@ -95,7 +96,7 @@ class Run:
     model_config: ModelConfig
     run_dir: Path
     data: TrainData
-    sampler: Any  # a WindowSampler or a PairSampler
+    sampler: Any  # a WindowSampler or an ExampleSampler
     model: Transformer  # what is saved and evaluated
     trained: torch.nn.Module  # what runs forward/backward: the model, or its DDP/compiled wrapper
     ddp: Any  # the DistributedDataParallel wrapper, or None
@@ -513,6 +514,8 @@ def open_run(
         ),
         dist_info,
     )
+    if isinstance(data, ExampleData):  # widths that repeat where shapes are compiled or cached
+        data.pad_multiple = pad_multiple(cfg.compile, device)
     model, model_config = build_model(model_config, cfg, data, resumed, init)
     sampler = data.sampler(cfg.batch_size, cfg.seed)
     model.to(device)

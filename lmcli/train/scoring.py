@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from lmcli.config import TrainConfig
 from lmcli.data.train_data import TrainData
-from lmcli.data.windows import IGNORE, Batch
+from lmcli.data.windows import Batch
 from lmcli.device import autocast
 from lmcli.distributed import Dist
 
@@ -20,13 +20,15 @@ def forward_scored(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (N, V) and targets (N,) of the positions the loss reads.
 
-    Language modelling scores every position; translation only target tokens, so the vocabulary
-    projection skips source and padding positions.
+    Language modelling scores every position; translation and SFT only the response tokens,
+    whose flat indices the batch brings from the host: the model gathers those rows (no
+    boolean-mask selection, so no device-to-host sync and no graph break under torch.compile)
+    and the vocabulary projection skips prompt and padding positions.
     """
     prefix = batch.prefix_len if cfg.prefix_lm else None
-    if cfg.task == "translation":
-        mask = batch.y != IGNORE
-        return model(batch.x, prefix_len=prefix, output_mask=mask), batch.y[mask]
+    if batch.index is not None:
+        targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
+        return model(batch.x, prefix_len=prefix, output_index=batch.index), targets
     logits = model(batch.x, prefix_len=prefix)
     return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
 

@@ -14,7 +14,8 @@ import pytest
 from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, run_cli, tiny_tokenizer
 
 from lmcli.config import TrainConfig
-from lmcli.data.pairs import AlignedFiles, tokenize_pairs
+from lmcli.data.examples import tokenize_examples
+from lmcli.data.pairs import AlignedFiles
 from lmcli.data.train_data import load_train_data
 
 
@@ -86,19 +87,19 @@ def test_a_damaged_pair_cache_is_rebuilt(tmp_path: Path, capsys) -> None:
     (tmp_path / "tgt").write_text("eine katze\nder hund\n" * 10)
     tok = tiny_tokenizer("a cat sat the dog eine katze der hund\n")
     corpus = AlignedFiles(str(tmp_path / "src"), str(tmp_path / "tgt"))
-    first = tokenize_pairs(corpus, tok, 32, tmp_path)
+    first = tokenize_examples(corpus, tok, 32, tmp_path)
     expected = [first.sequence(i).tolist() for i in range(len(first))]
-    (npy,) = tmp_path.glob("pairs-*.npy")
+    (npy,) = tmp_path.glob("examples-*.npy")
     index = np.load(npy)
     index[0] += 10**6  # offsets beyond the tokens: today an IndexError or garbage pairs
     np.save(npy, index)
-    again = tokenize_pairs(corpus, tok, 32, tmp_path)
-    assert "warning: pair cache" in capsys.readouterr().err
+    again = tokenize_examples(corpus, tok, 32, tmp_path)
+    assert "warning: example cache" in capsys.readouterr().err
     assert [again.sequence(i).tolist() for i in range(len(again))] == expected
-    (bin_path,) = tmp_path.glob("pairs-*.bin")
+    (bin_path,) = tmp_path.glob("examples-*.bin")
     bin_path.write_bytes(bytes(bin_path.stat().st_size))
-    third = tokenize_pairs(corpus, tok, 32, tmp_path)
-    assert "warning: pair cache" in capsys.readouterr().err
+    third = tokenize_examples(corpus, tok, 32, tmp_path)
+    assert "warning: example cache" in capsys.readouterr().err
     assert [third.sequence(i).tolist() for i in range(len(third))] == expected
 
 

@@ -10,16 +10,9 @@ import numpy as np
 import pytest
 from helpers import tiny_tokenizer
 
-from lmcli.data.pairs import (
-    IGNORE,
-    AlignedFiles,
-    DatasetPairs,
-    PairSampler,
-    TableFile,
-    collate,
-    encode_pair,
-    tokenize_pairs,
-)
+from lmcli.data.examples import ExampleSampler, collate, tokenize_examples
+from lmcli.data.pairs import AlignedFiles, DatasetPairs, TableFile, encode_pair
+from lmcli.data.windows import IGNORE
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
@@ -85,12 +78,12 @@ def test_encode_pair_layout_and_truncation() -> None:
 def test_empty_pairs_skipped_and_long_pairs_truncated_are_counted(tmp_path: Path) -> None:
     (tmp_path / "s.txt").write_text("alpha\n\nbeta gamma\n" + "delta " * 30 + "\n")
     (tmp_path / "t.txt").write_text("ahpla\nempty source\n\n" + "atled " * 30 + "\n")
-    pairs = tokenize_pairs(
+    pairs = tokenize_examples(
         AlignedFiles(str(tmp_path / "s.txt"), str(tmp_path / "t.txt")), char_tok(), 64, tmp_path / "cache"
     )
-    assert (pairs.stats.pairs, pairs.stats.empty, pairs.stats.truncated) == (2, 2, 1)
+    assert (pairs.stats.examples, pairs.stats.empty, pairs.stats.truncated) == (2, 2, 1)
     assert max(pairs.length) == 64
-    again = tokenize_pairs(
+    again = tokenize_examples(
         AlignedFiles(str(tmp_path / "s.txt"), str(tmp_path / "t.txt")), char_tok(), 64, tmp_path / "cache"
     )
     assert again.cached and again.stats.truncated == 1 and np.array_equal(again.length, pairs.length)
@@ -99,8 +92,8 @@ def test_empty_pairs_skipped_and_long_pairs_truncated_are_counted(tmp_path: Path
 def test_loss_targets_cover_target_tokens_only(tmp_path: Path) -> None:
     s, t = write_pairs(tmp_path)
     tok = char_tok()
-    pairs = tokenize_pairs(AlignedFiles(str(s), str(t)), tok, 128, tmp_path / "cache")
-    batch = collate(pairs, [0, 1, 2], tok.pad_id)
+    pairs = tokenize_examples(AlignedFiles(str(s), str(t)), tok, 128, tmp_path / "cache")
+    batch = collate(pairs, [0, 1, 2], tok.pad_id, 127)
     for row in range(3):
         seq = pairs.sequence(row).tolist()
         sep = seq.index(tok.sep_id)
@@ -113,14 +106,18 @@ def test_loss_targets_cover_target_tokens_only(tmp_path: Path) -> None:
 def test_pair_sampler_is_without_replacement_and_bucketed(tmp_path: Path) -> None:
     s, t = write_pairs(tmp_path, n=400)
     tok = char_tok()
-    pairs = tokenize_pairs(AlignedFiles(str(s), str(t)), tok, 128, tmp_path / "cache")
-    sampler = PairSampler(pairs, batch_size=8, seed=0, pad_id=tok.pad_id)
+    pairs = tokenize_examples(AlignedFiles(str(s), str(t)), tok, 128, tmp_path / "cache")
+    sampler = ExampleSampler(pairs, batch_size=8, seed=0, pad_id=tok.pad_id, context=127)
     epoch = sampler.indices(0, 400)
     assert sorted(epoch) == list(range(400))
     assert sampler.indices(400, 400) != epoch and sorted(sampler.indices(400, 400)) == list(range(400))
-    pad = sum(int((sampler.batch(i, 8).x == tok.pad_id).sum()) for i in range(0, 400, 8))
-    total = sum(sampler.batch(i, 8).x.numel() for i in range(0, 400, 8))
-    assert pad / total < 0.1  # bucketing keeps padding small
+    lengths = [pairs.length[sampler.indices(i, 8)] for i in range(0, 400, 8)]
+    pad = sum(int((n.max() - n).sum()) for n in lengths)
+    total = sum(int(n.max()) * len(n) for n in lengths)
+    assert pad / total < 0.1  # bucketing keeps pairs of a batch of similar length
+    assert [sampler.batch(i, 8).x.size(1) for i in range(0, 400, 8)] == [int(n.max()) - 1 for n in lengths]
+    compiled = ExampleSampler(pairs, batch_size=8, seed=0, pad_id=tok.pad_id, context=127, multiple=64)
+    assert {compiled.batch(i, 8).x.size(1) for i in range(0, 400, 8)} <= {64, 127}  # widths repeat
 
 
 def test_read_lines_splits_at_newlines_only_and_reads_gz(tmp_path: Path) -> None:

@@ -1,0 +1,149 @@
+"""Instruction and chat data for ``--task sft``: rows in, checked conversations out.
+
+A row is ``{"prompt": ..., "response": ...}`` (optionally ``"system"``) or ``{"messages": [{"role":
+"system|user|assistant", "content": ...}, ...]}``: an optional system message, then user and
+assistant turns alternating, from a user turn to an assistant turn, no reply empty. Rows come
+from a JSONL file (one object a line), a JSON file (a list of objects), a parquet file or a
+``datasets`` corpus. Each conversation is rendered with the tokenizer's chat template (or
+lmcli's) by ``lmcli.chat_template.encode_conversation``, which marks the reply tokens the loss
+reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lmcli.chat_template import Message, check_messages, encode_conversation
+from lmcli.data.corpus import READ_ERRORS, load_hf_dataset, open_text, read_error
+from lmcli.data.examples import Encoded, Skipped, truncate
+from lmcli.errors import LmcliError
+from lmcli.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+
+def conversation(row: Any, where: str) -> list[Message]:
+    """A row as checked messages, or a one-line error naming ``where`` (file:line or row N)."""
+    if not isinstance(row, dict):
+        raise LmcliError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        try:
+            messages = check_messages(row["messages"])
+        except LmcliError as exc:
+            raise LmcliError(f"{where}: {exc}") from None
+    elif "prompt" in row and "response" in row:
+        messages = [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["response"]},
+        ]
+        if row.get("system") is not None:
+            messages.insert(0, {"role": "system", "content": row["system"]})
+        for m in messages:
+            if not isinstance(m["content"], str):
+                raise LmcliError(f"{where}: {m['role']!r} must be text")
+    else:
+        raise LmcliError(
+            f'{where}: expected "prompt" and "response", or "messages" (found: {", ".join(row) or "nothing"})'
+        )
+    check_turns(messages, where)
+    return messages
+
+
+def check_turns(messages: list[Message], where: str) -> None:
+    """An optional system message, then user/assistant alternating, ending with a non-empty reply."""
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    for i, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise LmcliError(f"{where}: message {i} has role {m['role']!r}: use system, user or assistant")
+    if not turns:
+        raise LmcliError(f"{where}: no user and assistant turns")
+    offset = len(messages) - len(turns)
+    for i, m in enumerate(turns):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            raise LmcliError(
+                f"{where}: roles out of order: message {i + offset} is {m['role']!r}, expected {expected!r} "
+                "(an optional system message, then user and assistant alternating)"
+            )
+        if expected == "assistant" and not m["content"].strip():
+            raise LmcliError(f"{where}: message {i + offset} is an empty assistant turn")
+    if turns[-1]["role"] != "assistant":
+        raise LmcliError(f"{where}: the conversation ends with a user turn: nothing to learn from it")
+
+
+def _file_id(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+class ConversationRows:
+    """Conversations from a JSONL/JSON/parquet file or a ``datasets`` name (``split`` for those)."""
+
+    def __init__(self, spec: str, split: str = "train") -> None:
+        self.spec, self.split = spec, split
+        path = Path(spec).expanduser()
+        self.path = path if path.is_file() else None
+        self.kind = "jsonl" if self.path is not None and path.suffix in (".jsonl", ".json") else "dataset"
+        if self.path is None and path.suffix in (".jsonl", ".json", ".parquet"):
+            raise LmcliError(f"no such file: {spec}")
+        self.dataset = load_hf_dataset(spec, split) if self.kind == "dataset" else None
+        if self.path is not None:
+            identity: Any = ("file", _file_id(self.path))
+            self.description = str(self.path)
+        else:
+            identity = ("dataset", spec, split, getattr(self.dataset, "_fingerprint", None))
+            self.description = f"dataset {spec} [{split}]"
+        self._key = hashlib.sha256(json.dumps(["sft", identity]).encode()).hexdigest()[:16]
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def rows(self) -> Iterator[tuple[str, Any]]:
+        """(where, row) for every row: ``file:line`` or ``file row N``."""
+        if self.dataset is not None:
+            for n, row in enumerate(self.dataset):
+                yield f"{self.description} row {n}", row
+            return
+        assert self.path is not None
+        try:
+            with open_text(self.path) as f:
+                text = f.read()
+        except READ_ERRORS as exc:
+            raise LmcliError(read_error(self.path, exc)) from None
+        if text.lstrip().startswith("["):  # one JSON list of rows
+            try:
+                rows = json.loads(text)
+            except ValueError as exc:
+                raise LmcliError(f"{self.path}: not valid JSON: {exc}") from None
+            for n, row in enumerate(rows):
+                yield f"{self.path} row {n}", row
+            return
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{self.path}:{number}", json.loads(line)
+            except ValueError:
+                raise LmcliError(f"{self.path}:{number}: not a JSON object") from None
+
+    def conversations(self) -> Iterator[list[Message]]:
+        for where, row in self.rows():
+            yield conversation(row, where)
+
+    def texts(self) -> Iterator[str]:
+        """Every message and role name, for training a tokenizer."""
+        yield " ".join(ROLES)
+        for messages in self.conversations():
+            yield from (m["content"] for m in messages)
+
+    def encoded(self, tok: Tokenizer, max_len: int) -> Iterator[Encoded | Skipped]:
+        """Each conversation rendered with the tokenizer's chat template (or lmcli's), the loss on
+        the replies; cut to ``max_len`` tokens ("beyond" when no reply starts within them)."""
+        for messages in self.conversations():
+            ids, scored = encode_conversation(messages, tok.chat_template, tok)
+            yield truncate(ids, scored, max_len)
