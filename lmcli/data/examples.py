@@ -255,7 +255,7 @@ def collate(
         y[row, :n] = torch.where(scored, seq_t[1:], IGNORE)  # position j predicts token j + 1
         prefix[row] = int(examples.prefix[int(i)])
     index = (y.view(-1) != IGNORE).nonzero().squeeze(1)  # (N,) flat positions the loss reads
-    return Batch(x, y, prefix, index)
+    return Batch(x, y, prefix, index=index)
 
 
 class ExampleSampler(EpochStream):

@@ -242,7 +242,7 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest(tmp_path: Path) -> No
 def test_resuming_with_another_optimizer_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
     from helpers import assert_one_line_error, run_cli
 
-    train(MODEL, config(tmp_path, "run", max_steps=10), reporter=quiet(), progress=False)
+    train(MODEL, config(tmp_path, "run", max_steps=10, optimizer="adamw"), reporter=quiet(), progress=False)
     before = (tmp_path / "run" / "last" / "model.safetensors").read_bytes()
     code, _, err = run_cli(["train", "--resume", str(tmp_path / "run"), "--optimizer", "muon", "-q"], capsys)
     assert_one_line_error(
@@ -337,3 +337,19 @@ def test_cpu_muon_is_torchs_muon_in_float32() -> None:
     assert a.state_dict()["state"].keys() == b.state_dict()["state"].keys()
     for s_a, s_b in zip(a.state_dict()["state"].values(), b.state_dict()["state"].values(), strict=True):
         torch.testing.assert_close(s_a["momentum_buffer"], s_b["momentum_buffer"])
+
+
+def test_auto_is_muon_and_wsd_from_scratch_adamw_and_cosine_elsewhere_and_old_runs_keep_theirs() -> None:
+    from lmcli.config import stored_fields
+
+    scratch = TrainConfig()
+    assert (scratch.optimizer_kind, scratch.schedule_kind) == ("muon", "wsd")
+    fine_tune = TrainConfig(init_from="some/folder")
+    assert (fine_tune.optimizer_kind, fine_tune.schedule_kind) == ("adamw", "cosine")
+    translation = TrainConfig(task="translation", source="a.txt", target="b.txt")
+    assert (translation.optimizer_kind, translation.schedule_kind) == ("adamw", "cosine")
+    pinned = TrainConfig(optimizer="adamw", schedule="linear")
+    assert (pinned.optimizer_kind, pinned.schedule_kind) == ("adamw", "linear")
+    # a run folder written before the options existed trained with AdamW and cosine: it resumes so
+    old = TrainConfig(**stored_fields(TrainConfig, {"lr": 1e-3}))
+    assert (old.optimizer_kind, old.schedule_kind) == ("adamw", "cosine")
