@@ -191,6 +191,9 @@ def test_bad_lora_inputs_are_one_line(base: Path, tmp_path: Path, capsys) -> Non
     assert not (tmp_path / "x").exists()  # nothing left behind
     code, _, err = run_cli(["train", *train_args, "--lora-rank", "2", "-o", str(tmp_path / "x")], capsys)
     assert_one_line_error(code, err, "--lora-rank needs --init-from")
+    code, _, err = run_cli(["train", *adapt, "--ema", "0.99", "-o", str(tmp_path / "x")], capsys)
+    assert_one_line_error(code, err, "--ema averages full weights: it cannot be combined with --lora-rank")
+    assert not (tmp_path / "x").exists()
 
     run = tmp_path / "lora"
     code, _, err = run_cli(["train", *adapt, "-o", str(run)], capsys)
