@@ -520,12 +520,8 @@ def open_run(
     sampler = data.sampler(cfg.batch_size, cfg.seed)
     model.to(device)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
-    optimizer = make_optimizer(model, cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
-    state = TrainState()
-    ema = EMA(model, cfg.ema) if cfg.ema else None
+    optimizer, scaler, state, ema = training_state(model, cfg, amp, resumed, dist_info, device)
     if resumed is not None:
-        restore(resumed.state, state, optimizer, scaler, dist_info, cfg, ema, device)
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
 
@@ -563,6 +559,24 @@ def open_run(
         if resumed:
             carry_history(run)
     return run
+
+
+def training_state(
+    model: Transformer,
+    cfg: TrainConfig,
+    amp: torch.dtype | None,
+    resumed: Any,
+    dist_info: Dist,
+    device: torch.device,
+) -> tuple[Any, Any, TrainState, EMA | None]:
+    """The optimizer, grad scaler, counters and weight average: new, or a resumed run's."""
+    optimizer = make_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
+    state = TrainState()
+    ema = EMA(model, cfg.ema) if cfg.ema else None
+    if resumed is not None:
+        restore(resumed.state, state, optimizer, scaler, dist_info, cfg, ema, device)
+    return optimizer, scaler, state, ema
 
 
 def carry_history(run: Run) -> None:

@@ -91,11 +91,10 @@ class Muon(torch.optim.Muon):
                 if tall:
                     x = x.T
                 rows, cols = p.shape
-                scale = {
-                    None: max(1.0, rows / cols) ** 0.5,
-                    "original": max(1.0, rows / cols) ** 0.5,
-                    "match_rms_adamw": 0.2 * max(rows, cols) ** 0.5,
-                }.get(group["adjust_lr_fn"], 1.0)
+                if group["adjust_lr_fn"] == "match_rms_adamw":
+                    scale = 0.2 * max(rows, cols) ** 0.5
+                else:  # None or "original"
+                    scale = max(1.0, rows / cols) ** 0.5
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(x.to(p.dtype), alpha=-lr * scale)
 
