@@ -45,7 +45,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lmcli import __version__
-from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_fields, to_dict
+from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_fields, stored_model_config, to_dict
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.safe_io import temp_dir
@@ -105,6 +105,17 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if raw.config.tie_embeddings:
         state.pop("lm_head.weight", None)
     return {DISK_NAMES.get(k, k): v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def logical_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model_state`` with the embedding table and the head cut to the logical vocabulary:
+    what another format (Hugging Face, GGUF) holds, ``vocab_size`` rows and not the padding."""
+    V = unwrap(model).config.vocab_size
+    state = model_state(model)
+    for key in ("wte.weight", "lm_head.weight"):
+        if key in state and state[key].size(0) != V:
+            state[key] = state[key][:V].contiguous()  # (padded V, C) -> (V, C)
+    return state
 
 
 def _sha256(path: Path) -> str:
@@ -405,11 +416,13 @@ def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
             f"(n-layer {cfg.n_layer}, layers in the weights: {len(layers)})"
         )
     wte = header.tensors.get("wte.weight")
-    if wte is None or wte[1] != (cfg.vocab_size, cfg.n_embd):
+    if wte is None or wte[1] != (cfg.padded_vocab_size, cfg.n_embd):
         got = "no wte.weight" if wte is None else f"wte.weight of shape {wte[1]}"
+        rows = f"vocabulary {cfg.vocab_size}"
+        if cfg.padded_vocab_size != cfg.vocab_size:
+            rows += f" padded to {cfg.padded_vocab_size} rows (vocab-multiple {cfg.vocab_multiple})"
         raise LmcliError(
-            f"{where} do not fit the model config (vocabulary {cfg.vocab_size} x n-embd {cfg.n_embd}, "
-            f"the weights hold {got})"
+            f"{where} do not fit the model config ({rows} x n-embd {cfg.n_embd}, the weights hold {got})"
         )
     expected, computed = expected_weights(cfg)
     missing = sorted(set(expected) - set(header.tensors))
@@ -540,7 +553,7 @@ def load_checkpoint(
     cfg = read_json(ckpt / CONFIG, "checkpoint config")
     if not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise LmcliError(f"{ckpt / CONFIG} has no model config")
-    model_config = from_dict(ModelConfig, cfg["model"], source=str(ckpt / CONFIG))
+    model_config = stored_model_config(cfg["model"], source=str(ckpt / CONFIG))
     train_data = stored_fields(TrainConfig, dict(cfg.get("train", {})))  # no paths to write to
     train_config = from_dict(TrainConfig, train_data, source=str(ckpt / CONFIG))
     tokenizer = Tokenizer.load(checked_file(ckpt / TOKENIZER))

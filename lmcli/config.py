@@ -39,6 +39,7 @@ Schedule = Literal["auto", "cosine", "wsd", "linear"]
 Select = Literal["val_loss", "val_bleu", "val_chrf"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
+VOCAB_MULTIPLE_MAX = 1024  # --vocab-multiple: a larger one only wastes rows
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
 
 C = TypeVar("C")
@@ -107,6 +108,18 @@ def parse_duration(value: str | float | int) -> float:
     if not parts or "".join(a + b for a, b in parts) != text:
         raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
     return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def parse_vocab_multiple(value: str | int) -> int:
+    """``auto`` -> 0 (resolved by training), or a whole number."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return 0
+        if not re.fullmatch(r"-?\d+", text):
+            raise LmcliError(f"invalid vocab-multiple {value!r}: give auto or a whole number such as 64")
+        return int(text)
+    return value
 
 
 # ----------------------------------------------------------------------------- generic checks
@@ -272,6 +285,17 @@ class ModelConfig:
         flag="--zero-init/--no-zero-init",
         resume="free",
     )
+    vocab_multiple: int = option(
+        0,
+        "Round the embedding table and vocabulary projection up to a multiple of this many rows "
+        "(fast GPU matmuls); outputs and exports keep the tokenizer's vocabulary. auto or 0: "
+        "decided where the run trains.",
+        ge=0,
+        le=VOCAB_MULTIPLE_MAX,
+        parse=parse_vocab_multiple,
+        default_help="auto: 64 when training on CUDA, 1 elsewhere",
+        absent=1,  # run folders written before the option: no padding
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -291,6 +315,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table and the vocabulary projection: ``vocab_size`` rounded up
+        to ``vocab_multiple`` (0, auto not yet resolved by training: no padding). The rows past
+        ``vocab_size`` are never an input, never scored and never exported."""
+        multiple = max(self.vocab_multiple, 1)
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def attn_bias(self) -> bool:
@@ -713,6 +745,21 @@ def stored_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
         if f.name not in data and f.metadata.get("absent") is not None:
             kept[f.name] = f.metadata["absent"]
     return kept
+
+
+def stored_model_config(data: dict[str, Any], *, source: str) -> ModelConfig:
+    """The ModelConfig a run folder's ``config.json`` holds; an option the folder predates gets
+    the value it had then (``absent``: e.g. no vocabulary padding)."""
+    return from_dict(ModelConfig, stored_fields(ModelConfig, data), source=source)
+
+
+def resolve_vocab_multiple(cfg: ModelConfig, device_type: str) -> ModelConfig:
+    """``--vocab-multiple auto`` (0) made concrete for a run training on ``device_type``: 64 on
+    CUDA (tensor-core-friendly matmul shapes), 1 elsewhere (on a CPU the slice to the logical
+    vocabulary costs a copy of the logits, and a small vocabulary would grow: 65 chars -> 128)."""
+    if cfg.vocab_multiple:
+        return cfg
+    return dataclasses.replace(cfg, vocab_multiple=64 if device_type == "cuda" else 1)
 
 
 def field_names(cls: type) -> set[str]:

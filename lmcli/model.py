@@ -257,12 +257,14 @@ class Transformer(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (from the tokenizer)")
         self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        # padded_vocab_size rows (vocab_size rounded up to --vocab-multiple); the rows past
+        # vocab_size are never looked up, and forward drops their logits
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.positions = make_positions(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = NORMS[cfg.norm](cfg) if PLACEMENTS[cfg.norm_placement].final_norm else nn.Identity()
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         # a one-token decoding step installed by lmcli.fastpath for an inference scope, else None
@@ -285,7 +287,8 @@ class Transformer(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
-        """Parameter count (tied weights once); optionally without the embedding tables."""
+        """Parameter count (tied weights once, padded vocabulary rows included: what is stored);
+        optionally without the embedding tables."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.wte.weight.numel() + sum(p.numel() for p in self.positions.parameters())
@@ -302,7 +305,8 @@ class Transformer(nn.Module):
         last_only: bool = False,
         output_index: Tensor | None = None,
     ) -> Tensor:
-        """Logits (B, T, V) for token ids ``idx`` (B, T); (B, 1, V) with ``last_only``.
+        """Logits (B, T, V) for token ids ``idx`` (B, T); (B, 1, V) with ``last_only``; V is the
+        logical vocabulary (``vocab_size``), never the padded rows.
 
         With a ``cache``, ``idx`` continues the cached columns and the cache advances by T.
         ``prefix_len`` (B,) makes the first columns attend to each other bidirectionally.
@@ -337,7 +341,13 @@ class Transformer(nn.Module):
             x = x[:, -1:, :]
         elif output_index is not None:
             x = x.reshape(B * T, -1).index_select(0, output_index)  # (B, T, C) -> (N, C)
-        return self.cap_logits(self.lm_head(self.ln_f(x)))
+        return self.cap_logits(self.vocab_logits(self.lm_head(self.ln_f(x))))
+
+    def vocab_logits(self, logits: Tensor) -> Tensor:
+        """The head's output (.., padded V) over the logical vocabulary (.., V): a view without
+        the padded rows (the loss gives them no gradient, sampling never sees them)."""
+        V = self.config.vocab_size
+        return logits if logits.size(-1) == V else logits[..., :V]
 
     def cap_logits(self, logits: Tensor) -> Tensor:
         """cap * tanh(logits / cap) with ``--logit-softcap`` (Gemma 2), else the logits unchanged."""

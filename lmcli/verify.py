@@ -33,7 +33,7 @@ from lmcli.checkpoint import (
     read_json,
     verify_checksums,
 )
-from lmcli.config import ModelConfig, TrainConfig, from_dict
+from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_model_config
 from lmcli.errors import LmcliError
 from lmcli.safe_io import refuse_symlinks
 from lmcli.tokenizer import Tokenizer
@@ -101,7 +101,7 @@ def read_configs(path: Path) -> ModelConfig:
     if not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise LmcliError(f"{path} has no model config")
     from_dict(TrainConfig, cfg.get("train", {}), source=str(path))
-    return from_dict(ModelConfig, cfg["model"], source=str(path))
+    return stored_model_config(cfg["model"], source=str(path))
 
 
 def checkpoints_of(path: Path) -> list[Path]:

@@ -177,7 +177,7 @@ class StepRunner:
         for layer in layers:
             x = layer(x, pos, mask, rotate, cache)
         cache.advance(1)
-        return model.cap_logits(head(final_norm(x))).view(B, 1, -1)
+        return model.cap_logits(model.vocab_logits(head(final_norm(x)))).view(B, 1, -1)
 
 
 def _absent() -> None:

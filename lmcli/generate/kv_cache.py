@@ -27,7 +27,9 @@ def check_fits(model: torch.nn.Module, rows: int, what: str) -> None:
     row) and next-token scores would not fit in the device's memory, before allocating any."""
     cfg = model.config
     param = next(model.parameters())
-    per_row = 2 * cfg.n_layer * cfg.block_size * cfg.n_embd * param.element_size() + 4 * cfg.vocab_size * 4
+    per_row = (
+        2 * cfg.n_layer * cfg.block_size * cfg.n_embd * param.element_size() + 4 * cfg.padded_vocab_size * 4
+    )
     have = memory_of(param.device)
     if have is not None and rows * per_row > have:
         raise LmcliError(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lmcli.checkpoint import load_model, model_state
+from lmcli.checkpoint import load_model, logical_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.hf import gpt2, llama
@@ -166,7 +166,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     if kind == "gpt2":
         config, state = gpt2.hf_config(cfg, ids, dtype), gpt2.to_gpt2_state(model)
     else:
-        config, state = llama.hf_config(cfg, kind, ids, dtype), llama.to_hf_state(model_state(model), cfg)
+        config, state = llama.hf_config(cfg, kind, ids, dtype), llama.to_hf_state(logical_state(model), cfg)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(out_dir)  # created exclusively: a link planted beside the output is never followed
     try:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcli.checkpoint import load_checkpoint, model_state
+from lmcli.checkpoint import load_checkpoint, logical_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.safe_io import temp_file
@@ -140,7 +140,7 @@ def gguf_tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
     a linear layer's weight is (out, in), which GGUF stores as ne = [in, out])."""
     gguf = _gguf()
     cfg: ModelConfig = model.config
-    state = {k: v.float() for k, v in model_state(model).items()}
+    state = {k: v.float() for k, v in logical_state(model).items()}
     T, names = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
 
     def name(tensor: Any, layer: int | None = None, kind: str = "weight") -> str:
@@ -287,7 +287,7 @@ def write_gguf(
     if dtype not in GGUF_TYPES:
         raise LmcliError(f"invalid GGUF type {dtype!r}: choose one of {', '.join(GGUF_TYPES)}")
     cfg: ModelConfig = model.config
-    arch = gguf_architecture(cfg, model_state(model))
+    arch = gguf_architecture(cfg, logical_state(model))
     vocab = gguf_vocab(tok, cfg.vocab_size)
     tensors = gguf_tensors(model, arch)
     out = Path(out)

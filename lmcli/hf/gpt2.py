@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lmcli.checkpoint import model_state
+from lmcli.checkpoint import logical_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
@@ -75,7 +75,7 @@ def hf_config(cfg: ModelConfig, ids: dict[str, int | None], dtype: str) -> dict[
 def to_gpt2_state(model: Transformer) -> dict[str, torch.Tensor]:
     """Our weights under GPT-2's names, Conv1D weights transposed (tied head stored once)."""
     out = {}
-    for key, value in model_state(model).items():
+    for key, value in logical_state(model).items():
         if any(key.endswith(s) for s in _CONV1D):
             value = value.t().contiguous()
         out[f"transformer.{key}" if key != "lm_head.weight" else key] = value
@@ -101,6 +101,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> tuple[ModelConfig, list[st
         raise LmcliError(f"{where}: unsupported GPT-2 activation {hf.get('activation_function')!r}")
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
+        vocab_multiple=1,  # the imported shapes as they are
         block_size=hf.get("n_positions", 1024),
         n_layer=hf["n_layer"],
         n_head=hf["n_head"],

@@ -94,6 +94,7 @@ def config_from_hf(hf: dict[str, Any], where: str) -> tuple[ModelConfig, list[st
         context = window
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
+        vocab_multiple=1,  # the imported shapes as they are
         block_size=context,
         n_layer=hf["num_hidden_layers"],
         n_head=heads,

@@ -36,7 +36,7 @@ from lmcli.checkpoint import (
     save_checkpoint,
     step_checkpoints,
 )
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple
 from lmcli.data.examples import pad_multiple
 from lmcli.data.train_data import ExampleData, TrainData, load_train_data
 from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
@@ -516,6 +516,9 @@ def open_run(
     )
     if isinstance(data, ExampleData):  # widths that repeat where shapes are compiled or cached
         data.pad_multiple = pad_multiple(cfg.compile, device)
+    # --vocab-multiple auto becomes a number here, where the device is known, and the checkpoint
+    # records it: the weights' layout never depends on the device that later loads them
+    model_config = resolve_vocab_multiple(model_config, device.type)
     model, model_config = build_model(model_config, cfg, data, resumed, init)
     sampler = data.sampler(cfg.batch_size, cfg.seed)
     model.to(device)
@@ -753,6 +756,11 @@ def show_preflight(run: Run, rep: Reporter) -> None:
         + (" (token cache reused)" if run.data.info.get("cached") else ""),
         "tokenizer": f"{run.data.tokenizer.kind}, {run.data.tokenizer.vocab_size} tokens",
     }
+    if run.model_config.padded_vocab_size != run.model_config.vocab_size:
+        facts["vocabulary rows"] = (
+            f"{run.model_config.padded_vocab_size} (padded to a multiple of "
+            f"{run.model_config.vocab_multiple}; outputs keep {run.model_config.vocab_size})"
+        )
     if run.dist.enabled:
         facts["processes"] = f"{run.dist.world_size} (DDP)"
     if cfg.lora_rank:

@@ -51,7 +51,8 @@ def flops_per_token(cfg: ModelConfig, matmul_params: int, tokens_per_example: in
 
 def matmul_params(model: torch.nn.Module) -> int:
     """Parameters that take part in a matrix product per token: all but the embedding tables
-    (the vocabulary projection counts once, tied or not)."""
+    (the vocabulary projection counts once, tied or not, over the logical vocabulary: rows
+    padded for speed are work the model does not need, so they never raise the MFU)."""
     cfg = model.config
     return model.num_parameters(non_embedding=True) + cfg.vocab_size * cfg.n_embd
 

@@ -61,7 +61,7 @@ def estimate_memory(
     act_bytes = 2 if autocast else 4
     scores = 0 if flash else 5 * H * B * T * T
     activations = cfg.n_layer * (34 * B * T * C + scores) * act_bytes // 2
-    logits = B * T * cfg.vocab_size * 12
+    logits = B * T * cfg.padded_vocab_size * 12  # the head computes the padded rows too
     return state + activations + logits
 
 

@@ -233,6 +233,8 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
 def check_resumable(saved: ModelConfig, requested: ModelConfig) -> None:
     """Resuming may change run length and the like, never what the weights compute."""
     changed = [f for f in ModelConfig.on_resume("fixed") if getattr(saved, f) != getattr(requested, f)]
+    if requested.vocab_multiple == 0:  # auto asks for no padding of its own: the run keeps its rows
+        changed = [f for f in changed if f != "vocab_multiple"]
     if changed:
         what = ", ".join(
             f"{f.replace('_', '-')} {getattr(saved, f)} -> {getattr(requested, f)}" for f in changed
@@ -248,7 +250,8 @@ def resolve_configs(
     train: dict[str, Any] = {}
     if resume is not None:
         saved = read_json(last_checkpoint(resume) / "config.json", "run config")
-        model, train = dict(saved.get("model", {})), stored_fields(TrainConfig, dict(saved.get("train", {})))
+        model = stored_fields(ModelConfig, dict(saved.get("model", {})))
+        train = stored_fields(TrainConfig, dict(saved.get("train", {})))
         train.pop("out", None)  # a resumed run writes to its own folder unless --out says otherwise
     for source, options in (("config file", file_options), ("options", cli_options)):
         m, t = split_options(options, source=source)

@@ -51,6 +51,17 @@ ARCHITECTURES += [  # issue 18's options: QK-norm, ReLU^2, soft-capped logits (a
     dict(position="alibi", norm_placement="post", qk_norm=True, logit_softcap=0.5),
     dict(position="rope", mlp="relu2", logit_softcap=0.5, zero_init=True),
 ]
+ARCHITECTURES += [  # issue 19: the vocabulary's 23 rows padded to 64 (tied, untied and soft-capped)
+    dict(vocab_multiple=64),
+    dict(
+        position="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        tie_embeddings=False,
+        logit_softcap=0.5,
+        vocab_multiple=64,
+    ),
+]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["plain", "fastpath"])

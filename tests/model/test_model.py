@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import re
 
 import pytest
 import torch
@@ -130,3 +132,60 @@ def test_output_index_computes_the_same_logits_at_fewer_positions() -> None:
     mask = torch.rand(3, 9, generator=torch.Generator().manual_seed(4)) > 0.5
     index = mask.view(-1).nonzero().squeeze(1)  # what collate computes on the host
     torch.testing.assert_close(model(idx, output_index=index), model(idx)[mask], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- vocabulary padding
+
+PADDED = dict(vocab_size=65, vocab_multiple=64, block_size=16, n_embd=16)  # 65 tokens, 128 rows
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_padded_vocabulary_has_128_rows_and_65_logits_in_every_path(tie: bool) -> None:
+    """Vocabulary 65 padded to a multiple of 64: the tables hold 128 rows, yet the full forward,
+    the cached forward, ``output_index``, ``last_only`` and the CPU fast one-token step all give
+    logits over the 65 tokens, and cached decoding (plain and fast) equals the full forward."""
+    from lmcli import fastpath
+    from lmcli.generate.kv_cache import KVCache
+
+    model = tiny_model(**PADDED, tie_embeddings=tie)
+    assert model.config.padded_vocab_size == 128
+    assert model.wte.weight.shape == (128, 16) and model.lm_head.weight.shape == (128, 16)
+    idx = torch.randint(0, 65, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(idx)
+        assert full.shape == (2, 12, 65)
+        assert model(idx, last_only=True).shape == (2, 1, 65)
+        assert model(idx, output_index=torch.tensor([0, 5, 23])).shape == (3, 65)
+        for fast in (False, True):
+            with fastpath.inference(model) if fast else contextlib.nullcontext():
+                assert (model.fast_step is not None) == fast
+                cache = KVCache.for_model(model, 2)
+                parts = [model(idx[:, :4], cache)] + [model(idx[:, t : t + 1], cache) for t in range(4, 12)]
+            assert all(p.size(-1) == 65 for p in parts)
+            torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_changes_no_logit_and_the_padded_rows_get_no_gradient() -> None:
+    """The padded model computes what the unpadded one with the same 65 rows computes, and a
+    training loss leaves the padded rows of the (untied) head and the embedding untouched."""
+    padded = tiny_model(**PADDED, tie_embeddings=False)
+    plain = tiny_model(**{**PADDED, "vocab_multiple": 1}, tie_embeddings=False)
+    assert plain.wte.weight.shape == (65, 16)
+    state = {
+        k: v[:65] if k in ("wte.weight", "lm_head.weight") else v for k, v in padded.state_dict().items()
+    }
+    plain.load_state_dict(state)
+    idx = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(padded(idx), plain(idx), rtol=0, atol=0)
+    padded.train()
+    loss = torch.nn.functional.cross_entropy(padded(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
+    loss.backward()
+    for table in (padded.wte.weight, padded.lm_head.weight):
+        assert table.grad[:65].abs().sum() > 0 and torch.all(table.grad[65:] == 0)
+
+
+@pytest.mark.parametrize("value,message", [(-64, "vocab-multiple must be in [0, 1024]"), (4096, "[0, 1024]")])
+def test_an_absurd_vocab_multiple_is_refused(value: int, message: str) -> None:
+    with pytest.raises(LmcliError, match=re.escape(message)):
+        ModelConfig(vocab_size=65, vocab_multiple=value)
+    assert ModelConfig(vocab_size=65, vocab_multiple="auto").vocab_multiple == 0
