@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -210,3 +211,38 @@ def test_no_run_under_checkpoints(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     code, _, err = run(["sample"], capsys)
     assert_one_line_error(code, err, "no run found under checkpoints/")
+
+
+def test_a_padded_vocabulary_never_reaches_sample_beam_or_eval(tmp_path: Path, capsys) -> None:
+    """A run whose 25-token vocabulary is padded to 64 rows, the padded rows of its (tied) head
+    made huge: were they ever scored, greedy decoding would pick them. `sample` (the CPU fast
+    step), `beam` and `eval` give exactly what a copy holding only the 25 real rows gives."""
+    import torch
+
+    from lmcli.checkpoint import load_checkpoint, logical_state, model_from_state, save_checkpoint
+    from lmcli.config import TrainConfig
+
+    padded = make_run(tmp_path / "padded", vocab_multiple=64)
+    ckpt = load_checkpoint(padded / "best")
+    V = ckpt.model_config.vocab_size
+    assert ckpt.model.wte.weight.shape[0] == 64 > V
+    with torch.no_grad():
+        ckpt.model.wte.weight[V:] = 50 * torch.randn(64 - V, ckpt.model.wte.weight.size(1))
+    plain_cfg = dataclasses.replace(ckpt.model_config, vocab_multiple=1)
+    plain = model_from_state(plain_cfg, logical_state(ckpt.model))
+    for run_dir, model in ((padded, ckpt.model), (tmp_path / "plain", plain)):
+        save_checkpoint(run_dir / "best", model, TrainConfig(), ckpt.tokenizer, meta={"step": 0})
+    (tmp_path / "t.txt").write_text("the cat sat on the mat.\nthe dog\n")
+    commands = [
+        ["sample", "-p", "the", "-p", "a", "--max-new-tokens", "12", "--temperature", "0", "--json"],
+        ["sample", "-p", "the", "--max-new-tokens", "12", "--temperature", "1.5", "--seed", "3", "--json"],
+        ["beam", "-i", str(tmp_path / "t.txt"), "--beam-size", "3", "--max-new-tokens", "8", "--json"],
+        ["eval", str(tmp_path / "t.txt"), "--json"],
+    ]
+    for command in commands:
+        outputs = []
+        for run_dir in (padded, tmp_path / "plain"):
+            code, out, err = run([command[0], str(run_dir / "best"), *command[1:]], capsys)
+            assert code == 0, err
+            outputs.append(out)
+        assert outputs[0] == outputs[1], command

@@ -33,5 +33,8 @@ def test_a_run_of_lmcli_0_1_resumes_and_samples(tmp_path: Path, capsys) -> None:
     )
     assert code == 0, err
     assert json.loads((run / "last" / "meta.json").read_text())["step"] == 6
+    # written before --vocab-multiple: no padding, and the resumed run now records that
+    assert load_checkpoint(OLD_RUN / "last").model_config.vocab_multiple == 1
+    assert json.loads((run / "last" / "config.json").read_text())["model"]["vocab_multiple"] == 1
     code, out, err = run_cli(["sample", str(run), "-p", "the", "--max-new-tokens", "5"], capsys)
     assert code == 0 and out.startswith("the"), err

@@ -353,3 +353,71 @@ def test_auto_is_muon_and_wsd_from_scratch_adamw_and_cosine_elsewhere_and_old_ru
     # a run folder written before the options existed trained with AdamW and cosine: it resumes so
     old = TrainConfig(**stored_fields(TrainConfig, {"lr": 1e-3}))
     assert (old.optimizer_kind, old.schedule_kind) == ("adamw", "cosine")
+
+
+# ----------------------------------------------------------------------------- issue 19: vocabulary padding
+
+
+def test_a_run_with_vocab_multiple_64_learns_and_resumes_exactly_on_the_cpu(tmp_path: Path, capsys) -> None:
+    """``--vocab-multiple 64`` pads the 25-token char vocabulary to 64 rows on a CPU: the loss
+    falls, the checkpoint holds 64 rows and records 64, and a run killed after its step-10
+    checkpoint, resumed with the default (auto), equals the uninterrupted run bit for bit (the
+    optimizer state has the padded shapes)."""
+    from helpers import FAST_TRAIN_ARGS, run_cli
+
+    (tmp_path / "corpus.txt").write_text(TINY_TEXT)
+    code, _, err = run_cli(
+        ["train", str(tmp_path / "corpus.txt"), "--vocab-multiple", "64", "-o", str(tmp_path / "cli")]
+        + [*FAST_TRAIN_ARGS, "--max-steps", "2"],
+        capsys,
+    )
+    assert code == 0, err
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["model"]["vocab_multiple"] == 64
+    assert weights(tmp_path / "cli")["wte.weight"].shape == (64, 16)
+
+    padded = replace(MODEL, vocab_multiple=64)
+    full = train(padded, config(tmp_path, "full", max_steps=20), reporter=quiet(), progress=False)
+    losses = [r["train_loss"] for r in MetricsLog(full.run_dir / "metrics.jsonl").read() if "train_loss" in r]
+    assert losses[-1] < losses[0] - 0.5
+    cfg = config(tmp_path, "crashed", max_steps=20)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(padded, cfg, reporter=Reporter(info=lambda m: None, progress=CrashAt(15)), progress=False)
+    resumed = train(MODEL, cfg, resume=tmp_path / "crashed", reporter=quiet(), progress=False)
+    assert_same_weights(weights(full.run_dir), weights(resumed.run_dir))
+    assert weights(resumed.run_dir)["wte.weight"].shape == (64, 32)
+    with pytest.raises(LmcliError, match="different model shape .*vocab-multiple 64 -> 8"):
+        train(
+            replace(MODEL, vocab_multiple=8),
+            cfg,
+            resume=tmp_path / "crashed",
+            reporter=quiet(),
+            progress=False,
+        )
+
+
+def test_auto_vocab_multiple_is_64_on_cuda_and_1_elsewhere_and_the_checkpoint_records_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """auto is resolved where training knows its device and the number is stored: a run trained
+    (as if) on CUDA holds 64 rows and loads with them on a CPU; a CPU run holds 1."""
+    from lmcli.config import resolve_vocab_multiple
+    from lmcli.train import loop
+
+    assert resolve_vocab_multiple(ModelConfig(), "cuda").vocab_multiple == 64
+    assert resolve_vocab_multiple(ModelConfig(), "cpu").vocab_multiple == 1
+    assert resolve_vocab_multiple(ModelConfig(), "mps").vocab_multiple == 1
+    assert resolve_vocab_multiple(ModelConfig(vocab_multiple=8), "cuda").vocab_multiple == 8
+    cpu = train(MODEL, config(tmp_path, "cpu", max_steps=1), reporter=quiet(), progress=False)
+    assert load_checkpoint(cpu.run_dir).model_config.vocab_multiple == 1
+    assert (
+        weights(cpu.run_dir)["wte.weight"].shape[0]
+        == Tokenizer.load(cpu.run_dir / "last" / "tokenizer.json").vocab_size
+    )
+    # the loop's device mocked as a GPU (the tensors stay on the CPU): the auto choice is 64
+    monkeypatch.setattr(loop, "resolve_vocab_multiple", lambda cfg, kind: resolve_vocab_multiple(cfg, "cuda"))
+    gpu = train(MODEL, config(tmp_path, "gpu", max_steps=1), reporter=quiet(), progress=False)
+    monkeypatch.undo()
+    stored = json.loads((gpu.run_dir / "last" / "config.json").read_text())["model"]
+    assert stored["vocab_multiple"] == 64
+    ckpt = load_checkpoint(gpu.run_dir)  # on this CPU, with its padding
+    assert ckpt.model.wte.weight.shape == (64, 32) and ckpt.model_config.vocab_multiple == 64
