@@ -36,6 +36,10 @@ FAMILIES = {
     "llama": dict(**LLAMA, bias=False, tie_embeddings=False),
     "llama-biased": dict(**LLAMA, bias=True),
 }
+FAMILIES |= {  # issue 19: the 300-token vocabulary padded to 320 rows; the file holds 300
+    "gpt2-padded": dict(vocab_multiple=64),
+    "llama-padded": dict(**LLAMA, bias=False, tie_embeddings=False, vocab_multiple=64),
+}
 if "n_kv_head" in field_names(ModelConfig):  # grouped-query attention, once lmcli has it
     FAMILIES["llama-gqa"] = dict(**LLAMA, bias=False, n_head=4, n_kv_head=2)
 

@@ -94,6 +94,30 @@ def test_exported_run_loads_in_transformers_with_the_same_logits_and_tokens(tmp_
         )
 
 
+@pytest.mark.parametrize(
+    "family",
+    [dict(), dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)],
+    ids=["gpt2", "llama-untied"],
+)
+def test_a_padded_run_exports_its_logical_vocabulary_with_the_same_logits(
+    tmp_path: Path, family: dict
+) -> None:
+    """A run whose vocabulary is padded to a multiple of 64 exports ``vocab_size`` rows: the
+    folder's config, embedding and head say so, and transformers computes lmcli's logits."""
+    run = make_run(tmp_path / "run", kind="bpe", vocab_multiple=64, **family)
+    ckpt = load_checkpoint(run)
+    V = ckpt.model_config.vocab_size
+    assert ckpt.model.wte.weight.size(0) == ckpt.model_config.padded_vocab_size > V
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_hf(run, tmp_path / "hf")).eval()
+    assert model.config.vocab_size == V
+    assert model.get_input_embeddings().weight.shape[0] == model.get_output_embeddings().weight.shape[0] == V
+    ids = ckpt.tokenizer.encode("the dog sat on the log.")
+    with torch.no_grad():
+        ours, theirs = ckpt.model(torch.tensor([ids])), model(torch.tensor([ids])).logits
+    assert ours.shape == theirs.shape == (1, len(ids), V)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_configs_gpt2_cannot_express_are_refused(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", norm="rmsnorm", mlp="swiglu")
     with pytest.raises(LmcliError, match="GPT-2 cannot express this model .*rmsnorm, a swiglu MLP"):

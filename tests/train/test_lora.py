@@ -252,3 +252,39 @@ def test_decoding_with_adapters_on_equals_the_merged_model_on_the_fast_path() ->
         assert merged.fast_step is not None
         merged_out = [g.ids for g in generate(merged, tok, prompts, cfg)]
     assert adapted_out == merged_out
+
+
+def test_lora_on_a_padded_base_trains_its_embeddings_and_merges_to_the_logical_vocabulary(
+    tmp_path: Path, capsys
+) -> None:
+    """A base whose 25-token vocabulary is padded to 64 rows: LoRA with --lora-train-embeddings
+    keeps the padded table (the base's layout), and `export --merge` gives an lmcli checkpoint
+    with the padding and a Hugging Face folder with the 25 rows, both with the adapted logits."""
+    from helpers import TINY_TEXT, make_run
+
+    base = make_run(tmp_path / "base", vocab_multiple=64)
+    (tmp_path / "corpus.txt").write_text(TINY_TEXT)
+    cfg = TrainConfig(
+        corpus=(str(tmp_path / "corpus.txt"),),
+        out=str(tmp_path / "lora"),
+        init_from=str(base),
+        lora_train_embeddings=True,
+        **{**COMMON, **LORA, "max_steps": 4, "lr": 1e-2},
+    )
+    run = train(ModelConfig(), cfg, reporter=QUIET, progress=False).run_dir
+    assert load_file(str(run / "last" / ADAPTERS))["wte.weight"].shape == (64, 32)
+    adapted = load_checkpoint(run, merge=False).model
+    idx = torch.randint(0, 25, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = adapted(idx)
+    assert expected.shape == (2, 16, 25)
+    for fmt in ("lmcli", "hf"):
+        code, _, err = run_cli(["export", "--merge", str(run), "--format", fmt, str(tmp_path / fmt)], capsys)
+        assert code == 0, err
+    assert load_file(str(tmp_path / "lmcli" / "model.safetensors"))["wte.weight"].shape == (64, 32)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["vocab_size"] == 25
+    assert load_file(str(tmp_path / "hf" / "model.safetensors"))["transformer.wte.weight"].shape == (25, 32)
+    for folder in (tmp_path / "lmcli", tmp_path / "hf"):
+        with torch.no_grad():
+            torch.testing.assert_close(load_model(folder).model(idx), expected, atol=1e-5, rtol=0)
