@@ -201,6 +201,41 @@ def test_verify_names_the_first_problem(tiny_run: Path, capsys, damage, message:
     assert_one_line_error(code, err, message)
 
 
+@pytest.mark.parametrize(
+    "padded, model, message",
+    [
+        (False, {"vocab_multiple": -64}, "vocab-multiple must be in [0, 1024], got -64"),
+        (False, {"vocab_multiple": 10**12}, "vocab-multiple must be in [0, 1024], got 1000000000000"),
+        (False, {"vocab_multiple": "lots"}, "invalid vocab-multiple 'lots'"),
+        (False, {"vocab_multiple": 64}, "(vocabulary 25 padded to 64 rows (vocab-multiple 64) x n-embd 32, "),
+        (
+            True,
+            {"vocab_multiple": 1},
+            "(vocabulary 25 x n-embd 32, the weights hold wte.weight of shape (64, 32))",
+        ),
+    ],
+    ids=["negative", "absurd", "text", "claims-padding", "hides-padding"],
+)
+def test_a_shared_config_with_a_bad_vocab_multiple_is_one_line(
+    tmp_path: Path, capsys, padded: bool, model: dict, message: str
+) -> None:
+    """A shared run folder whose vocab-multiple is out of range, or disagrees with the rows its
+    weights hold (checksum recomputed): every command that reads it says so in one line."""
+    run = craft(make_run(tmp_path / "run", **({"vocab_multiple": 64} if padded else {})), model)
+    (tmp_path / "corpus.txt").write_text(TINY_TEXT)
+    commands = [
+        ["sample", str(run), "--max-new-tokens", "1"],
+        ["eval", str(run), str(tmp_path / "corpus.txt")],
+        ["verify", str(run)],
+        ["export", str(run), str(tmp_path / "hf")],
+        ["train", "--resume", str(run), str(tmp_path / "corpus.txt"), "--max-steps", "1", "-q"],
+    ]
+    for argv in commands:
+        code, _, err = run_cli(argv, capsys)
+        assert_one_line_error(code, err, message)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_verify_catches_a_crafted_trainer_state(tmp_path: Path, capsys) -> None:
     """A pickle that would run code, with its checksum recomputed: refused, never executed."""
     import pickle
