@@ -59,16 +59,9 @@ BEAM_ARGS = ["--max-len-a", "1.5", "--max-len-b", "10"]
 
 def lmcli_train(args: list[str], out: Path, threads: int | None) -> dict[str, Any]:
     """One ``lmcli train`` process; its wall time, final validation loss and validation curve."""
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "lmcli", "train", *args, "--out", str(out), "-q"]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lmcli(["train", *args, "--out", str(out), "-q"], threads)
     wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     elapsed = {r["step"]: r["elapsed"] for r in records if "elapsed" in r}
     curve = [

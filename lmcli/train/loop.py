@@ -516,10 +516,7 @@ def open_run(
     )
     if isinstance(data, ExampleData):  # widths that repeat where shapes are compiled or cached
         data.pad_multiple = pad_multiple(cfg.compile, device)
-    # --vocab-multiple auto becomes a number here, where the device is known, and the checkpoint
-    # records it: the weights' layout never depends on the device that later loads them
-    model_config = resolve_vocab_multiple(model_config, device.type)
-    model, model_config = build_model(model_config, cfg, data, resumed, init)
+    model, model_config = build_model(model_config, cfg, data, resumed, init, device)
     sampler = data.sampler(cfg.batch_size, cfg.seed)
     model.to(device)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
@@ -651,9 +648,17 @@ def wrap_for_training(
 
 
 def build_model(
-    model_config: ModelConfig, cfg: TrainConfig, data: TrainData, resumed: Any, init: Any
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    data: TrainData,
+    resumed: Any,
+    init: Any,
+    device: torch.device,
 ) -> tuple[Transformer, ModelConfig]:
-    """The model a run trains: resumed, imported (``--init-from``), or new and seeded."""
+    """The model a run trains: resumed, imported (``--init-from``), or new and seeded. A new
+    model's ``--vocab-multiple auto`` becomes a number for ``device`` here, and the checkpoint
+    records it: the weights' layout never depends on the device that later loads them (a resumed
+    or imported model keeps its own)."""
     if resumed is not None:  # the saved weights, with what a resume may change (dropout)
         saved = resumed.model_config
         free = ModelConfig.on_resume("free")
@@ -666,6 +671,7 @@ def build_model(
     if init is not None:
         return (lora.add_adapters(init[0], cfg) if cfg.lora_rank else init[0]), init[0].config
     model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)
+    model_config = resolve_vocab_multiple(model_config, device.type)
     seed_everything(cfg.seed)
     return Transformer(model_config), model_config
 
