@@ -34,6 +34,7 @@ from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.safe_io import atomic_write
+from lmcli.tasks import make_task
 from lmcli.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -73,8 +74,9 @@ class ChatSession:
     @classmethod
     def from_checkpoint(cls, ckpt: Any, cfg: SampleConfig, system: str | None = None) -> ChatSession:
         """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
-        if ckpt.train_config.task == "translation":
-            raise LmcliError("this is a translation model: use lmcli sample or lmcli beam")
+        task = make_task(ckpt.train_config)
+        if not task.chat:
+            raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
         template = chat_template.find_template(ckpt.path)
         return cls(ckpt.model, ckpt.tokenizer, cfg, template, system)
 

@@ -207,6 +207,7 @@ def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
 
     from lmcli.checkpoint import load_model, save_checkpoint
     from lmcli.config import TrainConfig
+    from lmcli.tasks import make_task
 
     tok = tiny_tokenizer()
     save_checkpoint(
@@ -214,7 +215,8 @@ def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
     )
     ckpt = load_model(tmp_path / "mt")
     cfg = SampleConfig(max_new_tokens=10, temperature=0.9, seed=4)
-    expected = sample_texts(ckpt.model, ckpt.tokenizer, ["the cat"], cfg, translation=True)[0][0].text
+    form = make_task(ckpt.train_config).prompt  # <bos> source <sep>
+    expected = sample_texts(ckpt.model, ckpt.tokenizer, ["the cat"], cfg, form=form)[0][0].text
     with running(ckpt, ServeConfig(port=0, grace=1)) as (url, _):
         body = {"prompt": "the cat", "max_tokens": 10, "temperature": 0.9, "seed": 4}
         assert httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"] == expected
