@@ -2,8 +2,8 @@
 
 ``ChatSession`` holds the conversation (a system prompt and the user/assistant messages),
 renders it with ``lmcli.chat_template`` exactly as ``lmcli serve`` renders a chat completion,
-and generates each reply with ``lmcli.generate.sampling.generate`` (the cached forward and the
-sampling rule of ``lmcli sample`` and the server), streaming its text as it is decoded. A reply
+and generates each reply with ``lmcli.generate.sampling.generate`` (the row engine of ``lmcli
+sample`` and the server, every sampling rule), streaming its text as it is decoded. A reply
 ends at the tokenizer's end token (the end of an assistant turn in lmcli's template), at a
 ``--stop`` string, or after ``--max-new-tokens``. The reply to a conversation holding ``k``
 replies is drawn with ``--seed`` + ``k``: the same conversation gets the same reply.

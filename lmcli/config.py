@@ -481,7 +481,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        make_task(self).check()  # the options that need another task
+        make_task(self).check()  # options this task cannot use (tasks.Task.check)
         if (self.source is None) != (self.target is None):
             raise LmcliError("give both --source and --target")
         if (self.val_source is None) != (self.val_target is None):

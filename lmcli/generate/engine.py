@@ -162,6 +162,19 @@ class Emitted:
     finish_reason: str | None = None  # "eos", "stop" or "length" once the row has ended
 
 
+def row_rules(logits: Tensor, rows: list[Row]) -> Tensor:
+    """The rules of the rows themselves on their next-token logits (G, V), before the sampling
+    rule: the repetition penalty (the rows' settings are equal), then the rows' processors. A
+    speculative decoder applies them to the logits it verifies drafted tokens with."""
+    penalty = rows[0].cfg.repetition_penalty
+    if penalty != 1.0:
+        seen = torch.stack([r.seen(logits.size(-1), logits.device) for r in rows])
+        logits = penalize_seen(logits, seen, penalty)
+    if any(r.processors for r in rows):
+        logits = apply_processors(logits, rows)
+    return logits
+
+
 def apply_processors(logits: Tensor, rows: list[Row]) -> Tensor:
     """The rows' processors on their logits (G, V), one call per processor class."""
     kinds: dict[type, tuple[list[int], list[Any]]] = {}
@@ -225,7 +238,7 @@ class Engine:
         """Put ``row``, its prompt prefilled alone (``cache``, ``logits`` (1, V)), into hole ``i``;
         its prompt must be no longer than the batch's filled columns."""
         assert self.cache is not None and self.logits is not None
-        self.cache.fill(i, cache)  # type: ignore[attr-defined]  # a BatchCache
+        self.cache.fill(i, cache)  # a BatchCache (serve/batch_cache.py)
         self.logits[i] = logits[0]
         self.rows[i] = row
         self._fed = None
@@ -239,7 +252,7 @@ class Engine:
         for _, logits, new in joining:
             parts.append(logits.expand(len(new), -1))
             rows += new
-        self.cache.relayout(keep, [(c, len(new)) for c, _, new in joining])  # type: ignore[attr-defined]
+        self.cache.relayout(keep, [(c, len(new)) for c, _, new in joining])
         self.logits = torch.cat(parts) if parts else None
         self.rows, self._fed = rows, None
 
@@ -278,17 +291,12 @@ class Engine:
     def _choose_group(self, idx: list[int]) -> list[Emitted]:
         """Rows ``idx``, whose settings are equal: their tokens, log-probs and what they did."""
         assert self.logits is not None
-        rows: list[Row] = [self.rows[i] for i in idx]  # type: ignore[misc]
+        rows: list[Row] = [self.rows[i] for i in idx]
         cfg = rows[0].cfg
         whole = len(idx) == len(self.rows)
-        logits = self.logits if whole else self.logits[idx]  # (G, V)
-        if cfg.repetition_penalty != 1.0:
-            seen = torch.stack([r.seen(logits.size(-1), logits.device) for r in rows])
-            logits = penalize_seen(logits, seen, cfg.repetition_penalty)
-        if any(r.processors for r in rows):
-            logits = apply_processors(logits, rows)
+        logits = row_rules(self.logits if whole else self.logits[idx], rows)  # (G, V)
         early = [g for g, r in enumerate(rows) if len(r.ids) < r.cfg.min_new_tokens]  # no <eos> yet
-        partly = early and len(early) < len(rows)
+        partly = 0 < len(early) < len(rows)
         tokens, logprobs = choose(
             logits,
             temperature=cfg.temperature,

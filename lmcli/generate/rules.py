@@ -8,6 +8,8 @@ gives the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -92,26 +94,10 @@ def choose(
     return draw(sampling_probs(logits, temperature, top_k, top_p, min_p), generators), logprobs
 
 
-def sample_next(
-    logits: Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    generators: list[torch.Generator] | None = None,
-    banned: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``choose``, with the log-probs of the chosen tokens only: (tokens (B,), log-probs (B,))."""
-    tokens, logprobs = choose(
-        logits,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        generators=generators,
-        banned=banned,
-    )
+def sample_next(logits: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:
+    """``choose`` (the same keyword settings), with the log-probs of the chosen tokens only:
+    (tokens (B,), their log-probs (B,))."""
+    tokens, logprobs = choose(logits, **settings)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -126,18 +127,13 @@ def iter_samples(
 
 
 def sample_texts(
-    model: Transformer,
-    tokenizer: Tokenizer,
-    texts: list[str],
-    cfg: SampleConfig,
-    *,
-    form: TextPrompt = TEXT,
-    on_text: Callable[[int, str], None] | None = None,
+    model: Transformer, tokenizer: Tokenizer, texts: list[str], cfg: SampleConfig, **options: Any
 ) -> tuple[list[Generated], list[Prompt]]:
-    """Every sample of ``iter_samples`` as a list, and the encoded prompts."""
+    """Every sample of ``iter_samples`` (with its keyword ``options``: ``form``, ``on_text``) as
+    a list, and the encoded prompts."""
     out: list[Generated] = []
     prompts: dict[int, Prompt] = {}
-    for g, prompt in iter_samples(model, tokenizer, texts, cfg, form=form, on_text=on_text):
+    for g, prompt in iter_samples(model, tokenizer, texts, cfg, **options):
         out.append(g)
         prompts[g.prompt_index] = prompt
     return out, [prompts[i] for i in range(len(texts))]

@@ -189,7 +189,7 @@ class Scheduler:
                 "batch_rows": len(self.engine.rows),
                 "queued": len(self.queue),
                 "steps": self.engine.steps,
-                "kv_cache_bytes": cache.nbytes() if cache is not None else 0,  # type: ignore[attr-defined]
+                "kv_cache_bytes": cache.nbytes() if cache is not None else 0,  # a BatchCache
             }
 
     def start(self) -> None:
@@ -244,7 +244,7 @@ class Scheduler:
             self._reset()
             return
         holes = len(self.engine.rows) - alive
-        if holes > alive or self.engine.cache.room() == 0:  # type: ignore[union-attr]
+        if holes > alive or self.engine.cache.room() == 0:
             self._compact()
         with fastpath.step_threads(self.model, len(self.engine.rows)):
             self.engine.advance(self._deliver)  # delivered before the model's step
@@ -263,7 +263,7 @@ class Scheduler:
         for i, r in enumerate(self.engine.rows):
             if r is None:
                 continue
-            h = r.handle  # type: ignore[attr-defined]
+            h = r.handle
             if h.cancelled:
                 ended.setdefault(h, None)
             elif h.deadline < now:
@@ -308,7 +308,7 @@ class Scheduler:
         a choice (whose row becomes a hole), and ``Done`` once every choice has ended."""
         out: dict[Handle, list[Event]] = {}
         for e in emitted:
-            row: Choice = e.row  # type: ignore[assignment]
+            row: Choice = e.row  # the scheduler's rows are its choices
             h = row.handle
             h.completion_tokens += 1
             entry = []
@@ -333,7 +333,7 @@ class Scheduler:
 
     def _reset(self) -> None:
         """No row in use: free the batch's memory."""
-        if self.engine.rows or self.engine.cache.batch_size:  # type: ignore[union-attr]
+        if self.engine.rows or self.engine.cache.batch_size:
             self.engine.reset(empty_cache(self.model))
             self._trim()
 
@@ -341,7 +341,7 @@ class Scheduler:
         with self.cond:
             handles = list(self.queue)
             self.queue.clear()
-        handles += [r.handle for r in self.engine.rows if r is not None and r.handle not in handles]  # type: ignore[attr-defined]
+        handles += [r.handle for r in self.engine.rows if r is not None and r.handle not in handles]
         for h in dict.fromkeys(handles):
             h.ended = True
             self._send(h, [Failed(kind, message)])
