@@ -54,7 +54,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_tokenizer(path: Path, hf: dict[str, Any] | None = None) -> Tokenizer:
+def read_tokenizer(path: Path, hf: HFConfig | None = None) -> Tokenizer:
     """The folder's tokenizer with the special tokens the folder names (see the module doc)."""
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer as HFTokenizer
@@ -73,7 +73,8 @@ def read_tokenizer(path: Path, hf: dict[str, Any] | None = None) -> Tokenizer:
     else:
         raise LmcliError(f"{path} has no tokenizer.json (or vocab.json + merges.txt)")
     specials, template = read_config(path / "tokenizer_config.json")
-    for source in (read_json(path / "generation_config.json"), hf or {}):
+    generation = path / "generation_config.json"
+    for source in (HFConfig(read_json(generation), str(generation)), hf or HFConfig({}, "")):
         for role in ("bos", "eos", "pad"):
             i = source.get(f"{role}_token_id")
             i = i[0] if isinstance(i, list) and i else i  # several end tokens: the first is lmcli's eos
@@ -93,10 +94,9 @@ def load_hf_folder(
     path = Path(path)
     if not path.is_dir():
         raise LmcliError(f"no such Hugging Face model folder: {path}")
-    hf = read_json(path / "config.json")
-    config = HFConfig(hf, str(path / "config.json"))
-    family = from_hf_config(config)
-    cfg, notices = family.config_from_hf(config)
+    hf = HFConfig(read_json(path / "config.json"), str(path / "config.json"))
+    family = from_hf_config(hf)
+    cfg, notices = family.config_from_hf(hf)
     tok = read_tokenizer(path, hf)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")

@@ -150,8 +150,9 @@ class Field:
 class FamilyAdapter:
     """One model family: what lmcli knows of it, used by every import and export.
 
-    A subclass sets the class attributes and writes ``config_from_hf``, ``hf_fields`` and (for
-    what only it cannot express) ``own_problems``; the weight maps need no code.
+    A subclass sets the class attributes (the name tables, ``hf_fields``, the messages) and
+    writes ``config_from_hf``, ``hf_settings``, ``gguf_metadata`` and (for what only it cannot
+    express) ``own_problems``; the weight maps need no code.
     """
 
     name: ClassVar[str]  # config.json's model_type

@@ -83,9 +83,9 @@ class GPT2(FamilyAdapter):
 
     def from_hf(self, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
         """GPT-2 weights, with or without the ``transformer.`` prefix, under lmcli's names."""
-        bare = ("transformer.", "lm_head.")
+        prefixed = ("transformer.", "lm_head.")
         return super().from_hf(
-            {k if k.startswith(bare) else f"transformer.{k}": v for k, v in state.items()}, cfg
+            {k if k.startswith(prefixed) else f"transformer.{k}": v for k, v in state.items()}, cfg
         )
 
     def gguf_metadata(self, writer: Any, cfg: ModelConfig) -> None:
