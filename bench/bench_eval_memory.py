@@ -49,9 +49,9 @@ def child(run_dir: str, text: str) -> None:
     """Evaluate ``text`` with the run, as ``lmcli eval RUN TEXT --batch-size BATCH`` does."""
     import torch
 
-    from lmcli.checkpoint import load_model
     from lmcli.config import EvalConfig
     from lmcli.evaluate import evaluate_run
+    from lmcli.sources import load_model
 
     ckpt = load_model(Path(run_dir) / "last", torch.device("cpu"))
     t0 = time.perf_counter()

@@ -98,9 +98,9 @@ def measure(side: str, folder: str) -> dict[str, float]:
             return int(f.read().split()[1]) * resource.getpagesize()
 
     if side == "lmcli":
-        from lmcli.checkpoint import load_model
         from lmcli.config import SampleConfig
         from lmcli.generate.sampling import generate
+        from lmcli.sources import load_model
 
         before = resident()
         t0 = time.perf_counter()

@@ -237,12 +237,12 @@ def _time(fn: Callable[[], Any], repeats: int = 2) -> tuple[float, Any]:
 def check_inference(plan: Plan, run: Path, corpus: Path) -> dict[str, dict[str, Any]]:
     """eval, sample and beam with the trained weights in the commands' precision, against HF."""
     from bench.models import hf_twin
-    from lmcli.checkpoint import load_model
     from lmcli.config import BeamConfig, SampleConfig
     from lmcli.device import inference_dtype, precision
     from lmcli.evaluate import score_ids
     from lmcli.generate.beam import beam_search
     from lmcli.generate.sampling import generate
+    from lmcli.sources import load_model
 
     device = torch.device(plan.device)
     ckpt = load_model(run, device)

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
+from lmcli.checkpoint import logical_state
 from lmcli.config import ModelConfig
-from lmcli.hf.gpt2 import to_gpt2_state
+from lmcli.hf.families import FAMILIES
 from lmcli.model import Transformer
 
 # the shapes the suites name
@@ -50,7 +51,7 @@ def hf_twin(
     )
     hf_cfg._attn_implementation = attn
     hf = transformers.GPT2LMHeadModel(hf_cfg)
-    missing, unexpected = hf.load_state_dict(to_gpt2_state(model), strict=False)
+    missing, unexpected = hf.load_state_dict(FAMILIES["gpt2"].to_hf(logical_state(model), cfg), strict=False)
     missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "lm_head.weight"))]
     if missing or unexpected:
         raise RuntimeError(f"weights do not fit GPT-2: missing {missing}, unexpected {unexpected}")

@@ -10,7 +10,9 @@ Where things live (docs/architecture.md says where to change what):
 - ``train/`` the training loop, its state, optimizer, losses, run folder and reports;
 - ``generate/`` the KV cache, cached decoding, the row engine, sampling and beam search;
 - ``evaluate.py`` perplexity and bits per byte; ``bleu.py`` BLEU and chrF;
-- ``checkpoint.py`` the checkpoint format and every loader; ``hf/`` Hugging Face folders;
+- ``checkpoint.py`` the checkpoint format; ``sources.py`` what a command is given as its model;
+  ``lora.py`` LoRA layers, ``lora_run.py`` a LoRA run's base; ``hf/`` Hugging Face folders and
+  GGUF files, one adapter per model family (``hf/families/``);
 - ``fastpath/`` CPU inference fast paths behind ``Transformer.fast_step``;
 - ``device.py`` device and precision; ``distributed.py`` torchrun.
 """

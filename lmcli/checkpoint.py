@@ -1,4 +1,4 @@
-"""The checkpoint format and every model loader: the only module that reads or writes run folders.
+"""The checkpoint format: the only module that writes run folders, and the one that reads their files.
 
 A run folder holds ``last/``, ``best/`` and optional ``step-NNNNNNN/`` checkpoints, plus
 ``metrics.jsonl`` and ``loss.png``. Each checkpoint folder is self-contained::
@@ -9,23 +9,21 @@ A run folder holds ``last/``, ``best/`` and optional ``step-NNNNNNN/`` checkpoin
     trainer_state.pt    optimizer, RNG states, data position (tensors/lists only)
     meta.json           step, metrics, sha256 of every file above
 
-A LoRA run's checkpoint (``lmcli.lora``) holds ``adapters.safetensors`` (the adapters and any
-other trained tensor) and ``base.json`` (the base model's folder and the sha256 of its weight
-files) in place of ``model.safetensors``; loading it loads the base, checks those digests and
-puts the adapters on; ``load_model`` merges them into the weights.
+A LoRA run's checkpoint holds ``adapters.safetensors`` (the adapters and any other trained
+tensor) and ``base.json`` (the base model's folder and the sha256 of its weight files) in place
+of ``model.safetensors``; ``lmcli.lora_run`` checks the base and puts the adapters on.
 
 Writes go to a fresh private temporary folder (``lmcli.safe_io``) that is flushed and renamed
 into place, so a crash leaves the previous checkpoint intact and a planted link is never written
 through. A checkpoint folder is never changed once in place, only replaced whole; a reader that
-sees it replaced while reading reads again (``read_consistently``). Loading verifies checksums
-and never unpickles arbitrary objects.
-``load_model`` opens what a command is given: a run folder, a checkpoint folder, a local Hugging
-Face folder (``lmcli.hf``), or, given nothing, the newest run under ``checkpoints/``.
+sees it replaced while reading reads again (``read_consistently``). Reading verifies checksums,
+checks the weights' header against the config before a model is built (``check_header``) and
+never unpickles arbitrary objects. What a command is given as its model (a run folder, a
+Hugging Face folder, a LoRA run, the newest run) is opened by ``lmcli.sources``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -44,7 +42,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from lmcli import __version__
+from lmcli import __version__, lora
 from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_fields, stored_model_config, to_dict
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
@@ -118,7 +116,8 @@ def logical_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file's bytes, as hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -184,9 +183,7 @@ def save_checkpoint(
     base: dict[str, Any] | None = None,
 ) -> None:
     """Atomically write a checkpoint folder at ``dest``; for a model with LoRA adapters, the
-    adapters and ``base`` (``base_reference``) instead of the weights."""
-    from lmcli import lora
-
+    adapters and ``base`` (``lora_run.base_reference``) instead of the weights."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(dest)  # created exclusively: a planted link at any name is never followed
@@ -210,7 +207,7 @@ def save_checkpoint(
         if state is not None:
             torch.save(state, tmp / STATE)
         files = sorted(p.name for p in tmp.iterdir())
-        _write_json(tmp / META, {**meta, "sha256": {n: _sha256(tmp / n) for n in files}})
+        _write_json(tmp / META, {**meta, "sha256": {n: sha256_of(tmp / n) for n in files}})
         _commit(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -289,15 +286,6 @@ def last_checkpoint(run_dir: str | Path) -> Path:
     raise LmcliError(f"{run_dir} has no checkpoint to resume from (no last/{META})")
 
 
-def find_latest_run(root: str | Path = "checkpoints") -> Path:
-    """The most recently written run folder under ``root``."""
-    root = Path(root)
-    runs = [p for p in root.glob("*/last") if (p / META).exists()] if root.is_dir() else []
-    if not runs:
-        raise LmcliError(f"no run found under {root}/: give a run folder, or train one with `lmcli train`")
-    return max(runs, key=lambda p: (p / META).stat().st_mtime).parent
-
-
 JSON_LIMIT = 64 << 20  # config.json and meta.json are a few KiB; more is not an lmcli file
 
 
@@ -342,7 +330,7 @@ def verify_checksums(ckpt: Path, meta: dict[str, Any]) -> None:
         f = ckpt / name
         if not os.path.lexists(f):
             raise LmcliError(f"checkpoint {ckpt} is missing {name}")
-        if _sha256(checked_file(f)) != digest:
+        if sha256_of(checked_file(f)) != digest:
             raise LmcliError(f"checkpoint file {f} is corrupt (checksum mismatch)")
 
 
@@ -535,18 +523,11 @@ def read_consistently(load: Callable[..., Checkpoint]) -> Callable[..., Checkpoi
     return read
 
 
-@read_consistently
-def load_checkpoint(
-    path: str | Path,
-    device: torch.device | str = "cpu",
-    *,
-    with_state: bool = False,
-    verify: bool = True,
-    merge: bool = True,
-) -> Checkpoint:
-    """Load a checkpoint (or a run folder's best/last) with nothing but its folder; a LoRA run's
-    base with its adapters merged into the weights, or (``merge=False``, to train on) put on."""
-    ckpt = resolve_checkpoint(path)
+def read_configs(
+    ckpt: Path, *, verify: bool = True
+) -> tuple[dict[str, Any], ModelConfig, TrainConfig, Tokenizer]:
+    """A checkpoint folder's metadata (``verify``: its files' checksums checked), model and
+    training configs and tokenizer: everything but the weights."""
     meta = read_json(ckpt / META, "checkpoint metadata") if (ckpt / META).exists() else {}
     if verify:
         verify_checksums(ckpt, meta)
@@ -563,134 +544,17 @@ def load_checkpoint(
             f"tokenizer in {ckpt} has {tokenizer.vocab_size} tokens but the model expects "
             f"{model_config.vocab_size}"
         )
-    base = None
-    if os.path.lexists(ckpt / ADAPTERS):
-        base = read_json(ckpt / BASE, "LoRA base reference")
-        model = load_adapted(ckpt, base, model_config, train_config, merge=merge)
-    else:
-        model = load_weights(model_config, ckpt / WEIGHTS)
-    model.to(device).eval()
-    state = None
-    if with_state and os.path.lexists(ckpt / STATE):
-        checked_file(ckpt / STATE)
-        try:
-            state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
-        except Exception as exc:  # unpickling refused or truncated file
-            raise LmcliError(
-                f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
-            ) from None
-    return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state, base)
+    return meta, model_config, train_config, tokenizer
 
 
-def load_model(
-    path: str | Path | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
-) -> Checkpoint:
-    """What a command is given: an lmcli run or checkpoint folder, a local Hugging Face folder,
-    or (None) the newest run under ``checkpoints/``; in eval mode on ``device``, weights in
-    ``dtype`` (None: as stored)."""
-    from lmcli.hf import is_hf_folder, load_hf_folder
-
-    path = Path(path) if path is not None else find_latest_run(Path("checkpoints"))
-    if is_hf_folder(path):
-        model, tok = load_hf_folder(path, dtype)
-        model.to(device).eval()
-        return Checkpoint(path, model, model.config, TrainConfig(), tok, {"source": "huggingface"})
-    ckpt = load_checkpoint(path, device)
-    if dtype is not None:
-        ckpt.model.to(dtype)
-    return ckpt
-
-
-# ----------------------------------------------------------------------------- LoRA runs
-
-
-def base_digests(path: Path) -> dict[str, str]:
-    """The sha256 of each weight file of a base model folder: an lmcli checkpoint's
-    ``model.safetensors`` (as its meta.json records it, which loading verifies), or a Hugging
-    Face folder's ``*.safetensors`` and ``*.bin`` files."""
-    if (path / META).exists():
-        recorded = read_json(path / META, "checkpoint metadata").get("sha256", {})
-        digest = recorded.get(WEIGHTS) if isinstance(recorded, dict) else None
-        return {WEIGHTS: digest if isinstance(digest, str) else _sha256(checked_file(path / WEIGHTS))}
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
-    return {p.name: _sha256(checked_file(p)) for p in files}
-
-
-def base_reference(path: str | Path) -> dict[str, Any]:
-    """What a LoRA run records of its ``--init-from`` base: the folder it reads (a run folder's
-    checkpoint, or a Hugging Face folder) and the sha256 of its weight files."""
-    from lmcli.hf import is_hf_folder
-
-    path = Path(path).resolve()
-    folder = path if is_hf_folder(path) else resolve_checkpoint(path)
-    if os.path.lexists(folder / ADAPTERS):
-        raise LmcliError(
-            f"{folder} is itself a LoRA run: fold its adapters first "
-            f"(lmcli export --merge {folder} --format lmcli OUT), then adapt OUT"
-        )
-    return {"path": str(folder), "sha256": base_digests(folder)}
-
-
-def checked_base(ckpt: Path, base: dict[str, Any]) -> Path:
-    """The base model folder a LoRA checkpoint's ``base.json`` names, once its weight files are
-    found to have the recorded sha256; one line if it is gone or changed."""
-    where = ckpt / BASE
-    if not isinstance(base.get("path"), str) or not isinstance(base.get("sha256"), dict):
-        raise LmcliError(f"{where} has no base path and sha256")
-    path = Path(base["path"])
-    if not path.is_dir():
-        raise LmcliError(f"the base model {path} of LoRA run {ckpt} is gone (see {where})")
-    if base_digests(path) != base["sha256"]:
-        raise LmcliError(
-            f"the base model {path} changed since LoRA run {ckpt} was trained (sha256 of its weights "
-            f"differs): restore that base, or train the adapters again"
-        )
-    return path
-
-
-def load_adapted(
-    ckpt: Path, base: dict[str, Any], model_config: ModelConfig, train_config: TrainConfig, *, merge: bool
-) -> Transformer:
-    """A LoRA checkpoint's model: its base, checked against the recorded digests, with the
-    adapters put on (``merge``: folded into the weights)."""
-    from lmcli import lora
-    from lmcli.hf import is_hf_folder, load_hf_folder
-
-    path = checked_base(ckpt, base)
-    if is_hf_folder(path):
-        model = load_hf_folder(path, torch.float32, lambda msg: None)[0]  # trained in float32
-    else:
-        model = load_checkpoint(path).model
-    if model.config != model_config:
-        raise LmcliError(f"the base model {path} does not fit LoRA run {ckpt}'s model config")
-    lora.add_adapters(model, train_config)
+def read_trainer_state(ckpt: Path) -> dict[str, Any] | None:
+    """``trainer_state.pt`` (tensors and lists only: nothing is unpickled), None if absent."""
+    if not os.path.lexists(ckpt / STATE):
+        return None
+    checked_file(ckpt / STATE)
     try:
-        state = load_file(str(checked_file(ckpt / ADAPTERS)))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        reason = str(exc).splitlines()[0][:200]
-        raise LmcliError(f"cannot read adapters {ckpt / ADAPTERS}: {reason}") from None
-    lora.load_adapters(model, state, str(ckpt / ADAPTERS))
-    return lora.merge(model) if merge else model
-
-
-def is_lora_run(path: str | Path) -> bool:
-    """Whether ``path`` (a run or checkpoint folder) holds LoRA adapters rather than weights."""
-    try:
-        return os.path.lexists(resolve_checkpoint(path) / ADAPTERS)
-    except LmcliError:
-        return False
-
-
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
-    """Write the model ``path`` names (a LoRA run's adapters merged) as a plain lmcli checkpoint
-    folder ``out``, which must be new or empty."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise LmcliError(f"{out} already holds files: choose an empty or new folder")
-    ckpt = load_model(path)
-    train_config = dataclasses.replace(ckpt.train_config, lora_rank=0)  # plain weights now
-    meta = {"step": ckpt.meta.get("step"), "exported_from": str(ckpt.path), "time": time.time()}
-    if out.exists():
-        out.rmdir()
-    save_checkpoint(out, ckpt.model, train_config, ckpt.tokenizer, meta=meta)
-    return out
+        return torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling refused or truncated file
+        raise LmcliError(
+            f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
+        ) from None

@@ -148,9 +148,8 @@ def _read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None
 
 def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
     """The checkpoint to decode or evaluate with, on the device the options ask for."""
-    from lmcli.checkpoint import load_model
     from lmcli.device import pick_device
-    from lmcli.hf import DTYPES
+    from lmcli.sources import DTYPES, load_model
 
     cfg = build(DeviceConfig, options)
     return load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
@@ -412,7 +411,8 @@ def export(
     if out_dir is not None and out is not None and out_dir != out:
         raise LmcliError("give the output once: as OUT or as --out")
     target = out_dir if out_dir is not None else out
-    from lmcli.checkpoint import export_checkpoint, is_lora_run
+    from lmcli.lora_run import is_lora_run
+    from lmcli.sources import export_checkpoint
 
     if is_lora_run(run_dir) != cfg.merge:
         raise LmcliError(
@@ -430,7 +430,7 @@ def export(
 
         typer.echo(f"wrote {export_gguf(run_dir, target, cfg.gguf_type)}")
         return
-    from lmcli.hf import export_hf
+    from lmcli.hf.export import export_hf
 
     if target is None:
         raise LmcliError("give the folder to write (OUT or --out)")

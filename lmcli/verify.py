@@ -27,7 +27,6 @@ from lmcli.checkpoint import (
     TOKENIZER,
     WEIGHTS,
     check_header,
-    checked_base,
     checked_file,
     read_header,
     read_json,
@@ -35,6 +34,7 @@ from lmcli.checkpoint import (
 )
 from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_model_config
 from lmcli.errors import LmcliError
+from lmcli.lora_run import checked_base
 from lmcli.safe_io import refuse_symlinks
 from lmcli.tokenizer import Tokenizer
 

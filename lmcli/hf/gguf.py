@@ -1,7 +1,8 @@
 """GGUF export: an lmcli checkpoint as one file that llama.cpp, and the tools built on it, run.
 
 The file is written with ``gguf``, the llama.cpp project's own Python package: its metadata keys,
-tensor names, file layout and Q8_0 quantization. What is lmcli's own here is the mapping.
+file layout and Q8_0 quantization. The architecture, its own metadata and the tensor names come
+from the family adapter (``lmcli.hf.families``); this module writes the file and the tokenizer.
 
 Two GGUF architectures express lmcli models:
 
@@ -11,9 +12,9 @@ Two GGUF architectures express lmcli models:
   them where present), tied or untied head, any number of key/value heads.
 
 Rotary layout: lmcli turns the two halves of each head against each other (``rotate_half``, as
-Hugging Face's Llama does); llama.cpp's ``llama`` turns adjacent pairs. The query and key rows
-of each head are therefore reordered so that llama.cpp's pair (2i, 2i+1) holds lmcli's pair
-(i, i + D/2). Attention scores do not change: queries and keys move together.
+Hugging Face's Llama does); llama.cpp's ``llama`` turns adjacent pairs. The Llama adapter's map
+reorders the query and key rows of each head so that llama.cpp's pair (2i, 2i+1) holds lmcli's
+pair (i, i + D/2). Attention scores do not change: queries and keys move together.
 
 Tokenizer: lmcli's byte-level BPE is GGUF's ``gpt2`` tokenizer model with GPT-2's pre-tokenizer
 (``gpt-2``). The byte tokenizer is the same model with no merges; since llama.cpp requires the
@@ -34,10 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcli.checkpoint import load_checkpoint, logical_state
+from lmcli.checkpoint import logical_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
+from lmcli.hf.families import for_export
 from lmcli.safe_io import temp_file
+from lmcli.sources import load_checkpoint
 from lmcli.tokenizer import Tokenizer
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
@@ -53,131 +56,7 @@ def _gguf() -> Any:
     return gguf
 
 
-# ----------------------------------------------------------------------------- the model
-
-
-def n_kv_head(cfg: ModelConfig) -> int:
-    """Key/value heads (fewer than the query heads under grouped-query attention)."""
-    return getattr(cfg, "n_kv_head", None) or cfg.n_head
-
-
-def rope_base(cfg: ModelConfig) -> float:
-    """The rotary frequency base, whatever the config calls it."""
-    value = getattr(cfg, "rope_theta", None) or getattr(cfg, "rope_base", None)
-    return float(value or 10000.0)
-
-
-def _rope_scaling(cfg: ModelConfig) -> Any:
-    """A rotary scaling the config asks for, else None."""
-    for name in ("rope_scaling", "rope_scaling_type"):
-        value = getattr(cfg, name, None)
-        if value not in (None, "", "none", {}):
-            return value
-    return None
-
-
-def gguf_architecture(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
-    """``gpt2`` or ``llama``: the GGUF architecture that computes what the model computes.
-
-    The family is chosen by the positions (rotary: llama, else gpt2); anything that family
-    cannot express is named in a one-line error.
-    """
-    arch = "llama" if cfg.position == "rope" else "gpt2"
-    problems = []
-    if arch == "gpt2":
-        if cfg.position != "learned":
-            problems.append(f"{cfg.position} positions")
-        if cfg.norm != "layernorm":
-            problems.append(cfg.norm)
-        if cfg.mlp != "gelu":
-            problems.append(f"a {cfg.mlp} MLP")
-        if not all(k in state for k in ("h.0.attn.c_attn.bias", "h.0.mlp.c_fc.bias", "ln_f.bias")):
-            problems.append("no biases")
-        needs = "learned positions, pre-LayerNorm, a GELU MLP and biases"
-    else:
-        if cfg.norm != "rmsnorm":
-            problems.append(cfg.norm)
-        if cfg.mlp != "swiglu":
-            problems.append(f"a {cfg.mlp} MLP")
-        if _rope_scaling(cfg) is not None:
-            problems.append(f"rope scaling {_rope_scaling(cfg)!r}")
-        needs = "rotary positions without scaling, pre-RMSNorm and a SwiGLU MLP"
-    if cfg.norm_placement != "pre":
-        problems.append("post-norm")
-    if cfg.qk_norm:
-        problems.append("qk-norm")
-    if cfg.logit_softcap:
-        problems.append("logit soft-capping")
-    if problems:
-        raise LmcliError(
-            f"GGUF's {arch} architecture cannot express this model ({', '.join(problems)}): it needs {needs}"
-        )
-    return arch
-
-
-def _split_qkv(
-    state: dict[str, torch.Tensor], layer: int, cfg: ModelConfig, suffix: str
-) -> list[torch.Tensor]:
-    """Layer ``layer``'s query, key and value projections (``suffix``: weight or bias)."""
-    key = f"h.{layer}.attn.c_attn.{suffix}"
-    if key not in state:
-        raise LmcliError(f"GGUF export does not know this attention layout (no {key})")
-    D, kv = cfg.head_dim, n_kv_head(cfg)
-    return list(state[key].split([cfg.n_head * D, kv * D, kv * D], dim=0))
-
-
-def pairs_from_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Rows of each head reordered from lmcli's rotary layout (i paired with i + D/2) to
-    llama.cpp's (2i paired with 2i + 1). ``w``: (n_head * D, ...) weight or (n_head * D,) bias."""
-    rest = w.shape[1:]
-    D = w.size(0) // n_head
-    # (H*D, ...) -> (H, 2, D/2, ...) -> (H, D/2, 2, ...) -> (H*D, ...)
-    return w.reshape(n_head, 2, D // 2, *rest).transpose(1, 2).reshape(w.shape)
-
-
-def gguf_tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
-    """The model's weights under GGUF's tensor names for ``arch`` (float32, PyTorch layout:
-    a linear layer's weight is (out, in), which GGUF stores as ne = [in, out])."""
-    gguf = _gguf()
-    cfg: ModelConfig = model.config
-    state = {k: v.float() for k, v in logical_state(model).items()}
-    T, names = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
-
-    def name(tensor: Any, layer: int | None = None, kind: str = "weight") -> str:
-        base = names[tensor].format(bid=layer) if layer is not None else names[tensor]
-        return f"{base}.{kind}"
-
-    out: dict[str, torch.Tensor] = {name(T.TOKEN_EMBD): state["wte.weight"]}
-    if arch == "gpt2":
-        out[name(T.POS_EMBD)] = state["wpe.weight"]
-    for i in range(cfg.n_layer):
-        h = f"h.{i}."
-        per_layer = {
-            T.ATTN_NORM: h + "ln_1",
-            T.ATTN_OUT: h + "attn.c_proj",
-            T.FFN_NORM: h + "ln_2",
-            T.FFN_UP: h + "mlp.c_fc",
-            T.FFN_DOWN: h + "mlp.c_proj",
-        }
-        if arch == "gpt2":
-            per_layer[T.ATTN_QKV] = h + "attn.c_attn"
-        else:
-            per_layer[T.FFN_GATE] = h + "mlp.c_gate"
-            for kind in ("weight", "bias") if f"{h}attn.c_attn.bias" in state else ("weight",):
-                q, k, v = _split_qkv(state, i, cfg, kind)
-                out[name(T.ATTN_Q, i, kind)] = pairs_from_halves(q, cfg.n_head)
-                out[name(T.ATTN_K, i, kind)] = pairs_from_halves(k, n_kv_head(cfg))
-                out[name(T.ATTN_V, i, kind)] = v
-        for tensor, ours in per_layer.items():
-            for kind in ("weight", "bias"):
-                if f"{ours}.{kind}" in state:
-                    out[name(tensor, i, kind)] = state[f"{ours}.{kind}"]
-    for kind in ("weight", "bias"):
-        if f"ln_f.{kind}" in state:
-            out[name(T.OUTPUT_NORM, None, kind)] = state[f"ln_f.{kind}"]
-    if "lm_head.weight" in state:  # untied head; a tied one is token_embd itself
-        out[name(T.OUTPUT)] = state["lm_head.weight"]
-    return out
+# ----------------------------------------------------------------------------- the tensors
 
 
 def encode_tensor(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, Any]:
@@ -287,9 +166,9 @@ def write_gguf(
     if dtype not in GGUF_TYPES:
         raise LmcliError(f"invalid GGUF type {dtype!r}: choose one of {', '.join(GGUF_TYPES)}")
     cfg: ModelConfig = model.config
-    arch = gguf_architecture(cfg, logical_state(model))
+    family = for_export(cfg, "gguf")
     vocab = gguf_vocab(tok, cfg.vocab_size)
-    tensors = gguf_tensors(model, arch)
+    tensors = family.to_gguf({k: v.float() for k, v in logical_state(model).items()}, cfg)
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise LmcliError(f"{out} already exists: choose a new file name")
@@ -300,7 +179,7 @@ def write_gguf(
 
     tmp = temp_file(out)
     try:
-        w = gguf.GGUFWriter(str(tmp), arch)
+        w = gguf.GGUFWriter(str(tmp), family.gguf_arch)
         w.add_name(name)
         w.add_file_type(file_type)
         if dtype == "q8_0":
@@ -310,14 +189,9 @@ def write_gguf(
         w.add_block_count(cfg.n_layer)
         w.add_feed_forward_length(cfg.ffn_dim)
         w.add_head_count(cfg.n_head)
-        w.add_head_count_kv(n_kv_head(cfg))
+        w.add_head_count_kv(cfg.n_kv_head)
         w.add_vocab_size(cfg.vocab_size)
-        if arch == "gpt2":
-            w.add_layer_norm_eps(cfg.norm_eps)
-        else:
-            w.add_layer_norm_rms_eps(cfg.norm_eps)
-            w.add_rope_dimension_count(cfg.head_dim)
-            w.add_rope_freq_base(rope_base(cfg))
+        family.gguf_metadata(w, cfg)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
         w.add_token_list(vocab.tokens)

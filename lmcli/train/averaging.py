@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-from lmcli.checkpoint import load_checkpoint, model_from_state, model_state, save_checkpoint, step_checkpoints
+from lmcli.checkpoint import model_from_state, model_state, save_checkpoint, step_checkpoints
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
+from lmcli.sources import load_checkpoint
 
 
 class EMA:

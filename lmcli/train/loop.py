@@ -26,10 +26,8 @@ import torch
 from lmcli import lora
 from lmcli.checkpoint import (
     META,
-    base_reference,
     copy_checkpoint,
     last_checkpoint,
-    load_checkpoint,
     model_from_state,
     model_state,
     read_json,
@@ -42,8 +40,11 @@ from lmcli.data.train_data import ExampleData, TrainData, load_train_data
 from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.errors import LmcliError
+from lmcli.hf.load import is_hf_folder, load_hf_folder
+from lmcli.lora_run import base_reference
 from lmcli.model import Transformer
 from lmcli.safe_io import refuse_symlinks
+from lmcli.sources import load_checkpoint
 from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
@@ -123,7 +124,7 @@ class Run:
     val_loss: float | None = None  # the last validation loss
     saved_step: int = -1  # the step of the last checkpoint
     val_step: int = -1  # the step of the last validation
-    base: dict[str, Any] | None = None  # a LoRA run's base reference (checkpoint.base_reference)
+    base: dict[str, Any] | None = None  # a LoRA run's base reference (lora_run.base_reference)
     ema: EMA | None = None  # the moving average of the weights (--ema), saved as ema/
     ema_val_loss: float | None = None  # its last validation loss
 
@@ -681,8 +682,6 @@ def build_model(
 def load_init(path: str, info: Callable[[str], None]) -> tuple[Transformer, Any]:
     """The model and tokenizer ``--init-from`` names: a Hugging Face folder or an lmcli run or
     checkpoint folder (a LoRA run's adapters merged), in float32 as every model trains."""
-    from lmcli.hf import is_hf_folder, load_hf_folder
-
     if is_hf_folder(path) or not Path(path).is_dir():
         return load_hf_folder(path, torch.float32, info)
     ckpt = load_checkpoint(path)

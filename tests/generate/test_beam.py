@@ -70,7 +70,7 @@ def test_exhaustive_beams_find_the_brute_force_best(alpha: float) -> None:
 def test_same_best_hypothesis_and_score_as_hugging_face(k: int, alpha: float) -> None:
     transformers = pytest.importorskip("transformers")
     from lmcli.checkpoint import load_state
-    from lmcli.hf.gpt2 import from_gpt2_state
+    from lmcli.hf.families import FAMILIES
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
@@ -88,7 +88,7 @@ def test_same_best_hypothesis_and_score_as_hugging_face(k: int, alpha: float) ->
         for p in hf.parameters():
             p.normal_(0.0, 0.3)
     ours = tiny_model(30, seed=None, block_size=32, n_embd=32, n_layer=2, n_head=4)  # the GPT-2's shape
-    state = from_gpt2_state(hf.state_dict())
+    state = FAMILIES["gpt2"].from_hf(hf.state_dict(), ours.config)
     state.setdefault("lm_head.weight", state["wte.weight"])
     load_state(ours, state, "HF GPT-2")
     for prompt in ([0, 5, 7], [0, 12], [0, 3, 3, 9, 2]):

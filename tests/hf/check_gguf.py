@@ -198,9 +198,9 @@ def lmcli_side(checkpoint: Path) -> dict[str, Any]:
     """lmcli's prompt ids, greedy continuation, logits over both, and ids of ``TEXTS``."""
     import torch
 
-    from lmcli.checkpoint import load_checkpoint
     from lmcli.config import SampleConfig
     from lmcli.generate.sampling import generate
+    from lmcli.sources import load_checkpoint
 
     ckpt = load_checkpoint(checkpoint)
     tok, model = ckpt.tokenizer, ckpt.model.eval()

@@ -22,11 +22,12 @@ from families import VARIANTS, hf_folder  # noqa: E402
 from helpers import TINY_TEXT, assert_one_line_error, make_run, run_cli  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from lmcli.checkpoint import load_checkpoint  # noqa: E402
 from lmcli.config import ModelConfig, SampleConfig, TrainConfig  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.generate.sampling import generate  # noqa: E402
-from lmcli.hf import export_hf, load_hf_folder  # noqa: E402
+from lmcli.hf.export import export_hf  # noqa: E402
+from lmcli.hf.load import load_hf_folder  # noqa: E402
+from lmcli.sources import load_checkpoint  # noqa: E402
 
 NAMES = list(VARIANTS)
 TEXT = "the cat sat on the mat. a bird sang in the tree.\n" * 6

@@ -23,10 +23,11 @@ gguf = pytest.importorskip("gguf")
 from check_gguf import randomize, run_checks  # noqa: E402
 from helpers import assert_one_line_error, make_run, run_cli, tiny_model, tiny_tokenizer  # noqa: E402
 
-from lmcli.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from lmcli.checkpoint import save_checkpoint  # noqa: E402
 from lmcli.config import ModelConfig, TrainConfig, field_names  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.hf.gguf import export_gguf, write_gguf  # noqa: E402
+from lmcli.sources import load_checkpoint  # noqa: E402
 
 TEXT = "the cat sat on the mat. the dog sat on the log! 12 birds sang, didn't they?\n" * 8
 LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu")

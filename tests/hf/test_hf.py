@@ -12,10 +12,11 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import make_run, tiny_tokenizer  # noqa: E402
 
-from lmcli.checkpoint import load_checkpoint, load_model  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.evaluate import score_ids  # noqa: E402
-from lmcli.hf import export_hf, load_hf_folder  # noqa: E402
+from lmcli.hf.export import export_hf  # noqa: E402
+from lmcli.hf.load import load_hf_folder  # noqa: E402
+from lmcli.sources import load_checkpoint, load_model  # noqa: E402
 
 
 def hf_gpt2(tmp: Path) -> Path:

@@ -15,8 +15,9 @@ from families import hf_folder  # noqa: E402
 from helpers import TINY_TEXT, assert_one_line_error, run_cli  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from lmcli.checkpoint import ADAPTERS, load_checkpoint, load_model  # noqa: E402
-from lmcli.hf import load_hf_folder  # noqa: E402
+from lmcli.checkpoint import ADAPTERS  # noqa: E402
+from lmcli.hf.load import load_hf_folder  # noqa: E402
+from lmcli.sources import load_checkpoint, load_model  # noqa: E402
 
 
 def test_lora_on_a_hugging_face_folder_loads_as_base_plus_adapters(tmp_path: Path, capsys) -> None:

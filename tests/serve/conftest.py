@@ -11,9 +11,10 @@ from helpers import make_run
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from lmcli.checkpoint import Checkpoint, load_model  # noqa: E402
+from lmcli.checkpoint import Checkpoint  # noqa: E402
 from lmcli.config import ServeConfig  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
+from lmcli.sources import load_model  # noqa: E402
 
 CONTEXT = 64
 

@@ -246,8 +246,9 @@ def test_cli_errors_are_one_line(served_run, capsys) -> None:
 def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
     from helpers import tiny_model, tiny_tokenizer
 
-    from lmcli.checkpoint import load_model, save_checkpoint
+    from lmcli.checkpoint import save_checkpoint
     from lmcli.config import TrainConfig
+    from lmcli.sources import load_model
     from lmcli.tasks import make_task
 
     tok = tiny_tokenizer()

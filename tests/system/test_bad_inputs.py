@@ -67,8 +67,9 @@ def test_beam_without_any_input_is_refused(tmp_path: Path, capsys, monkeypatch) 
 
 
 def test_translation_run_needs_a_source_for_sample(tmp_path: Path, capsys, monkeypatch) -> None:
-    from lmcli.checkpoint import load_checkpoint, save_checkpoint
+    from lmcli.checkpoint import save_checkpoint
     from lmcli.config import TrainConfig
+    from lmcli.sources import load_checkpoint
 
     base = load_checkpoint(make_run(tmp_path / "lm"))
     save_checkpoint(

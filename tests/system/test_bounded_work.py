@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from helpers import TINY_TEXT, make_run, tiny_model, tiny_tokenizer
 
 from lmcli import fastpath
-from lmcli.checkpoint import load_model
 from lmcli.config import EvalConfig, SampleConfig
 from lmcli.evaluate import evaluate_chunks, evaluate_lines, evaluate_run, evaluate_text, split_lines, windows
 from lmcli.generate.engine import Row
 from lmcli.generate.rules import TextTail
 from lmcli.generate.sampling import BATCH_ROWS, generate, row_blocks, sample_texts
+from lmcli.sources import load_model
 from lmcli.tokenizer import Tokenizer
 
 

@@ -20,9 +20,10 @@ from helpers import assert_one_line_error, make_run, run_cli
 
 from lmcli import chat_template
 from lmcli.chat import ChatSession
-from lmcli.checkpoint import Checkpoint, load_model
+from lmcli.checkpoint import Checkpoint
 from lmcli.config import SampleConfig, ServeConfig, TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.sources import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = ["--temperature", "0.9", "--top-k", "12", "--seed", "7"]

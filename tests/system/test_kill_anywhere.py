@@ -16,8 +16,8 @@ from pathlib import Path
 
 from helpers import TINY_TEXT
 
-from lmcli.checkpoint import load_checkpoint
 from lmcli.cli import main
+from lmcli.sources import load_checkpoint
 
 KILLS = 20
 # what a training run imports, loaded once in the server the writers are forked from

@@ -24,9 +24,10 @@ from helpers import (
     weights,
 )
 
-from lmcli.checkpoint import load_checkpoint, save_checkpoint
+from lmcli.checkpoint import save_checkpoint
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.sources import load_checkpoint
 from lmcli.train import Reporter, train
 
 ARGS = [

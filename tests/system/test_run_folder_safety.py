@@ -28,9 +28,10 @@ from helpers import (
     weights,
 )
 
-from lmcli.checkpoint import load_checkpoint, save_checkpoint
+from lmcli.checkpoint import save_checkpoint
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.sources import load_checkpoint
 from lmcli.train import Reporter, train
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
 from lmcli.train.run_folder import write_run_config
@@ -448,7 +449,7 @@ def save_new_version(path: Path, step: int) -> None:
     save_checkpoint(path, model, TrainConfig(), tok, meta={"step": step}, state={"step": step})
 
 
-@pytest.mark.parametrize("during", ["_sha256", "load_file"])
+@pytest.mark.parametrize("during", ["sha256_of", "load_file"])
 def test_a_reader_sees_the_old_or_the_new_checkpoint_never_a_mix(tmp_path: Path, monkeypatch, during) -> None:
     """A writer replaces ``last`` while a reader is between reading meta.json and the weights
     (checksumming them, or loading them): the reader gets one whole checkpoint."""

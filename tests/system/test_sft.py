@@ -13,7 +13,7 @@ import torch
 from helpers import assert_one_line_error, read_metrics, run_cli
 
 from lmcli import chat_template
-from lmcli.checkpoint import load_checkpoint
+from lmcli.sources import load_checkpoint
 
 LETTERS = "abcdefgh"
 # two instructions on five-letter words: copy it, or shift every letter to the next one (h -> a)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import read_metrics, run_cli
 
-from lmcli.checkpoint import load_checkpoint
 from lmcli.cli import main
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.sources import load_checkpoint
 from lmcli.train import Reporter, train
 
 LETTERS = "abcdefgh"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run, run_cli, tiny_model
 
-from lmcli.checkpoint import load_checkpoint
+from lmcli.sources import load_checkpoint
 
 MiB = 1 << 20
 
@@ -51,7 +51,7 @@ def craft(run: Path, model: dict | None = None, train: dict | None = None, *, me
 DRIVER = textwrap.dedent(
     """
     import contextlib, io, json, resource, sys, time
-    import torch, lmcli.checkpoint, lmcli.cli, lmcli.generate.sampling, lmcli.hf
+    import torch, lmcli.cli, lmcli.generate.sampling, lmcli.sources
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -68,7 +68,7 @@ DRIVER = textwrap.dedent(
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:
                 if argv[0] == "load":  # the loader alone
-                    model = lmcli.checkpoint.load_checkpoint(argv[1]).model
+                    model = lmcli.sources.load_checkpoint(argv[1]).model
                 else:
                     lmcli.cli.main(argv)
                 code = 0

@@ -20,10 +20,11 @@ import torch
 from helpers import assert_one_line_error, run_cli
 from safetensors.torch import load_file
 
-from lmcli.checkpoint import ADAPTERS, load_checkpoint, load_model, save_checkpoint
+from lmcli.checkpoint import ADAPTERS, save_checkpoint
 from lmcli.cli import main
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.lora import has_adapters
+from lmcli.sources import load_checkpoint, load_model
 from lmcli.train import Reporter, train
 
 NOUNS = ["cat", "dog", "mat", "log", "bird", "tree", "sun", "hill"]

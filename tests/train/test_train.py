@@ -13,9 +13,10 @@ import pytest
 import torch
 from helpers import TINY_TEXT, assert_same_weights, tiny_model, tiny_tokenizer, weights
 
-from lmcli.checkpoint import load_checkpoint, save_checkpoint
+from lmcli.checkpoint import save_checkpoint
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.sources import load_checkpoint
 from lmcli.tokenizer import Tokenizer
 from lmcli.train import Reporter, train
 from lmcli.train.metrics import MetricsLog

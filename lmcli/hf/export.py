@@ -1,0 +1,71 @@
+"""Export an lmcli model as a Hugging Face folder that ``transformers`` loads.
+
+The family adapter that expresses the model (``lmcli.hf.families.for_export``) writes its
+``config.json`` and names its weights; the folder also holds the tokenizer and its roles in
+Hugging Face's files, and is written to a temporary folder renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from lmcli.checkpoint import logical_state
+from lmcli.errors import LmcliError
+from lmcli.hf.families import for_export
+from lmcli.safe_io import temp_dir
+from lmcli.sources import load_model
+
+
+def export_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """Write a folder that ``transformers`` AutoModelForCausalLM/AutoTokenizer load, from an lmcli
+    run or checkpoint folder (or a Hugging Face folder lmcli imports)."""
+    ckpt = load_model(path)
+    cfg, tok, model = ckpt.model_config, ckpt.tokenizer, ckpt.model
+    family = for_export(cfg, "hf")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise LmcliError(f"{out_dir} already holds files: choose an empty or new folder")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    config, state = family.hf_config(cfg, ids, dtype), family.to_hf(logical_state(model), cfg)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir(out_dir)  # created exclusively: a link planted beside the output is never followed
+    try:
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", {**{f"{r}_token_id": i for r, i in ids.items()}})
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save(tmp / "tokenizer.json")
+        specials = {f"{role}_token": tok.token(i) for role, i in ids.items()}
+        for role, i in (("unk", tok.unk_id), ("sep", tok.sep_id)):
+            if i is not None:
+                specials[f"{role}_token"] = tok.token(i)
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": cfg.block_size,
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            **specials,
+        }
+        if tok.chat_template is not None:
+            tok_cfg["chat_template"] = tok.chat_template
+        _write_json(tmp / "tokenizer_config.json", tok_cfg)
+        _write_json(tmp / "special_tokens_map.json", specials)
+        os.chmod(tmp, out_dir.parent.stat().st_mode & 0o777)  # not mkdtemp's 0700
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,110 @@
+"""A local Hugging Face model folder in: its family's config and weights, its tokenizer.
+
+The family adapter (``lmcli.hf.families``) that the folder's ``config.json`` names maps its config
+and its weights' names to lmcli's; ``weights.py`` reads the (sharded) safetensors without copies
+and builds the model around them. ``transformers`` is not needed (only the tests use it).
+
+The special tokens of an imported model come from its folder: ``tokenizer_config.json`` first
+(``bos_token``, ``eos_token``, ``pad_token``, and its ``chat_template``), then the token ids of
+``generation_config.json`` and ``config.json``; they travel with the tokenizer from then on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcli.errors import LmcliError
+from lmcli.hf.families import HFConfig, from_hf_config
+from lmcli.hf.weights import build_model, read_weights
+from lmcli.model import Transformer
+from lmcli.tokenizer import Tokenizer, read_config
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A Hugging Face model folder (config.json with a model_type), not an lmcli checkpoint."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or (path / "meta.json").exists():
+        return False
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except ValueError:
+        return False
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file; {} when it does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise LmcliError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise LmcliError(f"{path} does not hold a JSON object")
+    return data
+
+
+def read_tokenizer(path: Path, hf: HFConfig | None = None) -> Tokenizer:
+    """The folder's tokenizer with the special tokens the folder names (see the module doc)."""
+    if (path / "tokenizer.json").exists():
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises plain Exception on bad files
+            raise LmcliError(f"cannot read tokenizer {path / 'tokenizer.json'}: {str(exc)[:200]}") from None
+    elif (path / "vocab.json").exists() and (path / "merges.txt").exists():
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        tok = HFTokenizer(models.BPE.from_file(str(path / "vocab.json"), str(path / "merges.txt")))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        raise LmcliError(f"{path} has no tokenizer.json (or vocab.json + merges.txt)")
+    specials, template = read_config(path / "tokenizer_config.json")
+    generation = path / "generation_config.json"
+    for source in (HFConfig(read_json(generation), str(generation)), hf or HFConfig({}, "")):
+        for role in ("bos", "eos", "pad"):
+            i = source.get(f"{role}_token_id")
+            i = i[0] if isinstance(i, list) and i else i  # several end tokens: the first is lmcli's eos
+            if role not in specials and isinstance(i, int) and tok.id_to_token(i) is not None:
+                specials[role] = tok.id_to_token(i)
+    try:
+        return Tokenizer(tok, specials, template)
+    except LmcliError as exc:
+        raise LmcliError(f"{path}: {exc}") from None
+
+
+def load_hf_folder(
+    path: str | Path, dtype: torch.dtype | None = None, info: Callable[[str], None] = _stderr
+) -> tuple[Transformer, Tokenizer]:
+    """A local Hugging Face model folder as our Transformer (eval mode, weights in ``dtype``;
+    None: as stored) and Tokenizer. ``info`` receives notices (e.g. a capped context)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise LmcliError(f"no such Hugging Face model folder: {path}")
+    hf = HFConfig(read_json(path / "config.json"), str(path / "config.json"))
+    family = from_hf_config(hf)
+    cfg, notices = family.config_from_hf(hf)
+    tok = read_tokenizer(path, hf)
+    if tok.vocab_size > cfg.vocab_size:
+        raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    state = read_weights(path, dtype)
+    if dtype is None:  # as stored; a few tensors stored otherwise follow the embeddings
+        dtype = next((v.dtype for k, v in state.items() if "embed" in k or "wte" in k), None)
+        state = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
+    model = build_model(cfg, family.from_hf(state, cfg), f"in {path}")
+    for note in notices:
+        info(f"warning: {path}: {note}")
+    return model, tok

@@ -1,0 +1,115 @@
+"""Model sources: what a command is given as its model, opened.
+
+- an lmcli run folder (its ``best``, else ``last``) or checkpoint folder (``lmcli.checkpoint``
+  reads its files);
+- a LoRA run: its base (an lmcli checkpoint or a Hugging Face folder, found unchanged by
+  ``lmcli.lora_run``) with the adapters put on, or merged into the weights;
+- a local Hugging Face folder (``lmcli.hf.load``);
+- nothing: the newest run under ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from lmcli.checkpoint import (
+    ADAPTERS,
+    BASE,
+    META,
+    WEIGHTS,
+    Checkpoint,
+    load_weights,
+    read_configs,
+    read_consistently,
+    read_json,
+    read_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from lmcli.config import TrainConfig
+from lmcli.errors import LmcliError
+from lmcli.hf.load import is_hf_folder, load_hf_folder
+from lmcli.lora_run import checked_base, load_adapted
+from lmcli.model import Transformer
+
+# --dtype names of the commands that read a model
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@read_consistently
+def load_checkpoint(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    *,
+    with_state: bool = False,
+    verify: bool = True,
+    merge: bool = True,
+) -> Checkpoint:
+    """Load a checkpoint (or a run folder's best/last) with nothing but its folder; a LoRA run's
+    base with its adapters merged into the weights, or (``merge=False``, to train on) put on."""
+    ckpt = resolve_checkpoint(path)
+    meta, model_config, train_config, tokenizer = read_configs(ckpt, verify=verify)
+    base = None
+    if os.path.lexists(ckpt / ADAPTERS):
+        base = read_json(ckpt / BASE, "LoRA base reference")
+        base_path = checked_base(ckpt, base)
+        model = load_adapted(ckpt, base_path, base_model(base_path), model_config, train_config, merge=merge)
+    else:
+        model = load_weights(model_config, ckpt / WEIGHTS)
+    model.to(device).eval()
+    state = read_trainer_state(ckpt) if with_state else None
+    return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state, base)
+
+
+def base_model(path: Path) -> Transformer:
+    """A LoRA run's base model: a Hugging Face folder in float32 (as it was trained), or an lmcli
+    checkpoint."""
+    if is_hf_folder(path):
+        return load_hf_folder(path, torch.float32, lambda msg: None)[0]
+    return load_checkpoint(path).model
+
+
+def load_model(
+    path: str | Path | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> Checkpoint:
+    """What a command is given: an lmcli run or checkpoint folder, a local Hugging Face folder,
+    or (None) the newest run under ``checkpoints/``; in eval mode on ``device``, weights in
+    ``dtype`` (None: as stored)."""
+    path = Path(path) if path is not None else find_latest_run(Path("checkpoints"))
+    if is_hf_folder(path):
+        model, tok = load_hf_folder(path, dtype)
+        model.to(device).eval()
+        return Checkpoint(path, model, model.config, TrainConfig(), tok, {"source": "huggingface"})
+    ckpt = load_checkpoint(path, device)
+    if dtype is not None:
+        ckpt.model.to(dtype)
+    return ckpt
+
+
+def find_latest_run(root: str | Path = "checkpoints") -> Path:
+    """The most recently written run folder under ``root``."""
+    root = Path(root)
+    runs = [p for p in root.glob("*/last") if (p / META).exists()] if root.is_dir() else []
+    if not runs:
+        raise LmcliError(f"no run found under {root}/: give a run folder, or train one with `lmcli train`")
+    return max(runs, key=lambda p: (p / META).stat().st_mtime).parent
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """Write the model ``path`` names (a LoRA run's adapters merged) as a plain lmcli checkpoint
+    folder ``out``, which must be new or empty."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LmcliError(f"{out} already holds files: choose an empty or new folder")
+    ckpt = load_model(path)
+    train_config = dataclasses.replace(ckpt.train_config, lora_rank=0)  # plain weights now
+    meta = {"step": ckpt.meta.get("step"), "exported_from": str(ckpt.path), "time": time.time()}
+    if out.exists():
+        out.rmdir()
+    save_checkpoint(out, ckpt.model, train_config, ckpt.tokenizer, meta=meta)
+    return out
