@@ -89,10 +89,6 @@ class Row:
         self._held = ""  # decoded, not shown: it might begin a stop string
         self._shown = 0  # characters shown
 
-    @property
-    def live(self) -> bool:
-        return self.finish_reason is None
-
     def generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None:
             self._generator = torch.Generator(device=device).manual_seed(self.cfg.seed + self.sample)
