@@ -1,4 +1,5 @@
-"""What tests share: the tiny corpus, one tiny-model builder, run folders, the CLI in-process.
+"""What tests share: the tiny corpus, one tiny-model builder, one train-config builder, run folders,
+the CLI in-process.
 
 Imported as a plain module (``from helpers import ...``) from any test folder: pytest puts tests/ on
 sys.path when it loads tests/conftest.py. Models and run folders are built in the test, never
@@ -10,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from safetensors.torch import load_file
 
 from lmcli.checkpoint import save_checkpoint
 from lmcli.cli import main
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig, TrainConfig, from_dict
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 
@@ -55,13 +57,22 @@ def tiny_model(vocab_size: int | None = None, seed: int | None = 0, **config) ->
     return Transformer(ModelConfig(vocab_size=vocab_size, **{**TINY_SHAPE, **config})).eval()
 
 
+def train_config(**options: Any) -> TrainConfig:
+    """A TrainConfig from flat option names, spelled as flags, TOML keys and ``config.json``
+    spell them (``train_config(lr=3e-3, max_steps=40)``): each option goes to its section
+    (``cfg.optim.lr``, ``cfg.schedule.max_steps``), so a test never builds the sections itself.
+    Checked as any config: a bad value raises the one-line ``LmcliError`` the CLI would print.
+    (To change some options of a config: ``lmcli.config.replace_options(cfg, max_steps=8)``.)"""
+    return from_dict(TrainConfig, options, source="train_config")
+
+
 def make_run(out: Path, text: str = TINY_TEXT, kind: str = "char", seed: int = 0, **config) -> Path:
     """A run folder (``out/last`` and ``out/best``): a tiny model, context 32 unless told otherwise,
     with a ``kind`` tokenizer of ``text``."""
     tok = tiny_tokenizer(text, kind)
     model = tiny_model(tok.vocab_size, seed, **{"block_size": 32, **config})
     for name in ("last", "best"):
-        save_checkpoint(out / name, model, TrainConfig(), tok, meta={"step": 0})
+        save_checkpoint(out / name, model, train_config(), tok, meta={"step": 0})
     return out
 
 

@@ -19,10 +19,16 @@ transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
 
 from families import VARIANTS, hf_folder  # noqa: E402
-from helpers import TINY_TEXT, assert_one_line_error, make_run, run_cli  # noqa: E402
+from helpers import (  # noqa: E402
+    TINY_TEXT,
+    assert_one_line_error,
+    make_run,
+    run_cli,
+    train_config,  # noqa: E402
+)
 from safetensors.torch import load_file  # noqa: E402
 
-from lmcli.config import ModelConfig, SampleConfig, TrainConfig  # noqa: E402
+from lmcli.config import ModelConfig, SampleConfig  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.generate.sampling import generate  # noqa: E402
 from lmcli.hf.export import export_hf  # noqa: E402
@@ -131,7 +137,7 @@ def test_first_training_step_of_init_from_has_the_hf_loss(tmp_path: Path, name: 
 
     folder = hf_folder(tmp_path, name)
     (tmp_path / "c.txt").write_text(TINY_TEXT)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp_path / "c.txt"),),
         init_from=str(folder),
         out=str(tmp_path / "ft"),

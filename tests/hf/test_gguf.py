@@ -21,10 +21,17 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf")
 
 from check_gguf import randomize, run_checks  # noqa: E402
-from helpers import assert_one_line_error, make_run, run_cli, tiny_model, tiny_tokenizer  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_one_line_error,
+    make_run,
+    run_cli,
+    tiny_model,
+    tiny_tokenizer,
+    train_config,  # noqa: E402
+)
 
 from lmcli.checkpoint import save_checkpoint  # noqa: E402
-from lmcli.config import ModelConfig, TrainConfig, field_names  # noqa: E402
+from lmcli.config import ModelConfig, field_names  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.hf.gguf import export_gguf, write_gguf  # noqa: E402
 from lmcli.sources import load_checkpoint  # noqa: E402
@@ -52,7 +59,7 @@ def random_run(tmp: Path, kind: str = "bpe", **config) -> Path:
     model = tiny_model(tok.vocab_size, **{"block_size": 32, **config})
     randomize(model)
     for name in ("last", "best"):
-        save_checkpoint(tmp / "run" / name, model, TrainConfig(), tok, meta={"step": 0})
+        save_checkpoint(tmp / "run" / name, model, train_config(), tok, meta={"step": 0})
     return tmp / "run"
 
 

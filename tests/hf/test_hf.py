@@ -10,7 +10,11 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import make_run, tiny_tokenizer  # noqa: E402
+from helpers import (  # noqa: E402
+    make_run,
+    tiny_tokenizer,
+    train_config,  # noqa: E402
+)
 
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.evaluate import score_ids  # noqa: E402
@@ -130,12 +134,12 @@ def test_configs_gpt2_cannot_express_are_refused(tmp_path: Path) -> None:
 
 
 def test_train_init_from_a_local_gpt2_folder(tmp_path: Path) -> None:
-    from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.config import ModelConfig
     from lmcli.train import Reporter, train
 
     folder = hf_gpt2(tmp_path)
     (tmp_path / "c.txt").write_text("the cat sat on the mat. " * 200)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp_path / "c.txt"),),
         init_from=str(folder),
         out=str(tmp_path / "ft"),

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli, train_config
 from safetensors.torch import load_file
 
 from lmcli.checkpoint import ADAPTERS, save_checkpoint
 from lmcli.cli import main
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig
 from lmcli.lora import has_adapters
 from lmcli.sources import load_checkpoint, load_model
 from lmcli.train import Reporter, train
@@ -49,7 +49,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "a.txt").write_text(a)
     (tmp / "b.txt").write_text(b)
     model = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=32)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp / "a.txt"),),
         out=str(tmp / "base"),
         cache_dir=str(tmp / "cache"),
@@ -57,14 +57,15 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
         lr=5e-3,
         optimizer="adamw",  # the base these fine-tuning figures were calibrated on
         schedule="cosine",
+        **COMMON,
     )
-    train(model, TrainConfig(**{**vars(cfg), **COMMON}), reporter=QUIET, progress=False)
+    train(model, cfg, reporter=QUIET, progress=False)
     return tmp
 
 
 def fine_tune(tmp: Path, name: str, **options) -> float:
     """Fine-tune the base on ``b.txt`` into ``tmp/name``; the final validation loss."""
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp / "b.txt"),),
         out=str(tmp / name),
         init_from=str(tmp / "base"),
@@ -238,7 +239,7 @@ def test_decoding_with_adapters_on_equals_the_merged_model_on_the_fast_path() ->
     from lmcli.lora import add_adapters, merge
 
     tok = tiny_tokenizer()
-    model = add_adapters(tiny_model(tok.vocab_size), TrainConfig(init_from="base", lora_rank=2)).eval()
+    model = add_adapters(tiny_model(tok.vocab_size), train_config(init_from="base", lora_rank=2)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("lora_b"):
@@ -265,7 +266,7 @@ def test_lora_on_a_padded_base_trains_its_embeddings_and_merges_to_the_logical_v
 
     base = make_run(tmp_path / "base", vocab_multiple=64)
     (tmp_path / "corpus.txt").write_text(TINY_TEXT)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp_path / "corpus.txt"),),
         out=str(tmp_path / "lora"),
         init_from=str(base),
