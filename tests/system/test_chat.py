@@ -289,6 +289,7 @@ class Terminal:
 PROMPT = "> "
 
 
+@pytest.mark.slow
 def test_terminal_streams_and_ctrl_c_stops_the_reply(tmp_path: Path) -> None:
     run = make_run(tmp_path / "long", block_size=4096)  # replies of thousands of tokens
     n = 3000
@@ -326,6 +327,7 @@ def test_terminal_streams_and_ctrl_c_stops_the_reply(tmp_path: Path) -> None:
     assert "Traceback" not in term.out
 
 
+@pytest.mark.slow
 def test_terminal_commands_reset_system_save_and_full_context(chat_run: Path, tmp_path: Path) -> None:
     term = Terminal(str(chat_run), "--max-new-tokens", "8", "--min-new-tokens", "8", *SETTINGS)
     saved = {}

@@ -84,6 +84,7 @@ def wait_for_step(run: Path, at_least: int, proc: subprocess.Popen, timeout: flo
     raise AssertionError("no checkpoint in time")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text(TINY_TEXT * 3)
@@ -102,6 +103,7 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: 
     assert_same_weights(weights(tmp_path / "full"), weights(tmp_path / "killed"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signals_save_print_the_resume_command_and_exit(tmp_path: Path, sig: int, code: int) -> None:
     corpus = tmp_path / "c.txt"

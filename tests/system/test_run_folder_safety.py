@@ -384,6 +384,7 @@ class CrashAt(SignalAt):
             raise RuntimeError("simulated crash")
 
 
+@pytest.mark.slow
 def test_save_interval_still_keeps_best_up_to_date(tmp_path: Path) -> None:
     cfg = config(tmp_path, "run", max_steps=40, eval_interval=2, save_interval=3, lr=3e-3)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -398,6 +399,7 @@ def test_save_interval_still_keeps_best_up_to_date(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- item 13
 
 
+@pytest.mark.slow
 def test_stale_temporary_files_of_dead_writers_are_removed_at_the_next_start(tmp_path: Path, capsys) -> None:
     run = cli_run(tmp_path, "run", capsys, "--max-steps", "4")
     dead = subprocess.Popen(["true"])
@@ -422,6 +424,7 @@ def test_stale_temporary_files_of_dead_writers_are_removed_at_the_next_start(tmp
 # ----------------------------------------------------------------------------- item 14
 
 
+@pytest.mark.slow
 def test_keep_last_orders_step_folders_by_number(tmp_path: Path) -> None:
     """Past step 9,999,999 the names grow a digit: step-10000000 sorts before step-9999999 as text."""
     cfg = config(tmp_path, "run", max_steps=2)

@@ -66,6 +66,7 @@ def reply(run: Path, prompt: str) -> str:
     return tok.decode(ids[start:])
 
 
+@pytest.mark.slow
 def test_a_tiny_model_fine_tuned_with_sft_answers_held_out_prompts(tmp_path: Path, capsys) -> None:
     train_words = words(1500, 0)
     data = write_jsonl(tmp_path / "train.jsonl", instruction_rows(train_words))

@@ -63,6 +63,7 @@ def greedy(run: Path, word: str) -> str:
     return tok.decode(ids[start:])
 
 
+@pytest.mark.slow
 def test_a_small_model_learns_to_reverse_words_exactly(tmp_path: Path) -> None:
     result = train_reversal(tmp_path, "run", max_steps=800, eval_interval=400, bleu_samples=50)
     assert result.best_val_loss < 0.05  # target-only loss, nats per target token

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import assert_float32_close, tiny_model
 
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
@@ -162,7 +162,7 @@ def test_a_padded_vocabulary_has_128_rows_and_65_logits_in_every_path(tie: bool)
                 cache = KVCache.for_model(model, 2)
                 parts = [model(idx[:, :4], cache)] + [model(idx[:, t : t + 1], cache) for t in range(4, 12)]
             assert all(p.size(-1) == 65 for p in parts)
-            torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+            assert_float32_close(torch.cat(parts, dim=1), full, model.config)  # other kernels: rounding
 
 
 def test_padding_changes_no_logit_and_the_padded_rows_get_no_gradient() -> None:
