@@ -5,6 +5,11 @@ declaration, made with ``option(...)``. From those declarations ``lmcli.options`
 command-line flags, TOML config files are checked against them, the generic checks below
 validate them, and the resolved configs travel as JSON inside every checkpoint. Adding an option
 is one new field.
+
+``TrainConfig`` groups its options in sections (``Section`` subclasses: ``cfg.optim.lr``,
+``cfg.schedule.max_steps``, ...). Outside the code every option keeps one flat name: its flag,
+its TOML key, its key in ``config.json`` and in messages; ``to_dict``/``from_dict`` convert
+between the flat options and the sections, ``replace_options`` replaces options by flat name.
 """
 
 from __future__ import annotations
