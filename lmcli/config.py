@@ -43,6 +43,8 @@ LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGET
 Optimizer = Literal["auto", "adamw", "muon"]
 Schedule = Literal["auto", "cosine", "wsd", "linear"]
 Select = Literal["val_loss", "val_bleu", "val_chrf"]
+Parallel = Literal["auto", "ddp", "fsdp"]
+Recompute = Literal["none", "full", "selective"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 VOCAB_MULTIPLE_MAX = 1024  # --vocab-multiple: a larger one only wastes rows
@@ -553,6 +555,27 @@ class CheckpointConfig(Section):
 
 
 @dataclass(frozen=True)
+class ParallelConfig(Section):
+    """How the processes of a ``torchrun`` job share the model, and what is kept for the backward."""
+
+    TITLE: ClassVar[str] = "Parallelism and memory"
+
+    parallel: Parallel = option(
+        "auto",
+        "Under torchrun: ddp (a whole model per process), fsdp (parameters, gradients and "
+        "optimizer state sharded across the processes, FSDP2; sharded checkpoints); auto: fsdp "
+        "when the pre-flight finds that the model and its optimizer state do not fit one device.",
+        stored=False,  # how this session is launched: a resume chooses again (any world size)
+    )
+    activation_checkpointing: Recompute = option(
+        "none",
+        "Recompute activations in the backward instead of keeping them, per block: full (keep "
+        "each block's input only), selective (keep matmul and attention outputs, recompute the "
+        "cheap elementwise ops and norms), none.",
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything about a training run except the model's shape: the run's own options, then
     its sections (``cfg.optim.lr``, ``cfg.schedule.max_steps``, ...). Flags, TOML keys and the
@@ -594,6 +617,7 @@ class TrainConfig:
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    parallelism: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)

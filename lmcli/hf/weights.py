@@ -42,28 +42,33 @@ def weight_files(path: Path) -> list[Path]:
     raise LmcliError(f"{path} has no {SINGLE} (or {INDEX})")
 
 
-def read_weights(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """Every tensor of the folder by its Hugging Face name, on the CPU; floating-point ones in
-    ``dtype`` (None: as stored)."""
-    if (
+def is_pytorch_bin(path: Path) -> bool:
+    """Whether the folder's weights are a ``pytorch_model.bin`` only (no safetensors)."""
+    return (
         not (path / SINGLE).is_file()
         and not (path / INDEX).is_file()
         and (path / "pytorch_model.bin").is_file()
-    ):
+    )
+
+
+def read_weights(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Every tensor of the folder by its Hugging Face name, on the CPU; floating-point ones in
+    ``dtype`` (None: as stored)."""
+    if is_pytorch_bin(path):
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
-        return {k: _as(v, dtype) for k, v in state.items()}
+        return {k: as_dtype(v, dtype) for k, v in state.items()}
     out: dict[str, Tensor] = {}
     for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    out[key] = _as(f.get_tensor(key), dtype)
+                    out[key] = as_dtype(f.get_tensor(key), dtype)
         except (SafetensorError, OSError) as exc:
             raise LmcliError(f"cannot read weights {file}: {str(exc).splitlines()[0][:200]}") from None
     return out
 
 
-def _as(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+def as_dtype(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
