@@ -135,11 +135,12 @@ class OptimizerState:
         names = {id(p): name for name, p in self.model.named_parameters()}
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         for optim, sd in zip(self.parts, saved, strict=True):
+            name_of: dict[int, str] = {}  # the indices run on across the optimizer's groups
             for group, saved_group in zip(optim.param_groups, sd["param_groups"], strict=True):
-                ids = zip(saved_group["params"], group["params"], strict=True)
-                name_of = {i: names[id(p)] for i, p in ids}
-                merged["state"].update({name_of[i]: s for i, s in sd["state"].items()})
-                merged["param_groups"].append({**saved_group, "params": list(name_of.values())})
+                ids = dict(zip(saved_group["params"], group["params"], strict=True))
+                name_of.update({i: names[id(p)] for i, p in ids.items()})
+                merged["param_groups"].append({**saved_group, "params": [name_of[i] for i in ids]})
+            merged["state"].update({name_of[i]: s for i, s in sd["state"].items()})
         return merged
 
 

@@ -289,6 +289,23 @@ def test_fsdp_with_muon_and_ema_equals_one_process(tmp_path: Path) -> None:
             diff = (wa[key] - wb[key]).abs().max().item()
             assert diff <= WEIGHT_ATOL, f"{which}: {key} differs by {diff:.2e}"
 
+    # the one process's whole checkpoint (trainer_state.pt) resumes sharded: each rank takes
+    # its rows of the Muon and AdamW state and of the average
+    shutil.copytree(one, tmp_path / "again")
+    longer = ["--max-steps", str(STEPS + MORE), "-q"]
+    same_batch = ["--grad-accum", "1"]  # 2 ranks x B = the one process's B x 2 micro-batches
+    with torchrun(
+        ["train", "--resume", str(one), "--parallel", "fsdp", *same_batch, *longer], tmp_path
+    ) as proc:
+        cli("train", "--resume", str(tmp_path / "again"), *longer)
+        _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-4000:]
+    sharded, alone = (
+        [r["train_loss"] for r in read_metrics(x) if "train_loss" in r] for x in (one, tmp_path / "again")
+    )
+    assert len(sharded) == STEPS + MORE and sharded == pytest.approx(alone, abs=1e-5)
+    assert (one / "last" / "__1_0.distcp").is_file()
+
 
 def test_fsdp_lora_from_a_hugging_face_folder_equals_one_process(tmp_path: Path, capsys) -> None:
     """Each rank builds the base on the meta device and reads only its rows of the HF weights."""
