@@ -15,12 +15,15 @@ two processes bit-identically or on one to rounding.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -322,3 +325,61 @@ def test_fsdp_lora_from_a_hugging_face_folder_equals_one_process(tmp_path: Path,
     assert wa.keys() == wb.keys() and any("lora_a" in k for k in wa)
     for key in wa:
         assert (wa[key] - wb[key]).abs().max().item() <= WEIGHT_ATOL, key
+
+
+def test_sigkill_of_a_sharded_run_then_resume_in_one_process(tmp_path: Path) -> None:
+    """Killed while it trains and writes a sharded checkpoint at every step (in the background):
+    the last checkpoint in place is whole and resumes in one process, which then takes the
+    steps of an uninterrupted one-process run."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 2)
+    steps = 40
+    common = [str(corpus), *FLAGS, "--optimizer", "adamw", "--max-steps", str(steps)]
+    killed = tmp_path / "killed"
+    argv = ["train", *common, "--batch-size", str(B), "--parallel", "fsdp", "--save-interval", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    with subprocess.Popen(
+        [*launch, "-m", "lmcli", *argv, "--out", str(killed)],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        deadline = time.time() + 120
+        while saved_step(killed) < 5 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        for pid in [*descendants(proc.pid), proc.pid]:  # the workers (their own sessions) and torchrun
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(30)
+    step = saved_step(killed)
+    assert 5 <= step < steps, "killed mid-run, after a few checkpoints"
+    cli("train", "--resume", str(killed), "--batch-size", str(2 * B))
+    cli("train", *common, "--batch-size", str(2 * B), "--out", str(tmp_path / "whole"))
+    assert not [p.name for p in killed.iterdir() if p.name.endswith(".lmtmp")], "temporaries removed"
+    losses = [
+        {r["step"]: r["train_loss"] for r in read_metrics(x) if "train_loss" in r}
+        for x in (killed, tmp_path / "whole")
+    ]
+    assert sorted(losses[0]) == list(range(1, steps + 1))
+    assert [losses[0][s] for s in range(1, steps + 1)] == pytest.approx(
+        [losses[1][s] for s in range(1, steps + 1)], abs=1e-5
+    )
+
+
+def saved_step(run: Path) -> int:
+    """The step of ``run/last`` now (-1 if none or in the middle of a swap)."""
+    try:
+        return json.loads((run / "last" / "meta.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs (Linux's /proc)."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):  # one that ended meanwhile
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                found += [int(child), *descendants(int(child))]
+    return found
