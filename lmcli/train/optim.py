@@ -87,8 +87,8 @@ class Muon(torch.optim.Muon):
     Newton-Schulz needs each matrix whole. Sharded matrices are spread over the processes
     (``spread_orthogonalize``): each matrix is gathered on one process, orthogonalized there
     and its rows scattered back, so each process iterates on about 1/N of the matrices (the
-    alternative, every process gathering every matrix and iterating on all of them, is DDP's
-    compute and moves N/2 times the data; docs/distributed.md has the measurement).
+    alternative, every process gathering every matrix and iterating on all of them, repeats
+    the whole iteration on every process).
     """
 
     def __init__(self, params: Any, *, ns_dtype: torch.dtype = torch.float32, **options: Any) -> None:

@@ -109,14 +109,16 @@ def train_both(
     extra: list[str],
     single: tuple[str, ...] = ("--batch-size", str(2 * B)),
     ranks: tuple[str, ...] = (),
+    rank_batch: int = B,
 ) -> dict:
-    """Train with ``FLAGS + extra`` under torchrun (2 ranks, batch B, and ``ranks``' flags) and in
-    this process (by default with batch 2B; ``single``: other flags of the same global batch)."""
+    """Train with ``FLAGS + extra`` under torchrun (2 ranks, batch ``rank_batch``, and ``ranks``'
+    flags) and in this process (by default with batch 2B; ``single``: other flags of the same
+    global batch)."""
     corpus = tmp / "corpus.txt"
     corpus.write_text(TINY_TEXT * 2)  # 25 validation windows, of which 16 (2 global batches) are read
     common = [str(corpus), *FLAGS, *extra]
     # no --out: the default checkpoints/run-<time>, whose name rank 0 chooses
-    two = ["train", *common, *ranks, "--batch-size", str(B), "--cache-dir", str(tmp / "c2")]
+    two = ["train", *common, *ranks, "--batch-size", str(rank_batch), "--cache-dir", str(tmp / "c2")]
     with torchrun(two, tmp) as proc:
         # meanwhile, one process with the same global batch (its own token cache: no shared files)
         cli(
@@ -209,10 +211,14 @@ def test_muon_with_ema_under_two_ranks_equals_one_process(tmp_path: Path) -> Non
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A 2-rank FSDP run with AdamW (sharded checkpoints at steps 10 and 20 kept) and a 1-process
-    run with the same global batch."""
-    extra = ["--optimizer", "adamw", "--keep-last", "2"]
-    return train_both(tmp_path_factory.mktemp("fsdp"), extra, ranks=("--parallel", "fsdp"))
+    """A 2-rank FSDP run with AdamW, 2 micro-batches of B/2 a step and gradients clipped
+    (sharded checkpoints at steps 10 and 20 kept), and a 1-process run with the same global
+    batch: 2 micro-batches of B (the same validation windows: 2 batches of B)."""
+    extra = ["--optimizer", "adamw", "--keep-last", "2", "--grad-accum", "2", "--grad-clip", "0.5"]
+    ranks = ("--parallel", "fsdp")
+    return train_both(
+        tmp_path_factory.mktemp("fsdp"), extra, ("--batch-size", str(B)), ranks, rank_batch=B // 2
+    )
 
 
 def interrupted_at_step_10(run: Path, dest: Path) -> Path:
@@ -233,6 +239,7 @@ def test_fsdp_equals_one_process_and_writes_sharded_checkpoints_with_whole_weigh
         [r["train_loss"] for r in read_metrics(fsdp["single"]) if "train_loss" in r], abs=1e-5
     )
     assert losses[-1] < losses[0] - 0.3, "the model learns: the weights compared have moved far"
+    assert min(r["grad_norm"] for r in read_metrics(run) if "grad_norm" in r) > 0.5, "clipped"
     files = {p.name for p in (run / "last").iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "model.safetensors", "meta.json"} <= files
     assert "trainer_state.pt" not in files
@@ -247,7 +254,7 @@ def test_a_sharded_checkpoint_resumes_exactly_on_two_processes_and_to_rounding_o
     run = ddp_run(fsdp)
     two, one = interrupted_at_step_10(run, tmp_path / "two"), interrupted_at_step_10(run, tmp_path / "one")
     with torchrun(["train", "--resume", str(two), "--parallel", "fsdp", "-q"], tmp_path) as proc:
-        cli("train", "--resume", str(one), "--batch-size", str(2 * B), "-q")  # meanwhile, alone
+        cli("train", "--resume", str(one), "--batch-size", str(B), "-q")  # meanwhile, alone
         _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-4000:]
     measured = ("train_loss", "grad_norm", "val_loss")
