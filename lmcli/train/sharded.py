@@ -24,6 +24,7 @@ checkpoint of N processes resumes on M, or on one process without torchrun.
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import warnings
 from collections.abc import Callable
@@ -258,6 +259,77 @@ def _done() -> Any:
 
 # ----------------------------------------------------------------------------- reading
 
+# What a DCP index (``.metadata``, a pickle) may name: DCP's own record types, torch.Size, dtypes,
+# layouts and paths. Anything else is refused before it is built: a run folder is untrusted
+# input, and nothing in it may run code (docs/reliability.md).
+_INDEX_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index, building only the types in ``_INDEX_GLOBALS`` (and dtypes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _INDEX_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+def safe_reader(ckpt: Path) -> Any:
+    """DCP's ``FileSystemReader`` of ``ckpt`` whose index is read by ``_IndexUnpickler`` (DCP's
+    own reads it with ``pickle.load``, which runs whatever the file names)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                index = _IndexUnpickler(f).load()
+            if getattr(index, "storage_meta", None) is None:
+                index.storage_meta = StorageMeta()
+            index.storage_meta.load_id = self.load_id
+            return index
+
+    return SafeReader(str(ckpt))
+
+
+def safe_planner() -> Any:
+    """DCP's ``DefaultLoadPlanner`` (a part the checkpoint lacks keeps its state) that loads the
+    non-tensor values (counters, RNG states, optimizer settings) with ``weights_only=True``, as
+    ``trainer_state.pt`` is loaded (DCP's own loads them with ``weights_only=False``)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            loaded = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return SafePlanner(allow_partial_load=True)
+
 
 def open_sharded(ckpt: Path, dist_info: Dist) -> Checkpoint:
     """A sharded checkpoint to resume from, without its weights (they come from the shards):
@@ -275,11 +347,9 @@ def open_sharded(ckpt: Path, dist_info: Dist) -> Checkpoint:
 def read_index(ckpt: Path) -> Any:
     """A sharded checkpoint's index (DCP's ``Metadata``), once every shard file it names is
     there: one line naming a missing one (a folder copied in part)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        index = FileSystemReader(str(ckpt)).read_metadata()
-    except (OSError, RuntimeError, ValueError, EOFError, AttributeError) as exc:
+        index = safe_reader(ckpt).read_metadata()
+    except (OSError, RuntimeError, ValueError, EOFError, AttributeError, pickle.UnpicklingError) as exc:
         raise LmcliError(f"cannot read the sharded checkpoint index {ckpt / SHARD_INDEX}: {exc}") from None
     named = sorted({item.relative_path for item in (index.storage_data or {}).values()})
     missing = [name for name in named if not (ckpt / name).is_file()]
@@ -299,18 +369,13 @@ def restore_sharded(ckpt: Path, model: torch.nn.Module, states: StateRegistry) -
     this run's processes; a part the checkpoint lacks (``--ema`` added) keeps its fresh state,
     a rank it lacks keeps its seeded RNGs."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with warnings.catch_warnings():  # one process without torchrun: DCP says it reads alone
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(
-                dcp_parts(model, states),
-                checkpoint_id=str(ckpt),
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-            )
-    except (CheckpointException, OSError, RuntimeError, ValueError) as exc:
+            dcp.load(dcp_parts(model, states), storage_reader=safe_reader(ckpt), planner=safe_planner())
+    except (CheckpointException, OSError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise LmcliError(f"cannot read the sharded checkpoint {ckpt / SHARD_INDEX}: {first}") from None
 

@@ -16,9 +16,11 @@ two processes bit-identically or on one to rounding.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -282,6 +284,31 @@ def test_a_bad_sharded_checkpoint_is_refused_in_one_line(fsdp: dict, tmp_path: P
     assert_one_line_error(code, err, "is missing its shard __1_0.distcp")
     code, _, err = run_cli(["train", "--resume", str(run), "--n-layer", "3", "-q"], capsys)
     assert_one_line_error(code, err, "cannot resume with a different model shape")
+
+
+class Planted:
+    """A pickle that runs a command when it is loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_shard_index_runs_no_code(fsdp: dict, tmp_path: Path, capsys) -> None:
+    """DCP reads its index with pickle.load: a run folder is untrusted, so lmcli reads it with
+    an unpickler that builds DCP's record types alone (even under a matching checksum)."""
+    planted = tmp_path / "planted"
+    shutil.copytree(ddp_run(fsdp), planted)
+    index = planted / "last" / ".metadata"
+    index.write_bytes(pickle.dumps(Planted(tmp_path / "ran")))
+    meta = json.loads((planted / "last" / "meta.json").read_text())
+    meta["sha256"][".metadata"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (planted / "last" / "meta.json").write_text(json.dumps(meta))
+    code, _, err = run_cli(["train", "--resume", str(planted), "-q"], capsys)
+    assert_one_line_error(code, err, "posix.system is not part of a checkpoint index")
+    assert not (tmp_path / "ran").exists()
 
 
 def test_fsdp_with_muon_and_ema_equals_one_process(tmp_path: Path) -> None:
