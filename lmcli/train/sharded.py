@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lmcli import lora
 from lmcli.checkpoint import (
     ADAPTERS,
     BASE,
@@ -44,6 +45,7 @@ from lmcli.checkpoint import (
     read_configs,
     read_json,
     save_checkpoint,
+    unwrap,
     write_files,
 )
 from lmcli.distributed import Dist, on_main
@@ -67,12 +69,15 @@ def is_distributed(module: torch.nn.Module) -> bool:
 
 def gathered_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """A sharded module's whole state dict, gathered to rank 0's CPU one tensor at a time (every
-    process calls it; the others get {}); None for a module that is not sharded."""
+    process calls it; the others get {}); a LoRA model's trained tensors alone (what its
+    checkpoint stores: the frozen base is not gathered); None for a module that is not sharded."""
     if not is_distributed(module):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    frozen = lora.has_adapters(unwrap(module))  # saved as adapters: the base is not written
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
+    return get_model_state_dict(module, options=options)
 
 
 def _full(state: dict[str, Any]) -> bool:
