@@ -39,8 +39,10 @@ Fill = Callable[[Transformer], None]  # puts weights into a model whose tensors 
 
 
 def launched_by_torchrun() -> bool:
-    """Whether this process is one of a ``torchrun`` job (its environment names the job)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
+    """Whether this process is one of a ``torchrun`` job (its environment names the job; or, from
+    another launcher, its RANK and WORLD_SIZE)."""
+    job = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
+    return job or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def check_launch(cfg: TrainConfig) -> None:

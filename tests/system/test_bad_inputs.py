@@ -101,7 +101,7 @@ def test_unwritable_beam_output_folder(tmp_path: Path, capsys) -> None:
 
 
 def test_parallel_ddp_or_fsdp_without_torchrun_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
-    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE"):
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "c.txt").write_text(TINY_TEXT)
     for kind in ("ddp", "fsdp"):
