@@ -61,10 +61,12 @@ Then = Callable[[Path], None]  # what rank 0 does once a checkpoint is in place 
 
 
 def is_distributed(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s parameters are sharded (DTensors)."""
-    from torch.distributed.tensor import DTensor
+    """Whether ``module``'s parameters are sharded (``fully_shard``): asked of its modules, not
+    of its parameters, which are whole tensors while they are gathered (the root's and the last
+    block's stay gathered after a forward without a backward: validation)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def gathered_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
