@@ -35,7 +35,7 @@ from lmcli.config import (
     from_dict,
     to_dict,
 )
-from lmcli.errors import LmcliError
+from lmcli.errors import LmcliError, Terminated
 from lmcli.options import config_options
 
 try:  # typer >= 0.20 vendors its own copy of click
@@ -122,9 +122,12 @@ def train(
 
     file_options = load_config_file(config) if config else {}
     model_cfg, train_cfg = resolve_configs(file_options, options, resume=resume)
-    result = run_training(
-        model_cfg, train_cfg, resume=resume, reporter=rich_reporter(quiet), progress=not quiet
-    )
+    try:
+        result = run_training(
+            model_cfg, train_cfg, resume=resume, reporter=rich_reporter(quiet), progress=not quiet
+        )
+    except Terminated:  # a SIGTERM before training began: cleaned up as a Ctrl-C is
+        raise typer.Exit(143) from None
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)
 
@@ -511,18 +514,20 @@ def chat(
     chat_cfg = build(ChatConfig, options)
     with _loaded(run_dir, options) as ckpt:
         session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system)
-        if json_io or not sys.stdin.isatty():
-            result = run_json(session, sys.stdin)
-            if result["dropped_messages"]:
-                print(
-                    f"warning: {dropped_notice(result['dropped_messages'], session.context)}", file=sys.stderr
-                )
-            typer.echo(json.dumps(result, ensure_ascii=False))
-            return
-        from lmcli import fastpath
+        try:
+            if json_io or not sys.stdin.isatty():
+                result = run_json(session, sys.stdin)
+                if result["dropped_messages"]:
+                    notice = dropped_notice(result["dropped_messages"], session.context)
+                    print(f"warning: {notice}", file=sys.stderr)
+                typer.echo(json.dumps(result, ensure_ascii=False))
+                return
+            from lmcli import fastpath
 
-        with fastpath.inference(ckpt.model):  # one scope for every reply
-            run_terminal(session, str(ckpt.path))
+            with fastpath.inference(ckpt.model):  # one scope for every reply
+                run_terminal(session, str(ckpt.path))
+        finally:
+            session.close()
 
 
 # ----------------------------------------------------------------------------- verify

@@ -642,6 +642,12 @@ class ServeConfig:
     timeout: float = option(
         300.0, "Per-request time limit (queue wait included): 90s, 5m.", gt=0, parse=parse_duration
     )
+    max_connections: int = option(
+        512, "Open connections at most (fewer if ulimit -n is lower); beyond: the idlest closes.", gt=0
+    )
+    client_timeout: float = option(
+        10.0, "Seconds a client has to send a request's headers, then its body.", gt=0, parse=parse_duration
+    )
     threads: int | None = option(
         None,
         "CPU threads of the decoding thread.",
@@ -659,6 +665,10 @@ class ServeConfig:
         check_fields(self)
         if not self.host.strip():
             raise LmcliError("host must not be empty")
+        if self.api_key is not None:  # "" or " " would disable the key, or make it unmatchable
+            if not self.api_key.strip():
+                raise LmcliError("api-key must not be empty or blank: give a key, or none")
+            object.__setattr__(self, "api_key", self.api_key.strip())
 
 
 @dataclass(frozen=True)

@@ -6,3 +6,7 @@ class LmcliError(Exception):
 
     The CLI prints ``error: <message>`` to stderr and exits with code 2, never a traceback.
     """
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where a command stops as on Ctrl-C (the CLI exits with code 143)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,27 @@ def atomic_write(dest: Path, data: bytes | str) -> None:
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
+
+
+def refuse_special(path: Path) -> Path:
+    """``path`` if it is new or a regular file; one line if it is anything else (a device such as
+    ``/dev/null``, a FIFO, a folder, a link), which writing by rename would replace."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise LmcliError(f"cannot write {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "a folder"
+            if stat.S_ISDIR(st.st_mode)
+            else ("a device or a FIFO")
+        )
+        raise LmcliError(f"cannot write {path}: it is {kind}, not a regular file (give a new file name)")
+    return path
 
 
 def open_append(path: Path):  # noqa: ANN201 - a text file object

@@ -9,6 +9,7 @@ back from there. Roles it does not name are found by their usual names, with fal
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
@@ -24,6 +25,7 @@ SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<sep>")
 PIECE_CHARS = 1 << 12  # the longest piece BPE trains on or encode_batch encodes (2-4 KiB: ~30% faster)
 ROLES = ("bos", "eos", "pad", "unk", "sep")
 CONFIG = "tokenizer_config.json"  # beside tokenizer.json: the named roles and the chat template
+CONFIG_LIMIT = 64 << 20  # a tokenizer_config.json holds a few MiB at most
 
 # Names tried, in order, for each special role (lmcli's own first, then common conventions).
 _ROLE_NAMES = {
@@ -114,6 +116,7 @@ class Tokenizer:
         self.hf.encode_special_tokens = True
         self.specials = {role: text for role, text in (specials or {}).items() if text is not None}
         self.chat_template = chat_template
+        self.origin: str | None = None  # the folder it was read from (messages name it)
         vocab = tok.get_vocab(with_added_tokens=True)
         for role, text in self.specials.items():
             if text not in vocab:
@@ -163,7 +166,9 @@ class Tokenizer:
             path = path / "tokenizer.json"
         try:
             specials, template = read_config(path.parent / CONFIG)
-            return cls(HFTokenizer.from_file(str(path)), specials, template)
+            tok = cls(HFTokenizer.from_file(str(path)), specials, template)
+            tok.origin = str(path.parent)
+            return tok
         except LmcliError:
             raise
         except Exception as exc:  # tokenizers raises plain Exception on bad files
@@ -211,6 +216,12 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters of the longest token: a text of ``n * longest_token`` characters or more
+        holds at least ``n`` tokens (a bound found without tokenizing it)."""
+        return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
+
     def count_unknown(self, ids: Iterable[int]) -> int:
         """How many ids are ``<unk>`` (characters the tokenizer could not encode)."""
         return 0 if self.unk_id is None else sum(1 for i in ids if i == self.unk_id)
@@ -238,9 +249,13 @@ def read_config_json(path: Path) -> tuple[dict[str, str], str | None]:
     if not path.is_file():
         return {}, None
     try:
+        if path.stat().st_size > CONFIG_LIMIT:
+            raise LmcliError(f"cannot read {path}: larger than {CONFIG_LIMIT >> 20} MiB")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise LmcliError(f"cannot read {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise LmcliError(f"{path} does not hold a JSON object")
     specials = {role: token_text(data.get(f"{role}_token")) for role in ROLES}
     template = data.get("chat_template")  # a list of named templates is not kept
     named = {k: v for k, v in specials.items() if v is not None}

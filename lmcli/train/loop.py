@@ -39,7 +39,7 @@ from lmcli.data.examples import pad_multiple
 from lmcli.data.train_data import ExampleData, TrainData, load_train_data
 from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
-from lmcli.errors import LmcliError
+from lmcli.errors import LmcliError, Terminated
 from lmcli.hf.load import is_hf_folder, load_hf_folder
 from lmcli.lora_run import base_reference
 from lmcli.model import Transformer
@@ -159,7 +159,8 @@ def train(
     opened: list[Run] = []
     try:
         with deterministic_algorithms(cfg.deterministic):
-            opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
+            with terminate_as_interrupt():  # until fit's own handling: a SIGTERM cleans up as Ctrl-C
+                opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
             return fit(opened[0], rep)
     except BaseException as exc:
         if held:
@@ -246,6 +247,24 @@ class Clock:
 
 
 SIGNALS = ("SIGINT", "SIGTERM")
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Any:
+    """SIGTERM raises ``Terminated`` (a ``KeyboardInterrupt``) in the block: opening a run (its
+    data read, SFT conversations rendered) stops as on Ctrl-C, and the folder it made goes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 class StopSignal:

@@ -34,7 +34,7 @@ def test_hf_template_renders_as_transformers_does(tmp_path: Path) -> None:
     config = {"chat_template": TEMPLATE, "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     template = chat_template.find_template(folder)
-    assert template == TEMPLATE
+    assert template.text == TEMPLATE and template.where == str(folder)
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **config)
     flat = [{**m, "content": "and the dog?"} if isinstance(m["content"], list) else m for m in MESSAGES]
     expected = hf.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)

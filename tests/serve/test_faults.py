@@ -19,6 +19,7 @@ import httpx2 as httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+JSON = {"Content-Type": "application/json"}
 
 
 def _free_port() -> int:
@@ -101,9 +102,9 @@ def _faults(url: str) -> None:
         assert next(lines).startswith("data: ")
     _wait_idle(url, timeout=3)
     # malformed JSON, a huge body, max_tokens beyond the context
-    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", ', timeout=30)
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", ', headers=JSON, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = httpx.post(url + "/v1/completions", content=b"x" * (4 << 20), timeout=30)
+    r = httpx.post(url + "/v1/completions", content=b"x" * (4 << 20), headers=JSON, timeout=30)
     assert r.status_code == 413 and "error" in r.json()
     r = _complete(url, max_tokens=10_000)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
