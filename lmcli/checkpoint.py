@@ -61,7 +61,7 @@ _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 DISK_NAMES = {"positions.wpe.weight": "wpe.weight"}
 MODULE_NAMES = {disk: module for module, disk in DISK_NAMES.items()}
 OLD = ".old"  # a checkpoint moved aside while its successor is renamed into place
-_STEP = re.compile(r"step-(\d+)")
+STEP = re.compile(r"step-(\d+)")
 READ_TRIES = 5  # reads of a checkpoint that a writer keeps replacing, before giving up
 
 
@@ -243,7 +243,7 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     """A run folder's ``step-N`` checkpoint folders, oldest step first (by number, not by name)."""
     found = []
     for path in Path(run_dir).iterdir():
-        match = _STEP.fullmatch(path.name)
+        match = STEP.fullmatch(path.name)
         if match and path.is_dir() and not path.is_symlink():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
@@ -312,8 +312,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
             raise LmcliError(f"cannot read {what} {path}: larger than {JSON_LIMIT >> 20} MiB")
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise LmcliError(f"cannot read {what} {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise LmcliError(f"cannot read {what} {path}: {reason}") from None
     if not isinstance(data, dict):
         raise LmcliError(f"cannot read {what} {path}: not a JSON object")
     return data
@@ -334,8 +335,8 @@ def verify_checksums(ckpt: Path, meta: dict[str, Any]) -> None:
             raise LmcliError(f"checkpoint file {f} is corrupt (checksum mismatch)")
 
 
-# safetensors dtype names of the tensors lmcli saves (a model is built in float32)
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# safetensors dtype names of the floating-point tensors lmcli reads (a model is built in float32)
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 # what a model computes from its config alone (position tables, a full-context attention bias)
 # may take the weights' size, or this much for small models with long contexts
 COMPUTED_FLOOR = 256 << 20
@@ -378,7 +379,7 @@ def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, 
     mask of one full-context window. From a model built on the meta device (no allocation)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    dtypes = {v: k for k, v in _DTYPES.items()}
+    dtypes = {v: k for k, v in DTYPES.items()}
     expected = {
         DISK_NAMES.get(k, k): (dtypes[v.dtype], tuple(v.shape))
         for k, v in clean_state_dict(model.state_dict()).items()
@@ -391,12 +392,22 @@ def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, 
     return expected, computed
 
 
-def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
+def check_header(
+    cfg: ModelConfig,
+    header: WeightsHeader,
+    *,
+    where: str | None = None,
+    stored_dtypes: bool = False,
+    stored_bytes: int | None = None,
+) -> None:
     """One line when ``cfg`` does not describe the weights in ``header``, found before anything
     as large as the config claims is built: layers and embedding first (the numbers a crafted
     config inflates), then every tensor's name, shape and dtype, the total size, and the size
-    of what the model computes from the config alone (position tables, masks)."""
-    where = f"weights {header.path}"
+    of what the model computes from the config alone (position tables, masks).
+    ``stored_dtypes``: any floating-point dtype is fine (an imported model's, converted when
+    loaded), else the dtype lmcli saves; ``stored_bytes``: the tensors' bytes in the file when the
+    dtypes do not tell (quantized GGUF blocks). ``where``: how messages name the weights."""
+    where = where or f"weights {header.path}"
     layers = {int(m.group(1)) for name in header.tensors if (m := _LAYER.match(name))}
     if cfg.n_layer != len(layers) or layers != set(range(len(layers))):
         raise LmcliError(
@@ -424,9 +435,12 @@ def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
         got_dtype, got_shape = header.tensors[name]
         if got_shape != shape:
             raise LmcliError(f"{where}: {name} has shape {got_shape}, config expects {shape}")
-        if got_dtype != dtype:
-            raise LmcliError(f"{where}: {name} is {got_dtype}, expected {dtype}")
-    n_bytes = sum(math.prod(s) * _DTYPES[d].itemsize for d, s in expected.values())
+        fits = got_dtype in DTYPES if stored_dtypes else got_dtype == dtype
+        if not fits:
+            wanted = f"one of {', '.join(DTYPES)}" if stored_dtypes else dtype
+            raise LmcliError(f"{where}: {name} is {got_dtype}, expected {wanted}")
+    stored = header.tensors if stored_dtypes else expected
+    n_bytes = stored_bytes or sum(math.prod(s) * DTYPES[d].itemsize for d, s in stored.values())
     if n_bytes > header.file_size:
         raise LmcliError(f"{where}: {n_bytes} bytes of tensors in a file of {header.file_size} bytes")
     if computed > max(n_bytes, COMPUTED_FLOOR):

@@ -84,7 +84,7 @@ def _root(
     lmcli average RUN_DIR       average a run's last saved checkpoints into a new one
     lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
     lmcli chat    [RUN_DIR]     chat in the terminal, or answer messages JSON on stdin
-    lmcli verify  RUN_DIR       check a run folder's files, checksums and shapes
+    lmcli verify  RUN_DIR       check a run folder, a Hugging Face folder or a GGUF file
     """
 
 
@@ -534,9 +534,13 @@ def chat(
 
 
 @app.command()
-def verify(run_dir: Path = typer.Argument(..., help="Run or checkpoint folder.")) -> None:
-    """Check a run folder without building a model: files, links, checksums, configs, weight
-    shapes and sizes against the config, tokenizer, trainer state. One line per checkpoint."""
+def verify(
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder, Hugging Face folder or GGUF file."),
+) -> None:
+    """Check a model without building it: a run folder's files, links, checksums, configs, weight
+    shapes and sizes against the config, tokenizer, trainer state, LoRA adapters; a Hugging Face
+    folder's config, tokenizer and shards; a GGUF file's header and tensors. One line per
+    checkpoint."""
     from lmcli.verify import verify_run
 
     for report in verify_run(run_dir):

@@ -1,9 +1,11 @@
 """LoRA runs: the base model a run adapts, recorded and checked, and its adapters put back on.
 
 A LoRA run's checkpoint (``lmcli.checkpoint``) holds ``adapters.safetensors`` and ``base.json``:
-the folder of the ``--init-from`` base (an lmcli checkpoint or a Hugging Face folder) and the
-sha256 of its weight files. Loading such a checkpoint (``lmcli.sources``) finds the base
-unchanged (``checked_base``), loads it and calls ``load_adapted``. The layers are ``lmcli.lora``.
+the folder of the ``--init-from`` base (an lmcli checkpoint or a Hugging Face folder; a relative
+path is read from the run folder) and the sha256 of its weight files. Loading such a checkpoint
+(``lmcli.sources``) finds the base unchanged (``checked_base``), loads it and calls
+``load_adapted``, which checks the adapters' header against the run's LoRA settings and the base
+before any adapter is allocated. The layers are ``lmcli.lora``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from lmcli.checkpoint import (
     ADAPTERS,
     BASE,
     META,
+    OLD,
+    STEP,
     WEIGHTS,
     checked_file,
+    read_header,
     read_json,
     resolve_checkpoint,
     sha256_of,
@@ -64,6 +69,8 @@ def checked_base(ckpt: Path, base: dict[str, Any]) -> Path:
     if not isinstance(base.get("path"), str) or not isinstance(base.get("sha256"), dict):
         raise LmcliError(f"{where} has no base path and sha256")
     path = Path(base["path"])
+    if not path.is_absolute():  # a run folder moved with its base beside it: read from the run folder
+        path = run_folder_of(ckpt) / path
     if not path.is_dir():
         raise LmcliError(f"the base model {path} of LoRA run {ckpt} is gone (see {where})")
     if base_digests(path) != base["sha256"]:
@@ -72,6 +79,13 @@ def checked_base(ckpt: Path, base: dict[str, Any]) -> Path:
             f"differs): restore that base, or train the adapters again"
         )
     return path
+
+
+def run_folder_of(ckpt: Path) -> Path:
+    """The run folder a checkpoint folder belongs to (``RUN/last`` -> ``RUN``), or the checkpoint
+    folder itself when it stands alone."""
+    name = ckpt.name.removesuffix(OLD)
+    return ckpt.parent if name in ("last", "best", "ema") or STEP.fullmatch(name) else ckpt
 
 
 def load_adapted(
@@ -87,6 +101,8 @@ def load_adapted(
     with the adapters put on (``merge``: folded into the weights)."""
     if model.config != model_config:
         raise LmcliError(f"the base model {base_path} does not fit LoRA run {ckpt}'s model config")
+    header = read_header(checked_file(ckpt / ADAPTERS))
+    lora.check_adapters(model, train_config, header.tensors, str(ckpt / ADAPTERS))  # before allocating
     lora.add_adapters(model, train_config)
     try:
         state = load_file(str(checked_file(ckpt / ADAPTERS)))

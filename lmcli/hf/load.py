@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from lmcli.checkpoint import JSON_LIMIT
+from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
-from lmcli.hf.families import HFConfig, from_hf_config
-from lmcli.hf.weights import build_model, read_weights
+from lmcli.hf.families import FamilyAdapter, HFConfig, from_hf_config
+from lmcli.hf.weights import build_model, check_weights, read_headers, read_weights
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer, read_config
 
@@ -33,22 +35,26 @@ def _stderr(msg: str) -> None:
 def is_hf_folder(path: str | Path) -> bool:
     """A Hugging Face model folder (config.json with a model_type), not an lmcli checkpoint."""
     path = Path(path)
-    if not (path / "config.json").is_file() or (path / "meta.json").exists():
+    config = path / "config.json"
+    if not config.is_file() or (path / "meta.json").exists() or config.stat().st_size > JSON_LIMIT:
         return False
     try:
-        return "model_type" in json.loads((path / "config.json").read_text())
-    except ValueError:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
         return False
+    return isinstance(data, dict) and "model_type" in data
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file; {} when it does not exist."""
+    """A JSON object file (at most ``JSON_LIMIT`` bytes); {} when it does not exist."""
     if not path.is_file():
         return {}
     try:
+        if path.stat().st_size > JSON_LIMIT:
+            raise LmcliError(f"cannot read {path}: larger than {JSON_LIMIT >> 20} MiB")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise LmcliError(f"cannot read {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise LmcliError(f"{path} does not hold a JSON object")
     return data
@@ -86,6 +92,19 @@ def read_tokenizer(path: Path, hf: HFConfig | None = None) -> Tokenizer:
         raise LmcliError(f"{path}: {exc}") from None
 
 
+def read_hf_config(path: Path) -> tuple[HFConfig, FamilyAdapter, ModelConfig, list[str]]:
+    """A folder's ``config.json``: the config, its family, lmcli's ModelConfig of it (every value
+    checked, ``HFConfig``) and notices; one line naming the file for what does not fit."""
+    hf = HFConfig(read_json(path / "config.json"), str(path / "config.json"))
+    family = from_hf_config(hf)
+    try:
+        cfg, notices = family.config_from_hf(hf)
+    except LmcliError as exc:
+        message = str(exc)
+        raise LmcliError(message if message.startswith(hf.where) else f"{hf.where}: {message}") from None
+    return hf, family, cfg, notices
+
+
 def load_hf_folder(
     path: str | Path, dtype: torch.dtype | None = None, info: Callable[[str], None] = _stderr
 ) -> tuple[Transformer, Tokenizer]:
@@ -94,12 +113,11 @@ def load_hf_folder(
     path = Path(path)
     if not path.is_dir():
         raise LmcliError(f"no such Hugging Face model folder: {path}")
-    hf = HFConfig(read_json(path / "config.json"), str(path / "config.json"))
-    family = from_hf_config(hf)
-    cfg, notices = family.config_from_hf(hf)
+    hf, family, cfg, notices = read_hf_config(path)
     tok = read_tokenizer(path, hf)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    check_weights(family, cfg, read_headers(path), path)  # before anything of the config's size
     state = read_weights(path, dtype)
     if dtype is None:  # as stored; a few tensors stored otherwise follow the embeddings
         dtype = next((v.dtype for k, v in state.items() if "embed" in k or "wte" in k), None)
