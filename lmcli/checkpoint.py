@@ -172,6 +172,18 @@ def _commit(tmp: Path, dest: Path) -> None:
     _remove(old)
 
 
+def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors``' ``save_file``, its I/O errors as ``OSError`` (a full disk is ENOSPC, as a
+    Python write would say, not a ``SafetensorError`` naming Rust's error kinds)."""
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        code = re.search(r"(?:code: |os error )(\d+)", str(exc))
+        if code is None:
+            raise OSError(str(exc).splitlines()[0][:200]) from None
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
+
+
 def save_checkpoint(
     dest: Path,
     model: torch.nn.Module,
@@ -191,10 +203,10 @@ def save_checkpoint(
         if lora.has_adapters(unwrap(model)):
             if base is None:
                 raise ValueError("a model with adapters is saved with its base reference")
-            save_file(lora.adapter_state(unwrap(model)), str(tmp / ADAPTERS), metadata={"format": "pt"})
+            save_tensors(lora.adapter_state(unwrap(model)), tmp / ADAPTERS)
             _write_json(tmp / BASE, base)
         else:
-            save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+            save_tensors(model_state(model), tmp / WEIGHTS)
         _write_json(
             tmp / CONFIG,
             {

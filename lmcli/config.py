@@ -42,6 +42,7 @@ TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 VOCAB_MULTIPLE_MAX = 1024  # --vocab-multiple: a larger one only wastes rows
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
+MIN_TEMPERATURE = 1e-6  # the smallest positive temperature: below, logits / T overflows float32
 
 C = TypeVar("C")
 
@@ -551,6 +552,10 @@ class SampleConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-39 overflow to inf: NaN draws
+            raise LmcliError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}"
+            )
 
 
 @dataclass(frozen=True)

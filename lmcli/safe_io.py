@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import stat
 import tempfile
@@ -80,6 +81,41 @@ def refuse_special(path: Path) -> Path:
         )
         raise LmcliError(f"cannot write {path}: it is {kind}, not a regular file (give a new file name)")
     return path
+
+
+def new_folder(out: str | Path) -> Path:
+    """``out`` if it is a new or an empty folder to write into; one line naming what it is else
+    (a file, a link, a folder with files)."""
+    out = Path(out)
+    if out.is_symlink():
+        raise LmcliError(f"{out} is a symbolic link: choose a new folder name")
+    if out.exists() and not out.is_dir():
+        raise LmcliError(f"{out} is a file, not a folder: choose a new or empty folder")
+    if out.exists() and any(out.iterdir()):
+        raise LmcliError(f"{out} already holds files: choose an empty or new folder")
+    return out
+
+
+def write_error(exc: OSError, written: Path | None = None) -> str:
+    """Why a write failed, for a message: the OS's reason, or for a short write that gives none
+    (numpy's ``N requested and M written``) what explains it: a full disk, or the file-size limit
+    (``ulimit -f``) that ``written`` (the file being written) reached."""
+    if exc.errno is not None:
+        return exc.strerror or str(exc)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if written is not None and limit != resource.RLIM_INFINITY:
+        try:
+            if os.stat(written).st_size >= limit:
+                return f"File too large: the file-size limit (ulimit -f) is {limit:,} bytes ({exc})"
+        except OSError:
+            pass
+    try:
+        st = os.statvfs(written.parent if written is not None else ".")
+        if st.f_bavail * st.f_frsize < 1 << 20:
+            return f"No space left on device ({exc})"
+    except OSError:
+        pass
+    return str(exc)
 
 
 def open_append(path: Path):  # noqa: ANN201 - a text file object

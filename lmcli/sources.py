@@ -36,6 +36,7 @@ from lmcli.errors import LmcliError
 from lmcli.hf.load import is_hf_folder, load_hf_folder
 from lmcli.lora_run import checked_base, load_adapted
 from lmcli.model import Transformer
+from lmcli.safe_io import new_folder, write_error
 
 # --dtype names of the commands that read a model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,13 +104,14 @@ def find_latest_run(root: str | Path = "checkpoints") -> Path:
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     """Write the model ``path`` names (a LoRA run's adapters merged) as a plain lmcli checkpoint
     folder ``out``, which must be new or empty."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise LmcliError(f"{out} already holds files: choose an empty or new folder")
+    out = new_folder(out)
     ckpt = load_model(path)
     train_config = dataclasses.replace(ckpt.train_config, lora_rank=0)  # plain weights now
     meta = {"step": ckpt.meta.get("step"), "exported_from": str(ckpt.path), "time": time.time()}
     if out.exists():
         out.rmdir()
-    save_checkpoint(out, ckpt.model, train_config, ckpt.tokenizer, meta=meta)
+    try:
+        save_checkpoint(out, ckpt.model, train_config, ckpt.tokenizer, meta=meta)
+    except OSError as exc:  # a full disk: named by OUT, not by the temporary folder
+        raise LmcliError(f"cannot write {out}: {write_error(exc)}") from None
     return out

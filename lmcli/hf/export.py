@@ -13,12 +13,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
-from lmcli.checkpoint import logical_state
+from lmcli.checkpoint import logical_state, save_tensors
 from lmcli.errors import LmcliError
 from lmcli.hf.families import for_export
-from lmcli.safe_io import temp_dir
+from lmcli.safe_io import new_folder, temp_dir, write_error
 from lmcli.sources import load_model
 
 
@@ -28,9 +26,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     ckpt = load_model(path)
     cfg, tok, model = ckpt.model_config, ckpt.tokenizer, ckpt.model
     family = for_export(cfg, "hf")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise LmcliError(f"{out_dir} already holds files: choose an empty or new folder")
+    out_dir = new_folder(out_dir)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
     config, state = family.hf_config(cfg, ids, dtype), family.to_hf(logical_state(model), cfg)
@@ -39,7 +35,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     try:
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {**{f"{r}_token_id": i for r, i in ids.items()}})
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(state, tmp / "model.safetensors")
         tok.save(tmp / "tokenizer.json")
         specials = {f"{role}_token": tok.token(i) for role, i in ids.items()}
         for role, i in (("unk", tok.unk_id), ("sep", tok.sep_id)):
@@ -61,6 +57,9 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)
+    except OSError as exc:  # a full disk, a folder that cannot be written: named by OUT, not tmp
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LmcliError(f"cannot write {out_dir}: {write_error(exc)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -39,7 +39,7 @@ from lmcli.checkpoint import logical_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.hf.families import for_export
-from lmcli.safe_io import temp_file
+from lmcli.safe_io import temp_file, write_error
 from lmcli.sources import load_checkpoint
 from lmcli.tokenizer import Tokenizer
 
@@ -212,6 +212,10 @@ def write_gguf(
         w.close()
         os.chmod(tmp, 0o644)  # a file to share, not the private temporary it was written as
         os.replace(tmp, out)
+    except OSError as exc:  # a full disk: named by OUT and its cause, no partial file left
+        reason = write_error(exc, tmp)
+        tmp.unlink(missing_ok=True)
+        raise LmcliError(f"cannot write {out}: {reason}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
