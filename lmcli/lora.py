@@ -131,6 +131,15 @@ def check_adapters(
 ) -> None:
     """One line when the adapters file's ``tensors`` (name -> (dtype, shape), its header) do not
     fit ``cfg``'s LoRA settings on ``model``: checked before any adapter is allocated."""
+    ranks = {shape[0] for name, (_, shape) in tensors.items() if name.endswith(".lora_a") and shape}
+    if ranks and ranks != {cfg.lora_rank}:
+        name = next(
+            n for n, (_, s) in tensors.items() if n.endswith(".lora_a") and s and s[0] != cfg.lora_rank
+        )
+        raise LmcliError(
+            f"adapters {where} have rank {tensors[name][1][0]} ({name} of shape {tensors[name][1]}), "
+            f"the run's config says lora-rank {cfg.lora_rank}"
+        )
     try:
         expected = adapter_shapes(model, cfg)
     except LmcliError as exc:
@@ -145,12 +154,6 @@ def check_adapters(
     for name, shape in expected.items():
         dtype, got = tensors[name]
         if got != shape:
-            rank = got[0] if name.endswith(".lora_a") else got[-1]
-            if name.endswith(ADAPTER_KEYS) and len(got) == 2 and rank != cfg.lora_rank:
-                raise LmcliError(
-                    f"adapters {where} have rank {rank} ({name} of shape {got}), "
-                    f"the run's config says lora-rank {cfg.lora_rank}"
-                )
             raise LmcliError(
                 f"adapters {where}: {name} has shape {got}, the run's LoRA settings expect {shape}"
             )

@@ -117,7 +117,6 @@ def read_headers(path: Path) -> WeightsHeader:
     return WeightsHeader(path, tensors, size)
 
 
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _TORCH_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
@@ -126,6 +125,7 @@ _TORCH_DTYPES = {
     "I64": torch.int64,
 }
 _TORCH_DTYPES.update({"BOOL": torch.bool, **DTYPES})
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def check_weights(family: FamilyAdapter, cfg: ModelConfig, header: WeightsHeader, folder: Path) -> None:

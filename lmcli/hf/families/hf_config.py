@@ -58,7 +58,7 @@ class Rule:
             if self.kind in ("int", "number", "ids") and not self._in_range(v):
                 low = "(" if self.above else "["
                 raise LmcliError(
-                    f"{where}: {name} must be in {low}{self.lo:g}, {self.hi:g}], got {_short(v)}"
+                    f"{where}: {name} must be in {low}{_num(self.lo)}, {_num(self.hi)}], got {_short(v)}"
                 )
         return value
 
@@ -84,6 +84,11 @@ _KINDS = {
 def _ids(value: Any) -> bool:
     items = value if isinstance(value, list) else [value]
     return all(isinstance(v, int) and not isinstance(v, bool) for v in items)
+
+
+def _num(x: float | None) -> str:
+    """A bound as it reads best: 67108864, not 6.71089e+07."""
+    return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
 
 
 def _short(value: Any) -> str:
