@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from lmcli import __version__, lora
 from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_fields, stored_model_config, to_dict
-from lmcli.errors import LmcliError
+from lmcli.errors import LmcliError, check_names
 from lmcli.model import Transformer
 from lmcli.safe_io import temp_dir
 from lmcli.tokenizer import Tokenizer
@@ -436,13 +436,7 @@ def check_header(
             f"{where} do not fit the model config ({rows} x n-embd {cfg.n_embd}, the weights hold {got})"
         )
     expected, computed = expected_weights(cfg)
-    missing = sorted(set(expected) - set(header.tensors))
-    unexpected = sorted(set(header.tensors) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"{where} do not fit the model config "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
+    check_names(expected, header.tensors, f"{where} do not fit the model config")
     for name, (dtype, shape) in expected.items():
         got_dtype, got_shape = header.tensors[name]
         if got_shape != shape:
@@ -500,13 +494,7 @@ def load_state(
     if model.config.tie_embeddings:
         state.setdefault("lm_head.weight", state.get("wte.weight"))
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"weights {where} do not fit the model config "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
+    check_names(expected, state, f"weights {where} do not fit the model config")
     for key, value in state.items():
         if value.shape != expected[key].shape:
             raise LmcliError(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmcli.config import TrainConfig
-from lmcli.errors import LmcliError
+from lmcli.errors import LmcliError, check_names
 from lmcli.model import Transformer
 
 # --lora-targets names -> (sublayer, attribute) of each Block
@@ -144,13 +144,7 @@ def check_adapters(
         expected = adapter_shapes(model, cfg)
     except LmcliError as exc:
         raise LmcliError(f"adapters {where}: {exc}") from None
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"adapters {where} do not fit the run's LoRA settings "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
+    check_names(expected, tensors, f"adapters {where} do not fit the run's LoRA settings")
     for name, shape in expected.items():
         dtype, got = tensors[name]
         if got != shape:
@@ -195,13 +189,7 @@ def adapter_state(model: Transformer) -> dict[str, Tensor]:
 def load_adapters(model: Transformer, state: dict[str, Tensor], where: str) -> None:
     """Put a LoRA checkpoint's tensors into a model that ``add_adapters`` prepared."""
     expected = adapter_state(model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"adapters {where} do not fit the run's LoRA settings "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
+    check_names(expected, state, f"adapters {where} do not fit the run's LoRA settings")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state.items():

@@ -123,14 +123,18 @@ def test_a_signal_during_a_render_stops_training_at_once_and_removes_the_run_fol
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     argv = [sys.executable, "-m", "lmcli", *sft_args(tmp_path, LOOPS), "--max-steps", "1", "--out", str(out)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    time.sleep(0.5)  # inside the render
-    start = time.perf_counter()
-    proc.send_signal(sig)
-    assert proc.wait(10) == code, proc.stderr.read()
-    assert time.perf_counter() - start < 3.0  # ~1.3 s here, most of it the interpreter's exit
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside the render
+        start = time.perf_counter()
+        proc.send_signal(sig)
+        assert proc.wait(10) == code, proc.stderr.read()
+        assert time.perf_counter() - start < 3.0  # ~1.3 s here, most of it the interpreter's exit
+    finally:
+        proc.kill()
+        proc.wait()
     assert not out.exists(), list(out.iterdir())
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,25 +49,6 @@ def edit(file: Path, **changes) -> None:
     data = json.loads(file.read_text())
     data.update(changes)
     file.write_text(json.dumps(data))
-
-
-def lmcli(*argv: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-    """``lmcli ARGV`` in a process of its own (a test that would hang, or set limits)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(
-        [sys.executable, "-m", "lmcli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        **kwargs,
-    )
-
-
-def one_line(result: subprocess.CompletedProcess, message: str) -> None:
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
-    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
 
 
 def refused_within_bounds(
@@ -400,3 +380,40 @@ def test_average_refuses_other_tokenizers_nan_weights_and_linked_steps(tmp_path:
     (run / "step-0000003").symlink_to(tmp_path / "elsewhere")
     code, _, err = run_cli(["average", str(run), "--last", "2"], capsys)
     assert_one_line_error(code, err, "step-0000003 is a symbolic link")
+
+
+def test_a_crafted_gguf_is_refused_before_anything_is_built(tmp_path: Path, capsys) -> None:
+    """Row 10 and the GGUF header-before-build check (``hf/gguf_check.py``), on files the
+    ``gguf`` package wrote: metadata sizes the tensors do not hold, a truncated file, and an
+    array of 2 million elements (``gguf.GGUFReader`` takes ~1.5 GB and 20 s to open it)."""
+    gguf = pytest.importorskip("gguf")
+    run = make_run(tmp_path / "run", kind="byte", **LLAMA)
+    good = tmp_path / "good.gguf"
+    code, _, err = run_cli(["export", str(run), str(good), "--format", "gguf", "--dtype", "q8_0"], capsys)
+    assert code == 0, err
+    cases = {
+        "llama.context_length": (10**9, "max_position_embeddings must be in [1, 67108864], got 1000000000"),
+        "llama.block_count": (4000, "block_count 4000, blocks in the file: 2"),
+        "llama.embedding_length": (4096, "the weights hold wte.weight of shape"),
+    }
+    for key, (value, message) in cases.items():
+        crafted = shutil.copy(good, tmp_path / f"{key}.gguf")
+        reader = gguf.GGUFReader(crafted, "r+")
+        field = reader.fields[key]
+        field.parts[field.data[0]][0] = value
+        del reader
+        code, _, err = run_cli(["verify", str(crafted)], capsys)
+        assert_one_line_error(code, err, message)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    code, _, err = run_cli(["verify", str(truncated)], capsys)
+    assert_one_line_error(code, err, "runs past the end of the file")
+    writer = gguf.GGUFWriter(str(tmp_path / "arrays.gguf"), "llama")
+    writer.add_array("crafted.tokens", ["x"] * 2_000_000)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    start = time.perf_counter()
+    code, _, err = run_cli(["verify", str(tmp_path / "arrays.gguf")], capsys)
+    assert_one_line_error(code, err, "has no")  # no vocabulary size: scanned, then refused
+    assert time.perf_counter() - start < 5

@@ -342,3 +342,19 @@ def test_a_blank_lmcli_api_key_is_one_line(tiny_vocab: Path, capsys, monkeypatch
     monkeypatch.setenv("LMCLI_API_KEY", " ")
     code, _, err = run_cli(["serve", str(tiny_vocab), "--port", "0"], capsys)
     assert_one_line_error(code, err, "api-key must not be empty or blank")
+
+
+def test_a_vanishing_temperature_or_top_p_never_samples_padding(server, tiny_vocab: Path, capsys) -> None:
+    """Minor: temperature 1e-39 and top_p 1e-46 passed validation and generated only <pad>."""
+    from helpers import assert_one_line_error, run_cli
+
+    sample = ["sample", str(tiny_vocab), "-p", "ab", "--max-new-tokens", "12", "--min-new-tokens", "12"]
+    code, _, err = run_cli([*sample, "--temperature", "1e-39"], capsys)
+    assert_one_line_error(code, err, "temperature must be 0 (greedy) or at least 1e-06, got 1e-39")
+    url, _ = server
+    r = complete(url, temperature=1e-39)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    code, greedy, err = run_cli([*sample, "--temperature", "0"], capsys)
+    assert code == 0, err
+    code, nucleus, err = run_cli([*sample, "--temperature", "1", "--top-p", "1e-46"], capsys)
+    assert code == 0 and nucleus == greedy and len(greedy.strip()) > 2 + 6, (greedy, nucleus)
