@@ -230,10 +230,11 @@ def encode_conversation(
     tokenizer: Tokenizer,
     *,
     renderer: Renderer | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], list[bool]]:
     """A whole conversation's token ids and, per token, whether the loss reads it: the tokens of
     each assistant reply and its end token; system and user turns and the template's layout are
-    context."""
+    context. ``extra``: more variables for a Hugging Face template (e.g. ``tools``)."""
     messages = check_messages(messages)
     template = as_template(template)
     if template is None:
@@ -245,9 +246,10 @@ def encode_conversation(
             scored += [reply] * len(piece_ids)
         return ids, scored
     replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-    contexts = [_context(messages, tokenizer, False)]  # the whole, then per reply: before, up to it
+    contexts = [_context(messages, tokenizer, False, extra)]  # the whole, then per reply: before, up to it
     for k in replies:
-        contexts += [_context(messages[:k], tokenizer, True), _context(messages[: k + 1], tokenizer, False)]
+        before, upto = messages[:k], messages[: k + 1]
+        contexts += [_context(before, tokenizer, True, extra), _context(upto, tokenizer, False, extra)]
     full, *prefixes = _render_jinja(template, contexts, renderer)
     spans = []  # (start, end) characters of each reply in the full text
     for k, before, upto in zip(replies, prefixes[::2], prefixes[1::2], strict=True):

@@ -10,6 +10,7 @@ process of their own, with a timeout.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -23,11 +24,10 @@ from pathlib import Path
 import pytest
 from helpers import FAST_TRAIN_ARGS, assert_one_line_error, make_run, run_cli
 
-from lmcli.chat import ChatSession
+from lmcli.chat import ChatSession, read_messages
 from lmcli.config import SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.sources import load_model
-from lmcli.template_render import Renderer, RenderLimits, Template
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 HI = json.dumps({"messages": [{"role": "user", "content": "the cat"}]})
@@ -159,6 +159,8 @@ def test_the_sandbox_holds_against_escapes_and_the_worker_sees_no_secrets(
 ) -> None:
     """Row 2: the sandbox held against 33 escapes; it still does, in a process with an empty
     environment, so even an escape would find neither the caller's secrets nor its files."""
+    from lmcli.template_render import Renderer, RenderLimits, Template
+
     monkeypatch.setenv("LMCLI_SECRET", "hunter2")
     monkeypatch.chdir(tmp_path)
     context = {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True}
@@ -180,25 +182,31 @@ def test_chat_json_input_is_bounded_and_old_turns_drop_in_a_few_renders(chat_run
     """Row 5: a 10 MB message took 3.9 GB and 19 s; 2,000 turns (146 KB) took 34 s. The message
     is known too long without being tokenized; the turns that fit are found by bisection."""
     argv = ["chat", str(chat_run), "--json", "--device", "cpu", "--max-new-tokens", "4"]
-    result, small, base = lmcli(*argv, stdin=HI)
+    result, _, base = lmcli(*argv, stdin=HI)
     assert result.returncode == 0, result.stderr
-    huge = json.dumps({"messages": [{"role": "user", "content": "the cat " * 1_250_000}]}).encode()
-    result, seconds, peak = lmcli(*argv, stdin=huge)
+    message = "the cat " * 1_250_000
+    huge = json.dumps({"messages": [{"role": "user", "content": message}]})
+    result, _, peak = lmcli(*argv, stdin=huge)
     one_line(result, "the prompt is more characters than it can hold: no room for a reply")
-    assert seconds < small + 5 and peak < base + 200, (seconds, small, peak, base)
+    assert peak < base + 200, (peak, base)
+    session = ChatSession.from_checkpoint(load_model(chat_run), SampleConfig(max_new_tokens=4, seed=1))
+    start = time.perf_counter()
+    with pytest.raises(LmcliError, match="more characters than it can hold"):
+        session.say(message)
     turns = [
         {"role": r, "content": f"turn {i} of the cat"} for i in range(1000) for r in ("user", "assistant")
     ]
-    turns.append({"role": "user", "content": "and now?"})
-    result, seconds, _ = lmcli(*argv, stdin=json.dumps({"messages": turns}))
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["dropped_messages"] > 1990
-    assert seconds < small + 5, (seconds, small)
+    session.load([*turns, {"role": "user", "content": "and now?"}])
+    reply = session.reply()
+    assert reply.dropped > 1990 and time.perf_counter() - start < 5.0, (
+        reply.dropped,
+        time.perf_counter() - start,
+    )
 
 
-def test_chat_json_reads_at_most_16_mib(chat_run: Path) -> None:
-    result, _, _ = lmcli("chat", str(chat_run), "--json", "--device", "cpu", stdin=b" " * (17 << 20))
-    one_line(result, "stdin holds more than 16 MiB")
+def test_chat_json_reads_at_most_16_mib() -> None:
+    with pytest.raises(LmcliError, match="stdin holds more than 16 MiB"):
+        read_messages(io.BytesIO(b" " * (17 << 20)))
 
 
 # ----------------------------------------------------------------------------- 6: /save
