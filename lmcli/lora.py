@@ -84,9 +84,9 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 
 def _targets(model: Transformer, cfg: TrainConfig) -> list[tuple[str, nn.Module, str, nn.Linear]]:
-    """(module path, parent, attribute, layer) of every layer ``cfg.lora_targets`` names."""
+    """(module path, parent, attribute, layer) of every layer ``cfg.lora.lora_targets`` names."""
     found = []
-    for name in parse_targets(cfg.lora_targets):
+    for name in parse_targets(cfg.lora.lora_targets):
         sub, attr = TARGETS[name]
         for i, block in enumerate(model.h):
             layer = getattr(getattr(block, sub), attr)
@@ -104,7 +104,7 @@ def adapter_shapes(model: Transformer, cfg: TrainConfig) -> dict[str, tuple[int,
     allocating anything (``model`` may be on the meta device); one line for a rank below 1 or
     above the smallest side of a layer it adapts (a larger one adds nothing and can take any
     amount of memory)."""
-    r = cfg.lora_rank
+    r = cfg.lora.lora_rank
     targets = _targets(model, cfg)
     if r < 1:
         raise LmcliError(f"lora-rank {r}: LoRA adapters need a rank of at least 1")
@@ -119,7 +119,7 @@ def adapter_shapes(model: Transformer, cfg: TrainConfig) -> dict[str, tuple[int,
     for path, _, _, layer in targets:
         shapes[f"{path}.lora_a"] = (r, layer.in_features)
         shapes[f"{path}.lora_b"] = (layer.out_features, r)
-    if cfg.lora_train_embeddings:
+    if cfg.lora.lora_train_embeddings:
         shapes["wte.weight"] = tuple(model.wte.weight.shape)
         if not model.config.tie_embeddings:
             shapes["lm_head.weight"] = tuple(model.lm_head.weight.shape)
@@ -131,14 +131,13 @@ def check_adapters(
 ) -> None:
     """One line when the adapters file's ``tensors`` (name -> (dtype, shape), its header) do not
     fit ``cfg``'s LoRA settings on ``model``: checked before any adapter is allocated."""
+    rank = cfg.lora.lora_rank
     ranks = {shape[0] for name, (_, shape) in tensors.items() if name.endswith(".lora_a") and shape}
-    if ranks and ranks != {cfg.lora_rank}:
-        name = next(
-            n for n, (_, s) in tensors.items() if n.endswith(".lora_a") and s and s[0] != cfg.lora_rank
-        )
+    if ranks and ranks != {rank}:
+        name = next(n for n, (_, s) in tensors.items() if n.endswith(".lora_a") and s and s[0] != rank)
         raise LmcliError(
             f"adapters {where} have rank {tensors[name][1][0]} ({name} of shape {tensors[name][1]}), "
-            f"the run's config says lora-rank {cfg.lora_rank}"
+            f"the run's config says lora-rank {rank}"
         )
     try:
         expected = adapter_shapes(model, cfg)
@@ -156,17 +155,18 @@ def check_adapters(
 
 
 def add_adapters(model: Transformer, cfg: TrainConfig) -> Transformer:
-    """Freeze ``model`` and put adapters of ``cfg.lora_rank`` on ``cfg.lora_targets`` of every
+    """Freeze ``model`` and put adapters of ``cfg.lora.lora_rank`` on ``lora_targets`` of every
     block (drawn from ``cfg.seed``, not from torch's global generator); with
-    ``cfg.lora_train_embeddings`` the token embedding (and an untied head) train too. The rank
-    is checked (``adapter_shapes``) before anything is allocated."""
+    ``lora_train_embeddings`` the token embedding (and an untied head) train too. The rank is
+    checked (``adapter_shapes``) before anything is allocated."""
     adapter_shapes(model, cfg)
     generator = torch.Generator().manual_seed(cfg.seed)
+    options = cfg.lora
     model.requires_grad_(False)
     for _, parent, attr, layer in _targets(model, cfg):
-        adapted = LoRALinear(layer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, generator)
+        adapted = LoRALinear(layer, options.lora_rank, options.lora_alpha, options.lora_dropout, generator)
         setattr(parent, attr, adapted)
-    if cfg.lora_train_embeddings:
+    if options.lora_train_embeddings:
         model.wte.weight.requires_grad_(True)
         model.lm_head.weight.requires_grad_(True)  # the same tensor when tied
     return model

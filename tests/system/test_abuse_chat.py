@@ -80,8 +80,7 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ----------------------------------------------------------------------------- 2: templates
-
-
+@pytest.mark.slow
 def test_chat_json_with_a_looping_template_exits_2_within_its_budget(looping: Path) -> None:
     """Row 2: it hung; now one line naming the folder, once the 2 s budget has passed."""
     result, _, _ = lmcli("chat", str(looping), "--json", "--device", "cpu", stdin=HI)
@@ -105,6 +104,7 @@ def sft_args(tmp: Path, template: str) -> list[str]:
     return ["train", str(rows), "--task", "sft", "--tokenizer", str(tok / "tokenizer.json"), *FAST_TRAIN_ARGS]
 
 
+@pytest.mark.slow
 def test_sft_with_a_looping_template_exits_2_and_leaves_no_run_folder(tmp_path: Path) -> None:
     """Row 2: `train --task sft` hung too."""
     out = tmp_path / "run"
@@ -113,6 +113,7 @@ def test_sft_with_a_looping_template_exits_2_and_leaves_no_run_folder(tmp_path: 
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_during_a_render_stops_training_at_once_and_removes_the_run_folder(
     tmp_path: Path, sig: int, code: int
@@ -176,8 +177,7 @@ def test_the_sandbox_holds_against_escapes_and_the_worker_sees_no_secrets(
 
 
 # ----------------------------------------------------------------------------- 5: chat --json input
-
-
+@pytest.mark.slow
 def test_chat_json_input_is_bounded_and_old_turns_drop_in_a_few_renders(chat_run: Path) -> None:
     """Row 5: a 10 MB message took 3.9 GB and 19 s; 2,000 turns (146 KB) took 34 s. The message
     is known too long without being tokenized; the turns that fit are found by bisection."""
@@ -228,8 +228,7 @@ def test_save_refuses_a_fifo_and_keeps_it(chat_run: Path, tmp_path: Path) -> Non
 
 
 # ----------------------------------------------------------------------------- 8: bytes and surrogates
-
-
+@pytest.mark.slow
 def test_a_raw_byte_or_a_lone_surrogate_on_chat_json_is_one_line(chat_run: Path, capsys, monkeypatch) -> None:
     """Row 8: both were "internal error" (exit 1)."""
     result, _, _ = lmcli("chat", str(chat_run), "--json", "--device", "cpu", stdin=b'{"messages": "\xff"}')

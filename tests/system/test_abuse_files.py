@@ -26,11 +26,11 @@ from helpers import (
     run_cli,
     run_measured,
     tiny_tokenizer,
+    train_config,
 )
 from safetensors.torch import load_file, save_file
 
 from lmcli.checkpoint import save_checkpoint
-from lmcli.config import TrainConfig
 from lmcli.hf.export import export_hf
 from lmcli.lora import add_adapters
 from lmcli.lora_run import base_reference
@@ -82,6 +82,7 @@ SIZES = [  # row 3: a context of 10^8 took 22.7 GB, 10^6 layers 6 GB and minutes
 ]
 
 
+@pytest.mark.slow
 def test_hf_config_sizes_are_checked_against_the_weights_before_anything_is_built(tmp_path: Path) -> None:
     """Row 3: each crafted Llama folder (and a GPT-2 one with 10^7 learned positions) is one
     line before anything of the config's size is allocated."""
@@ -177,8 +178,7 @@ def test_verify_on_deeply_nested_json_is_one_line(tmp_path: Path, capsys) -> Non
 
 
 # ----------------------------------------------------------------------------- 9: shard paths
-
-
+@pytest.mark.slow
 def test_weights_outside_the_folder_are_refused_unopened(tmp_path: Path) -> None:
     """Row 9: an index naming ``../x`` or an absolute path loaded weights from there
     (``/etc/passwd`` was opened): a FIFO outside the folder would hang the reader that opens
@@ -215,7 +215,7 @@ def lora_run(tmp_path: Path) -> Path:
     """A LoRA run of rank 2 on a tiny base run (its adapters drawn, not trained)."""
     base = make_run(tmp_path / "base")
     ckpt = load_checkpoint(base)
-    cfg = TrainConfig(init_from=str(base), lora_rank=2)
+    cfg = train_config(init_from=str(base), lora_rank=2)
     model = add_adapters(ckpt.model, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -237,6 +237,7 @@ def set_rank(run: Path, rank: int) -> None:
         rechecksum(config)
 
 
+@pytest.mark.slow
 def test_a_lora_rank_is_checked_against_the_adapters_before_allocating(lora_run: Path) -> None:
     """Rows 4, 8, 10: rank 300,000 took 2.56 GB, 10^9 an attempted 256 GB, 0 a
     ZeroDivisionError; `verify` called all of them ok."""
@@ -317,8 +318,7 @@ def test_verify_checks_hf_folders_and_gguf_files(tmp_path: Path, capsys) -> None
 
 
 # ----------------------------------------------------------------------------- 8, 12: full disks
-
-
+@pytest.mark.slow
 def test_an_export_that_cannot_be_written_whole_names_its_output_and_leaves_nothing(tmp_path: Path) -> None:
     """Rows 8 and 12: a full disk was "internal error: SafetensorError" (hf, lmcli) and "error:
     11264 requested and 4432 written" (gguf). Simulated with a file-size limit (``ulimit -f``):
@@ -382,6 +382,7 @@ def test_average_refuses_other_tokenizers_nan_weights_and_linked_steps(tmp_path:
     assert_one_line_error(code, err, "step-0000003 is a symbolic link")
 
 
+@pytest.mark.slow
 def test_a_crafted_gguf_is_refused_before_anything_is_built(tmp_path: Path, capsys) -> None:
     """Row 10 and the GGUF header-before-build check (``hf/gguf_check.py``), on files the
     ``gguf`` package wrote: metadata sizes the tensors do not hold, a truncated file, and an

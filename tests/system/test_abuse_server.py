@@ -74,6 +74,7 @@ def hold(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+@pytest.mark.slow
 def test_connections_past_the_open_file_limit_leave_health_and_completions_up(
     tiny_vocab: Path, tmp_path: Path
 ) -> None:
@@ -99,6 +100,7 @@ def test_connections_past_the_open_file_limit_leave_health_and_completions_up(
     assert "Traceback" not in log and len(log.splitlines()) < 10, log
 
 
+@pytest.mark.slow
 def test_idle_slow_and_silent_clients_are_closed_and_logged_once(tiny_vocab: Path, tmp_path: Path) -> None:
     """Row 1: with --client-timeout 1, an idle connection, one sending its headers a byte at a
     time and one sending its body so are closed within ~2 s; 20 of a kind log one line."""
@@ -142,6 +144,7 @@ HOSTILE = (  # what it does depends on the message: loop for ever, build a gigab
 )
 
 
+@pytest.mark.slow
 def test_a_hostile_template_gets_400_in_its_budget_while_the_server_answers_others(tmp_path: Path) -> None:
     """Row 2: a template that loops gets a 400 naming the folder within the 2 s budget (+ slack
     for a loaded machine) while /health and a completion answer; one that builds a gigabyte

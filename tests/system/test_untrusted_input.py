@@ -30,6 +30,7 @@ from helpers import (
 from lmcli.sources import load_checkpoint
 
 
+@pytest.mark.slow
 def test_crafted_configs_are_refused_before_any_allocation(tmp_path: Path) -> None:
     """Today: `eval` grows to tens of GB, `sample` builds 20,000 layers, a huge block size asks
     for terabytes. Each must be one line, exit 2, in well under a second, and a peak RSS far
