@@ -64,12 +64,18 @@ def hold(port: int, n: int) -> list[socket.socket]:
     """``n`` connections held open: idle, with half a request line, or with half a body."""
     socks = []
     for i in range(n):
-        s = socket.create_connection(("127.0.0.1", port))
-        if i % 3 == 1:
-            s.sendall(b"GET /health HTTP/1.1\r\nHo")
-        elif i % 3 == 2:
-            head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            s.sendall(head + b"Content-Length: 1048576\r\n\r\n" + b" " * 65536)
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setblocking(False)  # a server that never reads (or never accepts) must not block the test
+        try:
+            if i % 3 == 1:
+                s.send(b"GET /health HTTP/1.1\r\nHo")
+            elif i % 3 == 2:
+                head = (
+                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                )
+                s.send(head + b"Content-Length: 1048576\r\n\r\n" + b" " * 65536)
+        except BlockingIOError:
+            pass
         socks.append(s)
     return socks
 
