@@ -146,12 +146,17 @@ def _read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None
 
 
 def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
-    """The checkpoint to decode or evaluate with, on the device the options ask for."""
-    from lmcli.device import pick_device
+    """The checkpoint to decode or evaluate with, on the device the options ask for, with the
+    CPU threads they ask for and its linear layers quantized as asked (``--quantize``)."""
+    from lmcli.device import pick_device, set_threads
+    from lmcli.quant import quantize
     from lmcli.sources import DTYPES, load_model
 
     cfg = build(DeviceConfig, options)
-    return load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    set_threads(cfg.threads)
+    ckpt = load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    quantize(ckpt.model, cfg.quantize, cfg.group_size)
+    return ckpt
 
 
 @contextlib.contextmanager
@@ -495,7 +500,8 @@ def serve(
             file=sys.stderr,
         )
     with _loaded(run_dir, options) as ckpt:
-        run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
+        threads = build(DeviceConfig, options).threads
+        run_server(ckpt, cfg, threads=threads, announce=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 # ----------------------------------------------------------------------------- chat

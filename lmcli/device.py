@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,51 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise LmcliError("--device mps requested but MPS is not available")
     return torch.device(name)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may actually use: its affinity mask, capped by the cgroup's CPU
+    quota (``cpu.max`` of cgroup v2, ``cpu.cfs_quota_us`` of v1) rounded up; at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+def _cgroup_quota() -> float | None:
+    """CPUs' worth of time per period the cgroup allows (None: no limit, or not known)."""
+    try:
+        text = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if text and text[0] != "max":
+            return int(text[0]) / int(text[1])
+        return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def set_threads(threads: int | None) -> int:
+    """Give torch ``threads`` CPU threads (None: ``usable_cpus()``) and return the number.
+
+    More threads than the machine has CPUs are refused: torch's threads spin while they wait,
+    so each thread beyond a free core slows every step instead of helping.
+    """
+    n = usable_cpus() if threads is None else threads
+    limit = os.cpu_count() or 1
+    if n > limit:
+        raise LmcliError(f"--threads {n} is more than the {limit} CPUs of this machine")
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
 
 
 def autocast_dtype(device: torch.device, dtype: str) -> torch.dtype | None:

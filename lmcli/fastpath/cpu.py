@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lmcli.fastpath.packed import LinearFn, PackCache, PackingLinear
 from lmcli.lora import has_adapters
 from lmcli.model import CausalSelfAttention, GeluMLP, Transformer
+from lmcli.quant import quantized_elements
 
 if TYPE_CHECKING:
     from lmcli.generate.kv_cache import KVCache
@@ -137,7 +138,9 @@ class StepRunner:
         """Every layer's step for ``rows`` rows, the final norm and the head, large weights packed
         when that pays."""
 
-        def linear(module: nn.Linear) -> LinearFn:
+        def linear(module: nn.Module) -> LinearFn:
+            if not isinstance(module, nn.Linear):  # a quantized layer (lmcli.quant): its own product
+                return module
             return self.packs.linear(module.weight, module.bias, rows)
 
         layers = []
@@ -258,7 +261,7 @@ def step_threads(model: Transformer, rows: int) -> Iterator[None]:
     models, or many rows at once, keep every thread.
     """
     threads = torch.get_num_threads()
-    small = model.num_parameters() * rows <= ONE_THREAD_WORK
+    small = (model.num_parameters() + quantized_elements(model)) * rows <= ONE_THREAD_WORK
     if threads == 1 or not small or next(model.parameters()).device.type != "cpu":
         yield
         return
