@@ -247,6 +247,7 @@ def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, t
             "tokens": g.ids,
             "logprobs": [round(x, 6) for x in g.logprobs],
             "finish_reason": g.finish_reason,
+            **g.speed.report(),
             "settings": to_dict(cfg),
         }
         typer.echo(json.dumps(record, ensure_ascii=False))

@@ -32,7 +32,7 @@ Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 ExportFormat = Literal["hf", "gguf", "lmcli"]
-GgufType = Literal["f32", "f16", "q8_0"]
+GgufType = Literal["f32", "f16", "q8_0", "q4_0"]
 Quantize = Literal["none", "int8", "int4"]
 GROUP_SIZES = (32, 64, 128, 256)  # the int4 kernels' group sizes
 LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGETS: the layers they name
@@ -714,7 +714,8 @@ class ExportConfig:
     merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (a LoRA run needs it).")
     dtype: GgufType | None = option(
         None,
-        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; norms and biases stay f32).",
+        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; q4_0: 4-bit blocks, the vocabulary "
+        "q8_0; norms and biases stay f32).",
         default_help="f16",
     )
 

@@ -7,6 +7,7 @@ Reproducibility: sample ``j`` of every prompt draws from its own ``torch.Generat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -107,6 +108,26 @@ def draw(probs: Tensor, generators: list[torch.Generator] | None = None) -> Tens
 
 
 @dataclass
+class Speed:
+    """How fast one ``generate`` call ran: its prompts' tokens through the prefill, and the new
+    tokens of every row through the decoding steps."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    def report(self) -> dict[str, float | None]:
+        """Tokens per second of the prefill and of decoding (None where nothing was timed)."""
+        return {
+            "prefill_tokens_per_s": round(self.prefill_tokens / self.prefill_s, 2)
+            if self.prefill_s
+            else None,
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 2) if self.decode_s else None,
+        }
+
+
+@dataclass
 class Generated:
     """One generated continuation."""
 
@@ -116,6 +137,7 @@ class Generated:
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"  # "eos", "stop" (a stop string) or "length"
+    speed: Speed = field(default_factory=Speed)  # of the generate call that made it (shared by its rows)
 
 
 def cut_at_stop(text: str, stops: tuple[str, ...]) -> str | None:
@@ -277,14 +299,20 @@ def generate(
         return out
     check_fits(model, len(out), f"{len(prompts)} prompt(s) x {n} sample(s)")
     collector = Collector(out, tokenizer, cfg.stop, on_text)
+    speed = Speed(prefill_tokens=sum(map(len, prompts)))
+    for g in out:
+        g.speed = speed
     with fastpath.inference(model):
+        start = time.perf_counter()
         cache, logits = prefill(model, prompts, tokenizer.pad_id, prefix_lm=prefix_lm)
+        speed.prefill_s = time.perf_counter() - start
         cache.reserve(cache.length + cfg.max_new_tokens)
         if n > 1:
             cache.expand(n)
             logits = logits.repeat_interleave(n, dim=0)
         rows = [list(prompts[g.prompt_index]) for g in out]  # every row's full token sequence
         next_token = NextToken(cfg, out, rows, logits.size(-1), logits.device)
+        start = time.perf_counter()
         with fastpath.step_threads(model, len(out)):
             for i in range(cfg.max_new_tokens):
                 tokens, logprobs = next_token(logits, tokenizer.eos_id if i < cfg.min_new_tokens else None)
@@ -294,6 +322,8 @@ def generate(
                     cache, logits = slide(model, rows, tokenizer.pad_id)
                 else:
                     logits = step(model, cache, tokens)
+                    speed.decode_tokens += len(out) - collector.n_done
+        speed.decode_s = time.perf_counter() - start
     collector.finish()
     return out
 
