@@ -18,9 +18,10 @@ token reads (every matrix once, the tied vocabulary table as the head) over the 
 memory-copy bandwidth, measured here (bytes read + written per second by a 256 MiB copy, on
 the same threads).
 
-The memory rows (lmcli alone): a fresh process loads the SmolLM2-shaped checkpoint (stored in
-float32 for fp32, in bfloat16 as the hub's are for bf16 and int8) and generates ``NEW`` tokens;
-peak RSS minus the RSS before loading, over the bytes of the weights as held (goal <= 1.3x).
+The memory rows (lmcli alone): a fresh process loads the Qwen2.5-shaped model (the lmcli
+checkpoint, float32, for fp32; a Hugging Face folder of it in bfloat16, as the hub's are, for
+bf16 and int8) and generates ``NEW`` tokens; peak RSS minus the RSS before loading, over the
+bytes of the weights as held (goal <= 1.3x).
 
     python -m bench.bench_cpu_decode              # 1 thread
     BENCH_THREADS=1,2 python -m bench.bench_cpu_decode
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NEW = 128
 PROMPT = 256
 MEMORY_GOAL = 1.3
+MEMORY_SHAPE = "qwen2.5"  # the memory rows' model (1 GB in bf16, as bench_load's)
 PAIRS = (("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
 GROUP_SIZE = 64
 SHAPES: dict[str, dict[str, Any]] = {
@@ -86,12 +88,15 @@ def prompt_ids(vocab: int) -> list[int]:
 
 
 def write(folder: Path, shape: str) -> dict[str, Any]:
-    """The lmcli checkpoints (float32 and bfloat16) and the GGUF files of one shape."""
+    """The lmcli checkpoint (float32), a Hugging Face folder of it in bfloat16 and the GGUF
+    files of one shape."""
     import torch
+    from safetensors.torch import load_file, save_file
 
     from bench.texts import wide_tokenizer
     from lmcli.checkpoint import save_checkpoint
     from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.hf.export import export_hf
     from lmcli.hf.gguf import write_gguf
     from lmcli.model import Transformer
 
@@ -104,7 +109,11 @@ def write(folder: Path, shape: str) -> dict[str, Any]:
     tok = wide_tokenizer(cfg.vocab_size)
     save_checkpoint(folder / "fp32", model, TrainConfig(), tok, meta={"step": 0})
     files = {t: str(write_gguf(model, tok, folder / f"{t}.gguf", t)) for _, t in PAIRS}
-    save_checkpoint(folder / "bf16", model.to(torch.bfloat16), TrainConfig(), tok, meta={"step": 0})
+    hf = export_hf(folder / "fp32", folder / "bf16")  # then in bfloat16, as the hub's folders are
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(str(hf / "model.safetensors")).items()}
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     return {"gguf": files}
 
 
@@ -127,7 +136,7 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     set_threads(threads)
     before = resident()
     t0 = time.perf_counter()
-    ckpt = load_model(run, "cpu", torch.bfloat16 if mode == "bf16" else None)
+    ckpt = load_model(run, "cpu")  # in the dtype stored: float32, or bfloat16 (the bf16 folder)
     quantize(ckpt.model, mode if mode in ("int8", "int4") else "none", GROUP_SIZE)
     loaded = time.perf_counter() - t0
     model, tok = ckpt.model, ckpt.tokenizer
@@ -310,7 +319,7 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
     return rows
 
 
-def memory_rows(folder: Path) -> list:
+def memory_rows(folder: Path, shape: str) -> list:
     """Peak RSS of load + ``NEW`` tokens over the weights as held, fp32, bf16 and int8."""
     from bench.common import Row, log
 
@@ -321,7 +330,7 @@ def memory_rows(folder: Path) -> list:
         log(f"memory {mode}: {x:.2f}x of {m['weight_bytes'] / 1e6:.0f} MB")
         rows.append(
             Row(
-                f"load+generate memory / weights, SmolLM2-135M shape, {mode}",
+                f"load+generate memory / weights, {SHAPES[shape]['label']}, {mode}",
                 "x weights",
                 x,
                 MEMORY_GOAL,
@@ -351,8 +360,8 @@ def run() -> list:
             folder = Path(tmp) / shape
             files = child(sys.executable, "write", str(folder), shape)["gguf"]
             log(f"wrote {shape}: {', '.join(Path(f).name for f in files.values())}")
-            if shape == "smollm2":
-                rows += memory_rows(folder)
+            if shape == MEMORY_SHAPE or len(shapes) == 1:
+                rows += memory_rows(folder, shape)
             for n in threads:
                 rows += decode_rows(folder, shape, files, n, llama)
             for f in folder.rglob("*"):

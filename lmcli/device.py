@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 from collections.abc import Iterator
@@ -161,6 +162,17 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         if not workspace_set:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). Weights freed one by one while packed or quantized copies are made leave free
+    chunks in the heap that the process would otherwise keep (and count) for its lifetime: 50 MB
+    for a 135M-parameter model packed in place (``lmcli.fastpath``), more when quantized."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def memory_of(device: torch.device) -> int | None:

@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmcli.device import release_freed_memory
 from lmcli.errors import LmcliError
 
 MODES = ("none", "int8", "int4")
+CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -46,10 +48,15 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """(q (N, K) int8, s (N,) float32) with ``w ~ q * s[:, None]``, one scale per output row."""
-    w = w.detach().float()
-    s = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
-    q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    """(q (N, K) int8, s (N,) float32) with ``w ~ q * s[:, None]``, one scale per output row;
+    ``CHUNK_ROWS`` rows at a time, so the float32 temporaries stay small for a large table."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    s = torch.empty(w.size(0), dtype=torch.float32, device=w.device)
+    for i in range(0, w.size(0), CHUNK_ROWS):
+        rows = w[i : i + CHUNK_ROWS].detach().float()
+        scale = (rows.abs().amax(dim=1) / 127).clamp_min(1e-12)
+        q[i : i + CHUNK_ROWS] = rows.div_(scale[:, None]).round_().clamp_(-127, 127)
+        s[i : i + CHUNK_ROWS] = scale
     return q, s
 
 
@@ -215,6 +222,7 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
                         int4 = mode == "int4" and int4_fits(child, group_size)
                         setattr(parent, name, Int4Linear(child, group_size) if int4 else Int8Linear(child))
         _quantize_vocabulary(model)
+    release_freed_memory()
     return model
 
 

@@ -285,8 +285,9 @@ def inference(model: Transformer) -> Iterator[Transformer]:
             swapped.append((module, GeluMLP))
             _swap(module, SigmoidGeluMLP)
     packs.pack_in_place(packed)
-    in_place = {id(w) for w in packed}
-    laid_out = [w for w in _wide_weights(model) if id(w) not in in_place]
+    # a model packed in place keeps its other weights' layout (its tied vocabulary table among
+    # them): the transposed copy would hold the largest weight twice while it is made
+    laid_out = [] if packed else _wide_weights(model)
     with torch.inference_mode(False), torch.no_grad():
         for w in laid_out:
             w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) order in memory

@@ -36,10 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmcli.device import release_freed_memory
+
 PACK_MIN_ROWS = 4  # rows per product from which packed weights are faster (see the docstring)
 PACK_MIN_WEIGHT = 1 << 18  # elements
 IN_PLACE_MIN_BYTES = 64 << 20  # packable weights from which a model is packed in place
 IN_PLACE_ROWS = 256  # the row count oneDNN lays in-place packs out for (fast for 1 row too)
+TRIM_EVERY = 8  # weights packed or unpacked between two returns of freed memory to the system
 
 LinearFn = Callable[[Tensor], Tensor]
 
@@ -100,17 +103,20 @@ class PackCache:
         """Pack each weight and let the packed copy replace it until ``unpack`` (see the module
         docstring); each weight stays plain only while it is being packed."""
         with torch.inference_mode(False), torch.no_grad():
-            for w in weights:
+            for i, w in enumerate(weights):
                 pack = PackedLinear(w, None, IN_PLACE_ROWS)
                 w.data = torch.empty(1, dtype=w.dtype).expand(w.shape)  # the shape, no memory
                 self._in_place[id(w)] = pack
+                if i % TRIM_EVERY == TRIM_EVERY - 1 or i == len(weights) - 1:
+                    release_freed_memory()
 
     def unpack(self, weights: list[nn.Parameter]) -> None:
         """Give the weights ``pack_in_place`` replaced their plain values back."""
         with torch.inference_mode(False), torch.no_grad():
-            for w in weights:
-                pack = self._in_place.pop(id(w))
-                w.data = pack.packed.to_dense()
+            for i, w in enumerate(weights):
+                w.data = self._in_place.pop(id(w)).packed.to_dense()
+                if i % TRIM_EVERY == TRIM_EVERY - 1 or i == len(weights) - 1:
+                    release_freed_memory()
 
     def in_place(self, weight: Tensor, bias: Tensor | None) -> LinearFn | None:
         """The product by an in-place packed ``weight`` (and ``bias``), None if it is plain."""
