@@ -37,24 +37,24 @@ def usable_cpus() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
-    quota = _cgroup_quota()
+    quota = cgroup_quota()
     if quota is not None:
         cpus = min(cpus, max(1, math.ceil(quota)))
     return max(1, cpus)
 
 
-def _cgroup_quota() -> float | None:
+def cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """CPUs' worth of time per period the cgroup allows (None: no limit, or not known)."""
     try:
-        text = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        text = (root / "cpu.max").read_text().split()
         if text and text[0] != "max":
             return int(text[0]) / int(text[1])
         return None
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, ZeroDivisionError):
         pass
     try:
-        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None

@@ -40,6 +40,9 @@ from lmcli.device import release_freed_memory
 from lmcli.errors import LmcliError
 
 MODES = ("none", "int8", "int4")
+# torch 2.13's CPU int8 kernel reads past the end of inputs whose width is no multiple of 16 (it
+# crashes): narrower or odd layers take the dequantizing product instead
+INT8_KERNEL_K = 16
 CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -74,7 +77,7 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
 def int4_fits(module: nn.Linear, group_size: int) -> bool:
     """True when the int4 kernels take this layer's shape (on a CPU and on CUDA)."""
     K, N = module.in_features, module.out_features
-    return K % group_size == 0 and K % 32 == 0 and N % 8 == 0
+    return K % group_size == 0 and K % 32 == 0 and N % 16 == 0  # N: the CPU packing's; CUDA's is 8
 
 
 def _cuda_tiles(K: int) -> int:
@@ -133,7 +136,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("kernel_scales", s.to(torch.bfloat16), persistent=False)
 
     def product(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and self.in_features % INT8_KERNEL_K == 0:
             return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.kernel_scales)
         return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)  # gpt-fast's int8
 
