@@ -47,7 +47,7 @@ def flops_per_token(n_matmul_params: int, n_layer: int, block: int, n_embd: int)
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig) -> None:
     """One lmcli training step (language modelling, float32, no accumulation)."""
-    logits, targets = forward_scored(model, batch, cfg)
+    logits, targets = forward_scored(model, batch)
     loss = F.cross_entropy(logits.float(), targets)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -2,8 +2,8 @@
 
 ``ChatSession`` holds the conversation (a system prompt and the user/assistant messages),
 renders it with ``lmcli.chat_template`` exactly as ``lmcli serve`` renders a chat completion,
-and generates each reply with ``lmcli.generate.sampling.generate`` (the cached forward and the
-sampling rule of ``lmcli sample`` and the server), streaming its text as it is decoded. A reply
+and generates each reply with ``lmcli.generate.sampling.generate`` (the row engine of ``lmcli
+sample`` and the server, every sampling rule), streaming its text as it is decoded. A reply
 ends at the tokenizer's end token (the end of an assistant turn in lmcli's template), at a
 ``--stop`` string, or after ``--max-new-tokens``. The reply to a conversation holding ``k``
 replies is drawn with ``--seed`` + ``k``: the same conversation gets the same reply.
@@ -34,6 +34,7 @@ from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.safe_io import atomic_write
+from lmcli.tasks import make_task
 from lmcli.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -73,8 +74,9 @@ class ChatSession:
     @classmethod
     def from_checkpoint(cls, ckpt: Any, cfg: SampleConfig, system: str | None = None) -> ChatSession:
         """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
-        if ckpt.train_config.task == "translation":
-            raise LmcliError("this is a translation model: use lmcli sample or lmcli beam")
+        task = make_task(ckpt.train_config)
+        if not task.chat:
+            raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
         template = chat_template.find_template(ckpt.path)
         return cls(ckpt.model, ckpt.tokenizer, cfg, template, system)
 

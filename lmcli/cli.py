@@ -81,6 +81,7 @@ def _root(
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2) or a GGUF file
+    lmcli average RUN_DIR       average a run's last saved checkpoints into a new one
     lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
     lmcli chat    [RUN_DIR]     chat in the terminal, or answer messages JSON on stdin
     lmcli verify  RUN_DIR       check a run folder's files, checksums and shapes
@@ -202,42 +203,34 @@ def sample(
 ) -> None:
     """Generate text from a trained model (an empty prompt starts from <bos>)."""
     from lmcli.generate.sampling import iter_samples
+    from lmcli.tasks import make_task
 
     cfg = build(SampleConfig, options)
     with _loaded(run_dir, options) as ckpt:
-        translation = ckpt.train_config.task == "translation"
+        task = make_task(ckpt.train_config)
+        form = task.prompt  # how this model reads a prompt
         texts = _read_lines(prompt_file, prompt)
         if texts is None:
-            if translation:
-                raise LmcliError(
-                    "this is a translation model: give the source text with --prompt, --prompt-file or stdin"
-                )
+            if not form.decodes(""):
+                raise LmcliError(task.refusal("give the source text with --prompt, --prompt-file or stdin"))
             texts = [""]
         stream = not json_out and len(texts) * cfg.num_samples == 1
-        if stream and not translation:
+        if stream and form.shows_text:
             typer.echo(texts[0], nl=False)
         on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
-        samples = iter_samples(
-            ckpt.model,
-            ckpt.tokenizer,
-            texts,
-            cfg,
-            translation=translation,
-            prefix_lm=ckpt.train_config.prefix_lm,
-            on_text=on_text,
-        )
         unknown = cut = 0
-        for g, p in samples:  # printed as each batch finishes: memory flat in the number of prompts
+        for g, p in iter_samples(ckpt.model, ckpt.tokenizer, texts, cfg, form=form, on_text=on_text):
+            # printed as each batch finishes: memory flat in the number of prompts
             if g.sample_index == 0:
                 unknown, cut = unknown + p.unknown, cut + p.truncated
             if not stream:
-                _print_sample(g, texts, cfg, json_out, translation)
+                _print_sample(g, texts, cfg, json_out, form.shows_text)
         _warn_inputs(unknown, cut)
         if stream:
             typer.echo("")
 
 
-def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, translation: bool) -> None:
+def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, shows_text: bool) -> None:
     if json_out:
         record = {
             "prompt": texts[g.prompt_index],
@@ -253,7 +246,7 @@ def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, t
         typer.echo(json.dumps(record, ensure_ascii=False))
     else:
         typer.echo(f"--- prompt {g.prompt_index}, sample {g.sample_index} ({g.finish_reason}) ---")
-        typer.echo(("" if translation else texts[g.prompt_index]) + g.text)
+        typer.echo((texts[g.prompt_index] if shows_text else "") + g.text)
 
 
 # ----------------------------------------------------------------------------- beam
@@ -282,6 +275,7 @@ def beam(
     Without --output, prints one line per hypothesis: input index, score, text.
     """
     from lmcli.generate.beam import beam_texts
+    from lmcli.tasks import make_task
 
     cfg = build(BeamConfig, options)
     refs = _read_lines(reference, None) if reference is not None else None
@@ -291,15 +285,8 @@ def beam(
             raise LmcliError("no input: give --input FILE, --prompt TEXT, or pipe lines to stdin")
         if refs is not None and len(refs) != len(texts):
             raise LmcliError(f"{reference} has {len(refs)} lines but there are {len(texts)} inputs")
-        translation = ckpt.train_config.task == "translation"
-        results, prompts = beam_texts(
-            ckpt.model,
-            ckpt.tokenizer,
-            texts,
-            cfg,
-            translation=translation,
-            prefix_lm=ckpt.train_config.prefix_lm,
-        )
+        form = make_task(ckpt.train_config).prompt
+        results, prompts = beam_texts(ckpt.model, ckpt.tokenizer, texts, cfg, form=form)
         _warn_prompts(prompts)
         best = [r.texts[0] if r.texts else "" for r in results]
         if output is not None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 from lmcli.errors import LmcliError
+from lmcli.tasks import make_task
 
 Position = Literal["learned", "sinusoidal", "rope", "alibi"]
 Mlp = Literal["gelu", "relu", "relu2", "swiglu"]
@@ -497,8 +498,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.task != "translation" and (self.source or self.target or self.val_source or self.prefix_lm):
-            raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
+        make_task(self).check()  # options this task cannot use (tasks.Task.check)
         if (self.source is None) != (self.target is None):
             raise LmcliError("give both --source and --target")
         if (self.val_source is None) != (self.val_target is None):
@@ -524,34 +524,24 @@ class TrainConfig:
                     )
             if self.ema:
                 raise LmcliError("--ema averages full weights: it cannot be combined with --lora-rank")
-        if self.select in ("val_bleu", "val_chrf") and (self.task != "translation" or not self.bleu_samples):
-            raise LmcliError(f"--select {self.select} needs --task translation and --bleu-samples above 0")
         if self.tokenizer == "bpe" and self.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
 
     @property
     def optimizer_kind(self) -> str:
-        """The optimizer: ``auto`` is Muon for a language model trained from scratch (where it
-        was measured, docs/time-to-quality.md), AdamW for fine-tuning (``--init-from``; LoRA's
-        low-rank adapters are no matrices for Muon to orthogonalize) and translation."""
-        if self.optimizer != "auto":
-            return self.optimizer
-        return "muon" if self.task == "lm" and not self.init_from else "adamw"
+        """The optimizer: ``auto`` is the task's (``tasks.Task.default_optimizer``: Muon for a
+        language model trained from scratch, AdamW for fine-tuning, translation and SFT)."""
+        return self.optimizer if self.optimizer != "auto" else make_task(self).default_optimizer()
 
     @property
     def schedule_kind(self) -> str:
-        """The schedule: ``auto`` is wsd with ``optimizer_kind``'s Muon (a language model from
-        scratch), cosine elsewhere."""
-        if self.schedule != "auto":
-            return self.schedule
-        return "wsd" if self.task == "lm" and not self.init_from else "cosine"
+        """The schedule: ``auto`` is the task's (wsd with Muon from scratch, cosine elsewhere)."""
+        return self.schedule if self.schedule != "auto" else make_task(self).default_schedule()
 
     @property
     def selected_metric(self) -> str:
-        """The validation metric ``best/`` follows."""
-        if self.select is not None:
-            return self.select
-        return "val_bleu" if self.task == "translation" and self.bleu_samples else "val_loss"
+        """The validation metric ``best/`` follows (``--select``, else the task's)."""
+        return self.select if self.select is not None else make_task(self).default_metric()
 
     @property
     def stop_steps(self) -> int | None:

@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lmcli import fastpath
 from lmcli.config import EvalConfig
 from lmcli.data.corpus import batched
-from lmcli.data.windows import IGNORE
+from lmcli.data.windows import IGNORE, Batch
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
+from lmcli.tasks import make_task
 from lmcli.tokenizer import Tokenizer, split_pieces
 
 LINE_BLOCK = 4096  # --per-line: lines read, sorted by length and scored at a time
@@ -318,6 +320,24 @@ def _line_record(number: int, line: str, tokens: int, nll: float) -> dict:
     }
 
 
+def forward_scored(model: torch.nn.Module, batch: Batch, prefix_lm: bool = False) -> tuple[Tensor, Tensor]:
+    """Logits (N, V) and targets (N,) of the positions a batch scores: training's loss, its
+    validation loss and ``evaluate_pairs`` all read them.
+
+    Language modelling scores every position; translation and SFT only the response tokens,
+    whose flat indices the batch brings from the host: the model gathers those rows (no
+    boolean-mask selection, so no device-to-host sync and no graph break under torch.compile)
+    and the vocabulary projection skips prompt and padding positions. With ``prefix_lm`` each
+    prompt attends to itself both ways (``tasks.Task.prefix_lm``).
+    """
+    prefix = batch.prefix_len if prefix_lm else None
+    if batch.index is not None:
+        targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
+        return model(batch.x, prefix_len=prefix, output_index=batch.index), targets
+    logits = model(batch.x, prefix_len=prefix)
+    return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
+
+
 @fastpath.scoped
 @torch.inference_mode()
 def evaluate_pairs(
@@ -335,10 +355,7 @@ def evaluate_pairs(
     for start in range(0, len(pairs), batch_size):
         indices = list(range(start, min(start + batch_size, len(pairs))))
         host = collate(pairs, indices, tokenizer.pad_id, context, multiple)
-        batch = host.to(device)
-        assert batch.index is not None
-        logits = model(batch.x, prefix_len=batch.prefix_len if prefix_lm else None, output_index=batch.index)
-        targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
+        logits, targets = forward_scored(model, host.to(device), prefix_lm)
         nll += F.cross_entropy(logits.float(), targets, reduction="sum")
         score.tokens += int(host.index.numel())  # counted on the host
         for row in range(host.y.size(0)):
@@ -366,10 +383,11 @@ def evaluate_run(
     stride = cfg.stride or context
     if stride > context:
         raise LmcliError(f"stride must be between 1 and the context ({context}), got {stride}")
+    task = make_task(ckpt.train_config)
     with fastpath.inference(model):
-        if ckpt.train_config.task in ("translation", "sft"):
+        if task.examples is not None:  # supervised examples: the response tokens only
             pairs, what = _pairs_to_evaluate(ckpt, cfg)
-            return evaluate_pairs(model, tok, pairs, ckpt.train_config.prefix_lm, cfg.batch_size), what
+            return evaluate_pairs(model, tok, pairs, task.prefix_lm, cfg.batch_size), what
         chunks, what = _text_to_evaluate(ckpt, cfg, paths)
         if cfg.per_line:
             lines = split_lines(chunks)
@@ -398,28 +416,24 @@ def split_lines(chunks: Iterable[str]) -> Iterator[str]:
 
 
 def _pairs_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig) -> tuple[ExampleSet, str]:
-    """A translation model's pairs (--source/--target files) or a translation or SFT model's
-    validation examples."""
+    """A translation model's pairs (--source/--target files), or the validation examples of a
+    model trained on examples (translation, SFT)."""
     from lmcli.data.examples import tokenize_examples
     from lmcli.data.pairs import AlignedFiles
     from lmcli.data.train_data import cache_dir_of, load_train_data
 
     block_size = ckpt.model.config.block_size
-    if ckpt.train_config.task == "sft":
-        if cfg.source or cfg.target:
-            raise LmcliError("--source and --target are for translation models")
-        data = load_train_data(
-            ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False
-        )
-        return data.val, "the run's validation conversations, reply tokens only"
+    task = make_task(ckpt.train_config)
     if cfg.source or cfg.target:
+        if not task.reads_pair_files:
+            raise LmcliError("--source and --target are for translation models")
         if not (cfg.source and cfg.target):
             raise LmcliError("give both --source and --target")
         corpus = AlignedFiles(cfg.source, cfg.target)
         pairs = tokenize_examples(corpus, ckpt.tokenizer, block_size + 1, cache_dir_of(ckpt.train_config))
-        return pairs, f"{cfg.source} -> {cfg.target}, target tokens only"
+        return pairs, f"{cfg.source} -> {cfg.target}, {task.scored} tokens only"
     data = load_train_data(ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False)
-    return data.val, "the run's validation pairs, target tokens only"
+    return data.val, f"the run's validation {task.examples}, {task.scored} tokens only"
 
 
 def _text_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig, paths: tuple[str, ...]) -> tuple[Iterator[str], str]:

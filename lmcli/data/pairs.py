@@ -198,10 +198,3 @@ def encode_pair(src: list[int], tgt: list[int], tok: Tokenizer, max_len: int) ->
     else:
         ids = [tok.bos_id, *src, tok.sep_id, *tgt, tok.eos_id]
     return ids, len(src) + 2, truncated
-
-
-def source_prompt(src: list[int], tok: Tokenizer, max_len: int) -> list[int]:
-    """The decoding prompt ``<bos> source <sep>``, the source cut to half the context."""
-    if tok.sep_id is None:
-        raise LmcliError("the tokenizer has no <sep> token, which translation needs")
-    return [tok.bos_id, *src[: max(max_len // 2 - 2, 1)], tok.sep_id]

@@ -1,10 +1,11 @@
-"""A run's training and validation data, from its TrainConfig, for either task.
+"""A run's training and validation data, from its TrainConfig, as its task trains on them.
 
 ``load_train_data`` reads the corpus, trains or loads the tokenizer, tokenizes into the cache
 (or reuses it) and splits off validation. It returns ``StreamData`` (language modelling:
-windows of one token stream) or ``ExampleData`` (translation pairs and SFT conversations: whole
-examples whose loss reads the response only); both offer the two things the training loop
-needs: a ``sampler`` and ``val_batches``.
+windows of one token stream) or ``ExampleData`` (a task with ``examples``, read by its reader in
+``EXAMPLE_READERS``: translation pairs, SFT conversations; whole examples whose loss reads the
+response only); both offer the two things the training loop needs: a ``sampler`` and
+``val_batches``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lmcli.data.token_cache import default_cache_dir, tokenize_corpus
 from lmcli.data.windows import Batch, WindowSampler, eval_windows, require_window, windows_to_batch
 from lmcli.errors import LmcliError
 from lmcli.safe_io import atomic_write
+from lmcli.tasks import make_task
 from lmcli.tokenizer import Tokenizer
 
 Info = Callable[[str], None]
@@ -139,8 +141,9 @@ def load_train_data(
     progress: bool = True,
     info: Info = _stderr,
 ) -> TrainData:
-    """Read, tokenize (or reuse the cache) and split the corpus for ``cfg.task``."""
-    if cfg.task in ("translation", "sft"):
+    """Read, tokenize (or reuse the cache) and split the corpus as ``cfg``'s task trains on it:
+    windows of a token stream, or supervised examples (``tasks.Task.examples``)."""
+    if make_task(cfg).examples is not None:
         return _prepare_examples(cfg, block_size, tokenizer, info)
     return _prepare_stream(cfg, block_size, tokenizer, progress, info)
 
@@ -177,17 +180,22 @@ def _prepare_stream(
 
 
 def open_examples(cfg: TrainConfig, *, validation: bool = False) -> ExampleSource | None:
-    """The examples of ``cfg``: parallel text or conversations (or the validation ones; None when
-    there are none apart from the training data)."""
-    if cfg.task == "sft":
-        if validation:
-            return ConversationRows(cfg.val, "train") if cfg.val else None
-        if cfg.dataset:
-            return ConversationRows(cfg.dataset, cfg.split)
-        if len(cfg.corpus) == 1:
-            return ConversationRows(cfg.corpus[0], cfg.split)
-        raise LmcliError("sft needs one data file (JSONL, JSON or parquet) or --dataset")
-    return open_pairs(cfg, validation=validation)
+    """The examples of ``cfg``'s task: parallel text or conversations (or the validation ones;
+    None when there are none apart from the training data)."""
+    kind = make_task(cfg).examples
+    assert kind is not None, "a task that trains on a token stream has no examples"
+    return EXAMPLE_READERS[kind](cfg, validation=validation)
+
+
+def open_conversations(cfg: TrainConfig, *, validation: bool = False) -> ConversationRows | None:
+    """The conversations of ``cfg`` (or its validation ones; None when it has none)."""
+    if validation:
+        return ConversationRows(cfg.val, "train") if cfg.val else None
+    if cfg.dataset:
+        return ConversationRows(cfg.dataset, cfg.split)
+    if len(cfg.corpus) == 1:
+        return ConversationRows(cfg.corpus[0], cfg.split)
+    raise LmcliError("sft needs one data file (JSONL, JSON or parquet) or --dataset")
 
 
 def open_pairs(cfg: TrainConfig, *, validation: bool = False) -> PairCorpus | None:
@@ -209,6 +217,13 @@ def open_pairs(cfg: TrainConfig, *, validation: bool = False) -> PairCorpus | No
     )
 
 
+# a task's ``examples`` -> the reader of its examples (tasks.py cannot import data/)
+EXAMPLE_READERS: dict[str, Callable[..., ExampleSource | None]] = {
+    "pairs": open_pairs,
+    "conversations": open_conversations,
+}
+
+
 def _prepare_examples(
     cfg: TrainConfig, block_size: int, tokenizer: Tokenizer | None, info: Info
 ) -> ExampleData:
@@ -218,7 +233,8 @@ def _prepare_examples(
     if tokenizer is None:
         tokenizer = tokenizer_for(cfg, source, cache_dir)
     examples = tokenize_examples(source, tokenizer, block_size + 1, cache_dir)
-    what = "pair(s)" if cfg.task == "translation" else "conversation(s)"
+    task = make_task(cfg)
+    what = task.example_noun
     val_source = open_examples(cfg, validation=True)
     if val_source is not None:
         val = tokenize_examples(val_source, tokenizer, block_size + 1, cache_dir)
@@ -227,8 +243,7 @@ def _prepare_examples(
     else:
         n_val = int(len(examples) * cfg.val_fraction)
         if n_val < 1:
-            where = "--val-source/--val-target" if cfg.task == "translation" else "--val FILE"
-            raise LmcliError(f"no validation {what}: give {where} or a larger --val-fraction")
+            raise LmcliError(f"no validation {what}: give {task.val_hint} or a larger --val-fraction")
         order = np.arange(len(examples))
         train, val = (
             examples.subset(order[: len(examples) - n_val]),

@@ -18,9 +18,10 @@ from torch import Tensor
 from lmcli import fastpath
 from lmcli.config import BeamConfig
 from lmcli.device import to_host
-from lmcli.generate.decoding import Prompt, make_prompt, needs_slide, prefill, slide, step
+from lmcli.generate.decoding import TEXT, Prompt, make_prompt, needs_slide, prefill, slide, step
 from lmcli.generate.kv_cache import check_fits
 from lmcli.model import Transformer
+from lmcli.tasks import TextPrompt
 from lmcli.tokenizer import Tokenizer
 
 DEAD = -1.0e9  # score of a beam slot with nothing left to continue
@@ -195,18 +196,18 @@ def beam_texts(
     texts: list[str],
     cfg: BeamConfig,
     *,
-    translation: bool = False,
-    prefix_lm: bool = False,
+    form: TextPrompt = TEXT,
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[Translation], list[Prompt]]:
     """Beam-decode every input text, ``cfg.batch_size`` inputs at a time, results in input order.
 
-    A translation model reads ``<bos> source <sep>`` and its length limit counts source tokens;
-    an empty source gives an empty translation without decoding.
+    Inputs are read in the model's prompt ``form`` (its task's): a translation model reads
+    ``<bos> source <sep>``, its length limit counts source tokens, and an empty source gives an
+    empty translation without decoding.
     """
-    prompts = [make_prompt(t, tokenizer, model.config.block_size, translation) for t in texts]
+    prompts = [make_prompt(t, tokenizer, model.config.block_size, form) for t in texts]
     results: list[Translation | None] = [None] * len(texts)
-    todo = [i for i, t in enumerate(texts) if not (translation and not t.strip())]
+    todo = [i for i, t in enumerate(texts) if form.decodes(t)]
     for i in set(range(len(texts))) - set(todo):
         results[i] = Translation(texts[i], [], [""])
     todo.sort(key=lambda i: len(prompts[i].ids))  # similar lengths together: little padding
@@ -214,15 +215,14 @@ def beam_texts(
         for start in range(0, len(todo), cfg.batch_size):
             chunk = todo[start : start + cfg.batch_size]
             ids = [prompts[i].ids for i in chunk]
-            lens = [len(p) - 2 if translation else len(p) for p in ids]
             hyps = beam_search(
                 model,
                 ids,
                 cfg,
                 eos_id=tokenizer.eos_id,
                 pad_id=tokenizer.pad_id,
-                input_lens=lens,
-                prefix_lm=prefix_lm,
+                input_lens=[form.input_length(p) for p in ids],
+                prefix_lm=form.prefix_lm,
             )
             for i, h in zip(chunk, hyps, strict=True):
                 results[i] = Translation(texts[i], h, [tokenizer.decode(x.ids) for x in h])

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lmcli.data.pairs import source_prompt
 from lmcli.generate.kv_cache import KVCache
 from lmcli.model import Transformer
+from lmcli.tasks import TextPrompt
 from lmcli.tokenizer import Tokenizer
+
+TEXT = TextPrompt()  # ``<bos> text``, a language model's prompt
 
 
 @dataclass
@@ -29,20 +31,17 @@ class Prompt:
     truncated: bool = False  # longer than the context: only its end was kept
 
 
-def make_prompt(text: str, tokenizer: Tokenizer, block_size: int, translation: bool = False) -> Prompt:
-    """``<bos> text`` (language model) or ``<bos> source <sep>`` (translation model) as ids.
+def make_prompt(text: str, tokenizer: Tokenizer, block_size: int, form: TextPrompt = TEXT) -> Prompt:
+    """``text`` as the ids of a prompt in the model's ``form`` (its task's: ``<bos> text``, or
+    ``<bos> source <sep>`` for a translation model, whose source keeps at most half the context).
 
-    A language-model prompt longer than the context keeps its last ``block_size - 1`` tokens; a
-    source keeps at most half the context, as in training.
+    A prompt longer than the context keeps its last ``block_size - 1`` tokens.
     """
     body = tokenizer.encode(text)
-    unknown = tokenizer.count_unknown(body)
-    if translation:
-        ids = source_prompt(body, tokenizer, block_size + 1)
-        return Prompt(text, ids, unknown, len(ids) < len(body) + 2)
-    ids = [tokenizer.bos_id, *body]
-    truncated = len(ids) > block_size - 1
-    return Prompt(text, ids[-(block_size - 1) :] if truncated else ids, unknown, truncated)
+    ids, truncated = form.frame(body, tokenizer, block_size)
+    if len(ids) > block_size - 1:
+        ids, truncated = ids[-(block_size - 1) :], True
+    return Prompt(text, ids, tokenizer.count_unknown(body), truncated)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

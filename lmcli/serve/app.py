@@ -249,14 +249,18 @@ class Api:
 def _merge(updates: list[Update]) -> list[Update]:
     """Consecutive updates of one choice joined into one (text and log-probs appended)."""
     out: dict[int, Update] = {}
+    texts: dict[int, list[str]] = {}
     for u in updates:
         m = out.get(u.index)
         if m is None:
-            out[u.index] = Update(u.index, u.text, list(u.logprobs), u.finish_reason)
+            out[u.index] = Update(u.index, "", list(u.logprobs), u.finish_reason)
+            texts[u.index] = [u.text]
         else:
-            m.text += u.text
+            texts[u.index].append(u.text)
             m.logprobs += u.logprobs
             m.finish_reason = u.finish_reason or m.finish_reason
+    for i, m in out.items():
+        m.text = "".join(texts[i])
     return list(out.values())
 
 

@@ -1,10 +1,11 @@
 """OpenAI's request and response shapes: request bodies to a ``Job``, events to JSON.
 
-Parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``
-and ``min_p`` (extensions), ``stop``, ``seed``, ``n``, ``stream`` (with
-``stream_options.include_usage``), ``logprobs`` (completions: an integer 0-5; chat: true, with
-``top_logprobs``), ``echo`` (completions). The sampling values are checked by ``SampleConfig``,
-the same declarations ``lmcli sample`` checks its flags with. Unknown parameters are ignored.
+Parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``repetition_penalty`` and ``min_tokens`` (extensions, vLLM's names), ``stop``,
+``seed``, ``n``, ``stream`` (with ``stream_options.include_usage``), ``logprobs`` (completions:
+an integer 0-5; chat: true, with ``top_logprobs``), ``echo`` (completions). The sampling values
+are checked by ``SampleConfig``, the same declarations ``lmcli sample`` checks its flags with.
+Unknown parameters are ignored.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 from lmcli import chat_template
 from lmcli.config import SampleConfig
 from lmcli.errors import LmcliError
-from lmcli.generate.decoding import make_prompt
 from lmcli.serve.scheduler import Job, TokenLogprob, Update
+from lmcli.tasks import TextPrompt
 from lmcli.tokenizer import Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -30,6 +31,8 @@ SAMPLING = {
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
     "stop": "stop",
 }
 
@@ -64,7 +67,8 @@ class Model:
     block_size: int
     template: str | None  # a Hugging Face chat template, or None: lmcli's
     created: int
-    translation: bool = False  # prompts are sources: <bos> source <sep>, as `lmcli sample` reads them
+    form: TextPrompt = TextPrompt()  # how a prompt text is read (the task's, as `lmcli sample` reads it)
+    no_chat: str | None = None  # why chat completions do not apply (a translation model), or None
 
 
 @dataclass
@@ -176,10 +180,7 @@ def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            if model.translation:
-                ids.append(make_prompt(p, tok, model.block_size, translation=True).ids)
-            else:
-                ids.append([tok.bos_id, *tok.encode(p)])
+            ids.append(model.form.frame(tok.encode(p), tok, model.block_size)[0])
             texts.append(p)
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             if not all(0 <= t < tok.vocab_size for t in p):
@@ -200,8 +201,8 @@ def parse(kind: str, body: Any, model: Model, *, max_tokens: int, max_batch: int
     include_usage = bool(options.get("include_usage")) if stream else False
     echo: list[str] = []
     if kind == "chat":
-        if model.translation:
-            raise ApiError(400, "this is a translation model: use /v1/completions with the source as prompt")
+        if model.no_chat is not None:
+            raise ApiError(400, model.no_chat)
         try:
             prompts = [chat_template.encode(body.get("messages"), model.template, model.tokenizer)]
         except LmcliError as exc:
@@ -249,13 +250,20 @@ class Choices:
         self.req, self.tok = req, tokenizer
         n = req.job.cfg.num_samples
         self.count = req.job.rows
-        self.text = [req.echo[i // n] if req.echo else "" for i in range(self.count)]
+        # each choice's text as pieces (joined once: a long reply costs no copy per token)
+        self.pieces = [[req.echo[i // n]] if req.echo else [] for i in range(self.count)]
+        self.length = [len(p[0]) if p else 0 for p in self.pieces]  # characters so far
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.count)]
         self.finish: list[str | None] = [None] * self.count
         self.started = [False] * self.count
 
+    def text(self, i: int) -> str:
+        return "".join(self.pieces[i])
+
     def add(self, u: Update) -> None:
-        self.text[u.index] += u.text
+        if u.text:
+            self.pieces[u.index].append(u.text)
+            self.length[u.index] += len(u.text)
         self.logprobs[u.index] += u.logprobs
         if u.finish_reason is not None:
             self.finish[u.index] = u.finish_reason
@@ -300,7 +308,7 @@ class Choices:
             choices = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": self.text[i]},
+                    "message": {"role": "assistant", "content": self.text(i)},
                     "logprobs": self.chat_logprobs(self.logprobs[i]),
                     "finish_reason": self.finish[i],
                 }
@@ -312,7 +320,7 @@ class Choices:
             choices = [
                 {
                     "index": i,
-                    "text": self.text[i],
+                    "text": self.text(i),
                     "logprobs": self.completion_logprobs(
                         self.logprobs[i], len(req.echo[i // n]) if req.echo else 0
                     ),
@@ -357,7 +365,7 @@ class Choices:
                 }
             else:
                 assert u is not None
-                offset = len(self.text[u.index]) - len(u.text)
+                offset = self.length[u.index] - len(u.text)
                 choice = {
                     "index": u.index,
                     "text": u.text,

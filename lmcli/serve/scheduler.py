@@ -1,21 +1,21 @@
 """Continuous batching: one thread decodes every active request together, one step at a time.
 
-Each decoding step runs the model once for all rows of one ``BatchCache`` (a row is one choice
-of one request). Between steps requests join and leave:
+The decoding itself is the row engine's (``generate.engine``), the one ``lmcli sample`` and
+``lmcli chat`` use: each row (one choice of one request) follows every rule of its request's
+``SampleConfig`` (temperature, top-k/p, min-p, repetition penalty, min/max new tokens, stop
+strings, ``<eos>``) and draws from its own ``torch.Generator`` seeded ``seed + j`` (choice
+``j``), exactly as ``lmcli sample`` seeds sample ``j``: batching never changes which random
+numbers a request sees. The scheduler keeps what a server adds:
 
-- a request is admitted when rows are free (``max_batch``): each of its prompts is prefilled
-  alone (``generate.decoding.prefill``, the model's one cached forward) and its rows enter the
-  batch, into rows left free by finished requests when its prompt fits, else appended;
-- each row's next token is chosen by ``generate.sampling.sample_next``, rows with the same
-  settings in one call, each row drawing from its own ``torch.Generator`` seeded ``seed + j``
-  (choice ``j``), exactly as ``lmcli sample`` seeds sample ``j``: batching never changes which
-  random numbers a request sees;
-- a row that ends (``<eos>``, a stop string, ``max_tokens``), is cancelled (client gone) or times
-  out becomes a hole at once: it is never sampled again, its cost is one padded row per step
-  until the batch is compacted (when holes outnumber rows in use, or the window is full).
-
-Results go back through each request's ``deliver`` callback, a list of events per step, called
-from this thread (the web server hands them to its event loop).
+- admission: a request is admitted when rows are free (``max_batch``): each of its prompts is
+  prefilled alone (``Engine.prefill``) and its rows enter the batch, into rows left free by
+  finished requests when its prompt fits (``Engine.fill``), else appended (``Engine.relayout``);
+- the batch's layout: a row that ends, is cancelled (client gone) or times out becomes a hole
+  at once: it is never sampled again, its cost is one padded row per step until the batch is
+  compacted (when holes outnumber rows in use, or the window is full);
+- limits: the queue (``max_queue``), each request's deadline, cancellation;
+- delivery: each request's ``deliver`` callback gets a list of events per step, called from
+  this thread (the web server hands them to its event loop).
 """
 
 from __future__ import annotations
@@ -29,16 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
 from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.device import autocast
-from lmcli.generate.decoding import prefill, step
-from lmcli.generate.sampling import cut_at_stop, sample_next
+from lmcli.generate.engine import Emitted, Engine, Row, RowProcessor
 from lmcli.model import Transformer
-from lmcli.serve.batch_cache import BatchCache, empty_cache
+from lmcli.serve.batch_cache import empty_cache
 from lmcli.tokenizer import Tokenizer
 
 
@@ -51,9 +48,10 @@ class Job:
     """What a request asks for: prompts (token ids), settings, and what to return."""
 
     prompts: list[list[int]]
-    cfg: SampleConfig  # max_new_tokens, temperature, top_k/p, min_p, seed, stop, num_samples (n)
+    cfg: SampleConfig  # every rule of lmcli sample, and num_samples (n)
     top_logprobs: int | None = None  # None: no log-probs; k: each token's and the k most likely
     timeout: float = 300.0  # seconds from submission
+    processors: Callable[[], tuple[RowProcessor, ...]] = tuple  # each row's own (e.g. a grammar)
 
     @property
     def rows(self) -> int:
@@ -112,30 +110,15 @@ class Handle:
         self._scheduler.cancel(self)
 
 
-class Row:
-    """One choice of one request: its random stream and what it generated so far."""
+class Choice(Row):
+    """One choice of one request: an engine row that knows its request and its index."""
 
-    def __init__(self, handle: Handle, index: int, generator: torch.Generator | None) -> None:
-        self.handle, self.index, self.generator = handle, index, generator
-        self.ids: list[int] = []
-        self.streamed = ""
-        self.next_token = 0  # fed at the next step
-
-    @property
-    def key(self) -> tuple[float, int, float, float]:
-        cfg = self.handle.job.cfg
-        return (cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` might begin a stop string (not streamed yet)."""
-    longest = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
+    def __init__(self, handle: Handle, prompt: int, j: int) -> None:
+        job = handle.job
+        super().__init__(
+            job.cfg, job.prompts[prompt], j, top_logprobs=job.top_logprobs or 0, processors=job.processors()
+        )
+        self.handle, self.index = handle, prompt * job.cfg.num_samples + j
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -163,18 +146,15 @@ class Scheduler:
     ) -> None:
         """``threads``: torch's CPU threads for this thread's work (default: all cores but one,
         which the web server's event loop needs; more threads than free cores slow every step).
-        ``prefix_lm``: prompts (translation sources) attend to themselves both ways, as in training."""
-        self.model, self.tokenizer, self.prefix_lm = model, tokenizer, prefix_lm
+        ``prefix_lm``: prompts (translation sources) attend to themselves both ways, as in
+        training (the model's task says: ``tasks.Task.prefix_lm``)."""
+        self.model, self.tokenizer = model, tokenizer
         self.threads = threads or max(1, torch.get_num_threads() - 1)
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.device = next(model.parameters()).device
-        self.cache: BatchCache = empty_cache(model)
-        self.slots: list[Row | None] = []  # one per cache row; None: a hole
-        self.logits: Tensor | None = None  # (rows, V): next-token logits of every row
+        self.engine = Engine(model, tokenizer, prefix_lm=prefix_lm, cache=empty_cache(model))
         self.queue: collections.deque[Handle] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = False
-        self.steps = 0
         self._thread: threading.Thread | None = None
         self._trim = _malloc_trim()
 
@@ -203,12 +183,13 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         with self.cond:
+            cache = self.engine.cache
             return {
-                "active_rows": sum(r is not None for r in self.slots),
-                "batch_rows": len(self.slots),
+                "active_rows": self._alive(),
+                "batch_rows": len(self.engine.rows),
                 "queued": len(self.queue),
-                "steps": self.steps,
-                "kv_cache_bytes": self.cache.nbytes(),
+                "steps": self.engine.steps,
+                "kv_cache_bytes": cache.nbytes() if cache is not None else 0,  # a BatchCache
             }
 
     def start(self) -> None:
@@ -233,7 +214,7 @@ class Scheduler:
         return not self.queue and self._alive() + job.rows <= self.max_batch
 
     def _alive(self) -> int:
-        return sum(r is not None for r in self.slots)
+        return sum(r is not None for r in self.engine.rows)
 
     def _run(self, amp: torch.dtype | None = None) -> None:
         previous = torch.get_num_threads()
@@ -258,20 +239,17 @@ class Scheduler:
     def _iteration(self) -> None:
         self._retire()
         self._admit()
-        if not self._alive():
+        alive = self._alive()
+        if not alive:
             self._reset()
             return
-        self._sample()
-        if not self._alive():
-            self._reset()
-            return
-        holes = len(self.slots) - self._alive()
-        if holes > self._alive() or self.cache.room() == 0:
+        holes = len(self.engine.rows) - alive
+        if holes > alive or self.engine.cache.room() == 0:
             self._compact()
-        tokens = [r.next_token if r is not None else self.tokenizer.pad_id for r in self.slots]
-        with fastpath.step_threads(self.model, len(tokens)):
-            self.logits = step(self.model, self.cache, torch.tensor(tokens, device=self.device))
-        self.steps += 1
+        with fastpath.step_threads(self.model, len(self.engine.rows)):
+            self.engine.advance(self._deliver)  # delivered before the model's step
+        if not self._alive():
+            self._reset()
 
     def _retire(self) -> None:
         """Rows of cancelled or timed-out requests become holes; expired queued requests fail."""
@@ -282,7 +260,7 @@ class Scheduler:
                 if h.deadline < now:
                     self.queue.remove(h)
                     ended[h] = Failed("timeout", f"request timed out after {h.job.timeout:g} s in the queue")
-        for i, r in enumerate(self.slots):
+        for i, r in enumerate(self.engine.rows):
             if r is None:
                 continue
             h = r.handle
@@ -292,7 +270,7 @@ class Scheduler:
                 ended.setdefault(h, Failed("timeout", f"request timed out after {h.job.timeout:g} s"))
             else:
                 continue
-            self.slots[i] = None
+            self.engine.drop(i)
         for h, failure in ended.items():
             h.ended = True
             if failure is not None:
@@ -300,142 +278,74 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill the requests at the head of the queue that fit, and put their rows in."""
-        joining: list[tuple[Handle, list]] = []
+        joining: list[Handle] = []
         free = self.max_batch - self._alive()
         with self.cond:
             while self.queue and self.queue[0].job.rows <= free:
                 h = self.queue.popleft()
                 free -= h.job.rows
-                joining.append((h, []))
+                joining.append(h)
         if not joining:
             return
-        pad = self.tokenizer.pad_id
-        for h, prefilled in joining:
-            for ids in h.job.prompts:
-                cache, logits = prefill(self.model, [ids], pad, prefix_lm=self.prefix_lm)
-                prefilled.append((cache, logits))
-        holes = [i for i, r in enumerate(self.slots) if r is None]
-        needed = sum(h.job.rows for h, _ in joining)
-        fits = all(c.length <= self.cache.length for _, pre in joining for c, _ in pre)
-        if fits and needed <= len(holes):  # into the holes, in place
-            for h, pre in joining:
-                for p, (cache, logits) in enumerate(pre):
-                    for j in range(h.job.cfg.num_samples):
-                        i = holes.pop(0)
-                        self.cache.fill(i, cache)
-                        self.logits[i] = logits[0]
-                        self.slots[i] = self._row(h, p, j)
+        engine = self.engine
+        prefilled = [  # (cache, logits, rows) of every prompt, each prefilled alone
+            (*engine.prefill([ids]), [Choice(h, p, j) for j in range(h.job.cfg.num_samples)])
+            for h in joining
+            for p, ids in enumerate(h.job.prompts)
+        ]
+        holes = [i for i, r in enumerate(engine.rows) if r is None]
+        needed = sum(len(rows) for _, _, rows in prefilled)
+        assert engine.cache is not None
+        if needed <= len(holes) and all(c.length <= engine.cache.length for c, _, _ in prefilled):
+            for cache, logits, rows in prefilled:  # into the holes, in place
+                for row in rows:
+                    engine.fill(holes.pop(0), row, cache, logits)
             return
-        keep = [i for i, r in enumerate(self.slots) if r is not None]
-        parts = [] if not keep or self.logits is None else [self.logits[keep]]
-        rows = [self.slots[i] for i in keep]
-        join = []
-        for h, pre in joining:
-            n = h.job.cfg.num_samples
-            for p, (cache, logits) in enumerate(pre):
-                join.append((cache, n))
-                parts.append(logits.expand(n, -1))
-                rows += [self._row(h, p, j) for j in range(n)]
-        self.cache.relayout(keep, join)
-        self.logits = torch.cat(parts)
-        self.slots = rows
+        engine.relayout([i for i, r in enumerate(engine.rows) if r is not None], prefilled)
 
-    def _row(self, h: Handle, prompt: int, j: int) -> Row:
-        cfg = h.job.cfg
-        gen = None
-        if cfg.temperature > 0:
-            gen = torch.Generator(device=self.device).manual_seed(cfg.seed + j)
-        return Row(h, prompt * cfg.num_samples + j, gen)
-
-    def _sample(self) -> None:
-        """Choose every live row's next token, group by group, and hand out the new text."""
-        assert self.logits is not None
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(self.slots):
-            if r is not None:
-                groups.setdefault(r.key, []).append(i)
+    def _deliver(self, emitted: list[Emitted]) -> None:
+        """Each request's events of this step: its choices' new text (and log-probs), the end of
+        a choice (whose row becomes a hole), and ``Done`` once every choice has ended."""
         out: dict[Handle, list[Event]] = {}
-        for (temperature, top_k, top_p, min_p), idx in groups.items():
-            logits = self.logits[idx]  # (G, V)
-            rows = [self.slots[i] for i in idx]
-            gens = [r.generator for r in rows] if temperature > 0 else None
-            tokens, logprobs = sample_next(
-                logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=gens
-            )
-            k = max((r.handle.job.top_logprobs or 0) for r in rows)
-            top = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1) if k else None
-            for g, (i, r, tok, lp) in enumerate(
-                zip(idx, rows, tokens.tolist(), logprobs.tolist(), strict=True)
-            ):
-                tops: list[tuple[int, float]] = []
-                if top is not None and r.handle.job.top_logprobs:
-                    kk = r.handle.job.top_logprobs
-                    tops = list(zip(top.indices[g, :kk].tolist(), top.values[g, :kk].tolist(), strict=True))
-                update = self._accept(r, tok, lp, tops)
-                if update is not None:
-                    out.setdefault(r.handle, []).append(update)
-                if update is not None and update.finish_reason is not None:
-                    self.slots[i] = None
-                    r.handle.rows_left -= 1
+        for e in emitted:
+            row: Choice = e.row  # the scheduler's rows are its choices
+            h = row.handle
+            h.completion_tokens += 1
+            entry = []
+            if h.job.top_logprobs is not None and e.finish_reason != "eos":  # <eos> is no text
+                entry = [TokenLogprob(e.token, e.logprob, e.top)]
+            if e.finish_reason is not None:
+                self.engine.drop(e.position)
+                h.rows_left -= 1
+                reason = "length" if e.finish_reason == "length" else "stop"  # <eos> too, as OpenAI
+                out.setdefault(h, []).append(Update(row.index, e.text, entry, reason))
+            elif e.text or entry:
+                out.setdefault(h, []).append(Update(row.index, e.text, entry))
         for h, events in out.items():
             if h.rows_left == 0:
                 h.ended = True
                 events.append(Done(sum(len(p) for p in h.job.prompts), h.completion_tokens))
             self._send(h, events)
 
-    def _accept(self, r: Row, tok: int, lp: float, tops: list[tuple[int, float]]) -> Update | None:
-        """Record one token of row ``r``; the text it adds (held back while it may start a stop
-        string), and the finish reason once the row ends. Mirrors ``lmcli sample``'s rules."""
-        cfg = r.handle.job.cfg
-        r.handle.completion_tokens += 1
-        r.next_token = tok
-        want = r.handle.job.top_logprobs is not None
-        if tok == self.tokenizer.eos_id:
-            return self._finish(r, self.tokenizer.decode(r.ids), "stop", [])
-        r.ids.append(tok)
-        entry = [TokenLogprob(tok, lp, tops)] if want else []
-        text = self.tokenizer.decode(r.ids)
-        cut = cut_at_stop(text, cfg.stop)
-        if cut is not None:
-            return self._finish(r, cut, "stop", entry)
-        if len(r.ids) >= cfg.max_new_tokens:
-            return self._finish(r, text, "length", entry)
-        safe = text[: len(text) - held_back(text, cfg.stop)] if cfg.stop else text
-        if safe.endswith("\ufffd") or len(safe) <= len(r.streamed):
-            return Update(r.index, "", entry) if entry else None
-        piece, r.streamed = safe[len(r.streamed) :], safe
-        return Update(r.index, piece, entry)
-
-    def _finish(self, r: Row, text: str, reason: str, entry: list[TokenLogprob]) -> Update:
-        piece = text[len(r.streamed) :] if len(text) > len(r.streamed) else ""
-        r.streamed = text
-        return Update(r.index, piece, entry, reason)
-
     def _compact(self) -> None:
         """Drop the holes (and shift the rows left as far as they allow)."""
-        keep = [i for i, r in enumerate(self.slots) if r is not None]
-        self.cache.relayout(keep, [])
-        assert self.logits is not None
-        self.logits = self.logits[keep]
-        self.slots = [self.slots[i] for i in keep]
+        self.engine.relayout([i for i, r in enumerate(self.engine.rows) if r is not None], [])
 
     def _reset(self) -> None:
         """No row in use: free the batch's memory."""
-        if self.slots or self.cache.batch_size:
-            self.cache = empty_cache(self.model)
-            self.slots, self.logits = [], None
+        if self.engine.rows or self.engine.cache.batch_size:
+            self.engine.reset(empty_cache(self.model))
             self._trim()
 
     def _fail_all(self, kind: str, message: str) -> None:
         with self.cond:
             handles = list(self.queue)
             self.queue.clear()
-        handles += [r.handle for r in self.slots if r is not None and r.handle not in handles]
+        handles += [r.handle for r in self.engine.rows if r is not None and r.handle not in handles]
         for h in dict.fromkeys(handles):
             h.ended = True
             self._send(h, [Failed(kind, message)])
-        self.cache = empty_cache(self.model)
-        self.slots, self.logits = [], None
+        self.engine.reset(empty_cache(self.model))
 
     @staticmethod
     def _send(h: Handle, events: list[Event]) -> None:

@@ -24,6 +24,7 @@ from lmcli.errors import LmcliError
 from lmcli.serve.app import create_app
 from lmcli.serve.protocol import Model
 from lmcli.serve.scheduler import Scheduler
+from lmcli.tasks import make_task
 
 
 def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
@@ -31,9 +32,11 @@ def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
     from lmcli.chat_template import find_template
 
     name = cfg.model_name or (ckpt.path.parent.name if ckpt.path.name in ("best", "last") else ckpt.path.name)
-    translation = ckpt.train_config.task == "translation"
+    task = make_task(ckpt.train_config)
+    no_chat = None if task.chat else task.refusal("use /v1/completions with the source as prompt")
     template = find_template(ckpt.path)
-    return Model(name, ckpt.tokenizer, ckpt.model.config.block_size, template, int(time.time()), translation)
+    block_size = ckpt.model.config.block_size
+    return Model(name, ckpt.tokenizer, block_size, template, int(time.time()), task.prompt, no_chat)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -69,7 +72,7 @@ def _setup(
         max_batch=cfg.max_batch,
         max_queue=cfg.max_queue,
         threads=threads,
-        prefix_lm=ckpt.train_config.prefix_lm,
+        prefix_lm=make_task(ckpt.train_config).prefix_lm,
     )
     app = create_app(model, scheduler, cfg)
     sock = bind(cfg.host, cfg.port)

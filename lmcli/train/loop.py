@@ -53,6 +53,7 @@ from lmcli.lora_run import base_reference
 from lmcli.model import Transformer
 from lmcli.safe_io import refuse_symlinks
 from lmcli.sources import load_checkpoint
+from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
 from lmcli.train.mfu import flops_per_token, matmul_params, mfu, peak_tflops
@@ -73,7 +74,7 @@ from lmcli.train.run_folder import (
     open_run_dir,
     write_run_config,
 )
-from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds, wants_bleu
+from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds
 from lmcli.train.state import TrainState, rng_state, seed_everything, set_rng_state
 
 
@@ -408,12 +409,13 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
     record: dict[str, Any] = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
     if run.ema_val_loss is not None:
         record["val_loss_ema"] = run.ema_val_loss
-    if wants_bleu(cfg, state.step):
+    task = make_task(cfg)
+    if task.wants_bleu(state.step):  # the task's validation BLEU hook
         from lmcli.bleu import greedy_bleu
 
         with autocast(run.device, run.amp):
             scores = greedy_bleu(
-                run.model, run.data.tokenizer, run.data.val, cfg.bleu_samples, prefix_lm=cfg.prefix_lm
+                run.model, run.data.tokenizer, run.data.val, cfg.bleu_samples, prefix_lm=task.prefix_lm
             )
         record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
     run.metrics.append(record)
@@ -738,7 +740,11 @@ def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
     kernels run)."""
     if probed and run.device.type == "cuda":
         return measured_memory(torch.cuda.max_memory_allocated(run.device), trainable)
-    flash = run.device.type == "cuda" and not run.model.positions.biases_scores and not run.cfg.prefix_lm
+    flash = (
+        run.device.type == "cuda"
+        and not run.model.positions.biases_scores
+        and not make_task(run.cfg).prefix_lm
+    )
     params = run.model.num_parameters()
     return estimate_memory(
         run.model_config, params, run.cfg.batch_size, run.amp is not None, flash, trainable

@@ -1,4 +1,5 @@
-"""The losses training reads: a batch's scored logits, and the validation loss across ranks."""
+"""The losses training reads: a batch's loss (of ``evaluate.forward_scored``'s logits) and the
+validation loss across ranks."""
 
 from __future__ import annotations
 
@@ -13,29 +14,13 @@ from lmcli.data.train_data import TrainData
 from lmcli.data.windows import Batch
 from lmcli.device import autocast
 from lmcli.distributed import Dist
-
-
-def forward_scored(
-    model: torch.nn.Module, batch: Batch, cfg: TrainConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (N, V) and targets (N,) of the positions the loss reads.
-
-    Language modelling scores every position; translation and SFT only the response tokens,
-    whose flat indices the batch brings from the host: the model gathers those rows (no
-    boolean-mask selection, so no device-to-host sync and no graph break under torch.compile)
-    and the vocabulary projection skips prompt and padding positions.
-    """
-    prefix = batch.prefix_len if cfg.prefix_lm else None
-    if batch.index is not None:
-        targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
-        return model(batch.x, prefix_len=prefix, output_index=batch.index), targets
-    logits = model(batch.x, prefix_len=prefix)
-    return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
+from lmcli.evaluate import forward_scored
+from lmcli.tasks import make_task
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, cfg: TrainConfig) -> torch.Tensor:
     """The training loss of a batch: mean cross-entropy of its scored tokens (label smoothed)."""
-    logits, targets = forward_scored(model, batch, cfg)
+    logits, targets = forward_scored(model, batch, make_task(cfg).prefix_lm)
     return F.cross_entropy(logits.float(), targets, label_smoothing=cfg.label_smoothing)
 
 
@@ -54,23 +39,17 @@ def evaluate_loss(
     nll = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device
     scored = 0  # scored tokens, counted on the host (no device tensor, no sync per batch)
     limit = cfg.eval_batches * cfg.batch_size * dist_info.world_size  # the same windows at any world size
+    prefix_lm = make_task(cfg).prefix_lm
     for batch in data.val_batches(cfg.batch_size, limit, dist_info.rank, dist_info.world_size):
         scored += batch.n_targets
         with autocast(device, amp):
-            logits, targets = forward_scored(model, batch.to(device), cfg)
+            logits, targets = forward_scored(model, batch.to(device), prefix_lm)
         nll += F.cross_entropy(logits.float(), targets, reduction="sum")
     total = torch.stack([nll, torch.tensor(float(scored), dtype=torch.float64, device=device)])
     if dist_info.enabled:
         torch.distributed.all_reduce(total)
     model.train(was_training)
     return (total[0] / total[1]).item()
-
-
-def wants_bleu(cfg: TrainConfig, step: int) -> bool:
-    """Whether this validation also decodes validation pairs for BLEU (translation only)."""
-    if cfg.task != "translation" or not cfg.bleu_samples:
-        return False
-    return not cfg.bleu_interval or step % cfg.bleu_interval == 0
 
 
 def probe_step_seconds(
@@ -88,7 +67,7 @@ def probe_step_seconds(
         for _ in range(2):  # the first call warms up allocators and kernels
             t0 = time.perf_counter()
             with autocast(device, amp):
-                logits, targets = forward_scored(model, b, cfg)
+                logits, targets = forward_scored(model, b, make_task(cfg).prefix_lm)
                 loss = F.cross_entropy(logits.float(), targets)
             loss.backward()
             if device.type == "cuda":

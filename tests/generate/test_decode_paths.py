@@ -20,7 +20,8 @@ from lmcli.config import SampleConfig
 from lmcli.fastpath.packed import PackingLinear, packing_available
 from lmcli.generate.decoding import prefill, step
 from lmcli.generate.kv_cache import GROW, KVCache
-from lmcli.generate.sampling import draw, generate
+from lmcli.generate.rules import draw
+from lmcli.generate.sampling import generate
 
 
 def test_cache_grows_past_its_first_buffer_and_reorders_every_column() -> None:

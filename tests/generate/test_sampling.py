@@ -8,7 +8,8 @@ from helpers import tiny_model, tiny_tokenizer
 
 from lmcli.config import SampleConfig
 from lmcli.errors import LmcliError
-from lmcli.generate.sampling import filter_logits, penalize_seen, sample_next, sample_texts, seen_mask
+from lmcli.generate.rules import filter_logits, penalize_seen, sample_next, seen_mask
+from lmcli.generate.sampling import sample_texts
 
 
 def kept(logits: torch.Tensor) -> list[int]:

@@ -137,11 +137,52 @@ def test_seeded_output_equals_lmcli_sample(client: openai.OpenAI, served_run, ch
         assert list(pool.map(ask, range(8))) == alone
 
 
+def test_chat_with_repetition_penalty_and_min_tokens_equals_lmcli_chat(
+    client: openai.OpenAI, served_run, capsys, monkeypatch
+) -> None:
+    """Every sampling option of `lmcli chat` (those of `lmcli sample`) works in a chat completion
+    with the same result for the same seed; the server ignored repetition_penalty and min_tokens."""
+    messages = [{"role": "user", "content": "the cat"}]
+
+    def served(seed: int, temperature: float, **extra) -> tuple[str, str, int]:
+        r = client.chat.completions.create(
+            model="run",
+            messages=messages,
+            max_tokens=36,
+            seed=seed,
+            temperature=temperature,
+            extra_body=extra,
+        )
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    def chat(seed: int, temperature: float, *flags: str) -> tuple[str, str, int]:
+        settings = ["--max-new-tokens", "36", "--seed", str(seed), "--temperature", str(temperature)]
+        stdin = json.dumps({"messages": messages})
+        code, out, _ = run_cli(
+            ["chat", str(served_run), "--json", *settings, *flags], capsys, stdin, monkeypatch
+        )
+        assert code == 0
+        got = json.loads(out)
+        return got["message"]["content"], got["finish_reason"], got["usage"]["completion_tokens"]
+
+    plain = served(1, 0.3)
+    penalized = served(1, 0.3, repetition_penalty=3.0)
+    assert penalized != plain  # the penalty changes the reply ...
+    assert penalized == chat(1, 0.3, "--repetition-penalty", "3.0")  # ... as it changes lmcli chat's
+    text, reason, tokens = served(0, 1.0)
+    assert reason == "stop" and tokens < 30  # <eos> early ...
+    longer = served(0, 1.0, min_tokens=30)
+    assert longer[2] >= 30 and longer[0].startswith(text)  # ... not before min_tokens
+    assert longer == chat(0, 1.0, "--min-new-tokens", "30")
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
         ({"prompt": "x", "max_tokens": 1000}, "max_tokens"),  # beyond the context
         ({"prompt": "x", "n": 0}, "n"),
@@ -208,6 +249,7 @@ def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
     from lmcli.checkpoint import save_checkpoint
     from lmcli.config import TrainConfig
     from lmcli.sources import load_model
+    from lmcli.tasks import make_task
 
     tok = tiny_tokenizer()
     save_checkpoint(
@@ -215,7 +257,8 @@ def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
     )
     ckpt = load_model(tmp_path / "mt")
     cfg = SampleConfig(max_new_tokens=10, temperature=0.9, seed=4)
-    expected = sample_texts(ckpt.model, ckpt.tokenizer, ["the cat"], cfg, translation=True)[0][0].text
+    form = make_task(ckpt.train_config).prompt  # <bos> source <sep>
+    expected = sample_texts(ckpt.model, ckpt.tokenizer, ["the cat"], cfg, form=form)[0][0].text
     with running(ckpt, ServeConfig(port=0, grace=1)) as (url, _):
         body = {"prompt": "the cat", "max_tokens": 10, "temperature": 0.9, "seed": 4}
         assert httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"] == expected

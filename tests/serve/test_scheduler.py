@@ -10,6 +10,7 @@ from helpers import tiny_model, tiny_tokenizer
 from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.generate.decoding import make_prompt
+from lmcli.generate.rules import PENDING_TOKENS
 from lmcli.generate.sampling import generate
 from lmcli.quant import quantize
 from lmcli.serve.scheduler import Done, Failed, Job, Scheduler, Update
@@ -85,3 +86,27 @@ def test_a_request_past_its_time_fails_and_frees_its_rows() -> None:
     sched._iteration()
     assert isinstance(result["end"], Failed) and result["end"].kind == "timeout"
     assert sched.stats()["active_rows"] == 0
+
+
+def test_a_2000_token_reply_decodes_a_few_tokens_per_step(monkeypatch) -> None:
+    """The server decoded the whole reply at every token (quadratic in its length: 2,000 tokens
+    were 2 million decoded); each step now decodes a few tokens, and the reply once at its end."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok.vocab_size, block_size=2048, n_layer=1, n_head=2, n_embd=16)
+    decoded: list[int] = []
+    original = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded.append(len(ids)) or original(ids, **kw))
+    sched = Scheduler(model, tok, max_batch=2, max_queue=2)
+    n = 2000
+    cfg = SampleConfig(max_new_tokens=n, min_new_tokens=n, temperature=1.0, seed=3, stop=("zz",))
+    updates: list[Update] = []
+    sched.submit(Job([[tok.bos_id]], cfg, top_logprobs=0), updates.extend)
+    with fastpath.inference(model):
+        while not updates or not isinstance(updates[-1], Done):
+            sched._iteration()
+    *steps, whole = decoded
+    assert whole == n  # the reply, decoded once when it ended
+    assert max(steps) <= PENDING_TOKENS + 1 and sum(steps) <= 3 * n  # a few tokens per step
+    tokens = [e.token for u in updates[:-1] for e in u.logprobs]
+    assert len(tokens) == n == updates[-1].completion_tokens
+    assert "".join(u.text for u in updates[:-1]) == original(tokens)  # streamed whole

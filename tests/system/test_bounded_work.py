@@ -19,15 +19,9 @@ from helpers import TINY_TEXT, make_run, tiny_model, tiny_tokenizer
 from lmcli import fastpath
 from lmcli.config import EvalConfig, SampleConfig
 from lmcli.evaluate import evaluate_chunks, evaluate_lines, evaluate_run, evaluate_text, split_lines, windows
-from lmcli.generate.sampling import (
-    BATCH_ROWS,
-    Collector,
-    Generated,
-    TextTail,
-    generate,
-    row_blocks,
-    sample_texts,
-)
+from lmcli.generate.engine import Row
+from lmcli.generate.rules import TextTail
+from lmcli.generate.sampling import BATCH_ROWS, generate, row_blocks, sample_texts
 from lmcli.sources import load_model
 from lmcli.tokenizer import Tokenizer
 
@@ -198,17 +192,14 @@ def test_text_decoded_by_the_tail_equals_a_full_decode_with_multibyte_characters
     tok = tiny_tokenizer(text, "byte")  # one token per byte: characters span 2-3 tokens
     ids = tok.encode(text)
     for stop, expected in (("日本", text[: text.index("日本")]), ("wörld —", "héllo ")):
-        out = [Generated(0, 0)]
+        row = Row(SampleConfig(max_new_tokens=len(ids), stop=(stop,)), [tok.bos_id])
         streamed: list[str] = []
-        collector = Collector(out, tok, (stop,), lambda _r, piece, seen=streamed: seen.append(piece))
-        rows = [[]]
         for i in ids:
-            if collector.add(torch.tensor([i]), torch.tensor([0.0]), rows):
+            streamed.append(row.record(i, 0.0, tok))
+            if row.finish_reason is not None:
                 break
-        collector.finish()
-        assert out[0].finish_reason == "stop" and out[0].text == expected
-        shown = "".join(streamed)  # what was streamed before the stop string was complete stays
-        assert shown.startswith(expected) and text.startswith(shown) and len(shown) < len(expected + stop)
+        assert row.finish_reason == "stop" and row.text == expected
+        assert "".join(streamed) == expected  # no part of the stop string was streamed
     tail, pieces = TextTail(0), []
     for n in range(1, len(ids) + 1):
         pieces.append(tail.add(tok, ids[:n]))

@@ -1,0 +1,192 @@
+"""What a model is trained to do: one object per task, chosen once from the config.
+
+``make_task(cfg)`` picks the class of ``cfg.task`` (``TASKS``), as ``positions.make_positions``
+picks a position scheme. Every task answers the same questions, most of them as a language
+model does (the base class):
+
+- ``prompt``: how text a user gives becomes a prompt, ``TextPrompt`` (``<bos> text``) or
+  ``SourcePrompt`` (``<bos> source <sep>``, the source cut as in training), and whether the
+  prompt attends to itself both ways (``prefix_lm``); sampling, beam search and the server take
+  this object, never the task's name;
+- ``chat``: whether ``lmcli chat`` and the server's chat completions apply (``refusal`` says
+  why not, in the words of the command that refuses);
+- ``examples``: what it trains on: None, windows of one token stream; else the reader of its
+  supervised examples (``"pairs"``, ``"conversations"``), whose loss reads the response only.
+  ``data/train_data.py`` builds the data from it, ``evaluate.evaluate_run`` scores by it;
+- ``check``: the options that need this task (run when a ``TrainConfig`` is built);
+- the defaults of ``--optimizer``, ``--schedule`` and ``--select``, and ``wants_bleu``: whether
+  a validation also decodes for BLEU.
+
+This module imports nothing of lmcli but ``errors``: ``config.py`` asks it while a
+``TrainConfig`` is built, and data, training, evaluation, decoding and serving ask it in turn,
+so it can import none of them (the configs and tokenizers it reads are passed in).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from lmcli.errors import LmcliError
+
+BLEU_METRICS = ("val_bleu", "val_chrf")  # --select values only translation computes
+
+
+class TextPrompt:
+    """``<bos> text``: how a language model reads a prompt (an empty text is ``<bos>`` alone)."""
+
+    prefix_lm = False  # the prompt attends causally, as every position in training
+    shows_text = True  # a continuation reads on from its prompt's text (lmcli sample prints both)
+
+    def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
+        """The prompt's ids around the text's ids ``body``, and whether part of ``body`` was left
+        out; fitting the prompt in the context is the decoder's (``decoding.make_prompt``)."""
+        return [tokenizer.bos_id, *body], False
+
+    def input_length(self, ids: list[int]) -> int:
+        """The length in tokens of the input a prompt holds (beam search's ``a * length + b``)."""
+        return len(ids)
+
+    def decodes(self, text: str) -> bool:
+        """Whether ``text`` is decoded at all (an empty prompt is: it starts from ``<bos>``)."""
+        return True
+
+
+class SourcePrompt(TextPrompt):
+    """``<bos> source <sep>``: how a translation model reads a source. The source keeps at most
+    half the context, as in training; an empty source has an empty translation."""
+
+    shows_text = False
+
+    def __init__(self, prefix_lm: bool = False) -> None:
+        self.prefix_lm = prefix_lm  # the source attends to itself both ways (--prefix-lm)
+
+    def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
+        if tokenizer.sep_id is None:
+            raise LmcliError("the tokenizer has no <sep> token, which translation needs")
+        ids = [tokenizer.bos_id, *body[: max((block_size + 1) // 2 - 2, 1)], tokenizer.sep_id]
+        return ids, len(ids) < len(body) + 2
+
+    def input_length(self, ids: list[int]) -> int:
+        return len(ids) - 2  # without <bos> and <sep>
+
+    def decodes(self, text: str) -> bool:
+        return bool(text.strip())
+
+
+class Task:
+    """The answers every task gives unless it says otherwise (those of a language model)."""
+
+    name: ClassVar[str]
+    described: ClassVar[str]  # "a ... model", in messages
+    chat: ClassVar[bool] = True  # lmcli chat and the server's chat completions apply
+    examples: ClassVar[str | None] = None  # None: windows of a token stream; else the examples' reader
+    example_noun: ClassVar[str] = ""  # "pair(s)": what messages about the examples count
+    val_hint: ClassVar[str] = ""  # the options that give separate validation examples
+    scored: ClassVar[str] = ""  # the part of an example the loss reads ("target", "reply")
+    reads_pair_files: ClassVar[bool] = False  # lmcli eval --source/--target apply
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg  # the TrainConfig
+
+    @property
+    def prompt(self) -> TextPrompt:
+        return TextPrompt()
+
+    @property
+    def prefix_lm(self) -> bool:
+        """Whether prompts (training's and decoding's) attend to themselves both ways."""
+        return self.prompt.prefix_lm
+
+    def refusal(self, advice: str) -> str:
+        """Why a command does not apply to this model, and ``advice``: one line."""
+        return f"this is {self.described}: {advice}"
+
+    def check(self) -> None:
+        """Refuse options this task cannot use (one line, as every option error)."""
+        cfg = self.cfg
+        if cfg.source or cfg.target or cfg.val_source or cfg.prefix_lm:
+            raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
+        if cfg.select in BLEU_METRICS:
+            raise LmcliError(f"--select {cfg.select} needs --task translation and --bleu-samples above 0")
+
+    def default_optimizer(self) -> str:
+        """``--optimizer auto``: AdamW."""
+        return "adamw"
+
+    def default_schedule(self) -> str:
+        """``--schedule auto``: cosine."""
+        return "cosine"
+
+    def default_metric(self) -> str:
+        """The validation metric ``best/`` follows without ``--select``."""
+        return "val_loss"
+
+    def wants_bleu(self, step: int) -> bool:
+        """Whether the validation at ``step`` also decodes validation examples for BLEU."""
+        return False
+
+
+class LanguageModel(Task):
+    """``--task lm``: next-token prediction on windows of a token stream."""
+
+    name = "lm"
+    described = "a language model"
+
+    def default_optimizer(self) -> str:
+        """Muon from scratch (where it was measured, docs/time-to-quality.md); AdamW for
+        fine-tuning (``--init-from``: LoRA's low-rank adapters are no matrices for Muon)."""
+        return "adamw" if self.cfg.init_from else "muon"
+
+    def default_schedule(self) -> str:
+        """wsd with Muon from scratch, cosine for fine-tuning."""
+        return "cosine" if self.cfg.init_from else "wsd"
+
+
+class Translation(Task):
+    """``--task translation``: ``<bos> source <sep> target <eos>`` pairs, the loss on the target;
+    decoding reads a source, validation can report greedy BLEU."""
+
+    name = "translation"
+    described = "a translation model"
+    chat = False
+    examples = "pairs"
+    example_noun = "pair(s)"
+    val_hint = "--val-source/--val-target"
+    scored = "target"
+    reads_pair_files = True
+
+    @property
+    def prompt(self) -> TextPrompt:
+        return SourcePrompt(self.cfg.prefix_lm)
+
+    def check(self) -> None:
+        cfg = self.cfg
+        if cfg.select in BLEU_METRICS and not cfg.bleu_samples:
+            raise LmcliError(f"--select {cfg.select} needs --task translation and --bleu-samples above 0")
+
+    def default_metric(self) -> str:
+        return "val_bleu" if self.cfg.bleu_samples else "val_loss"
+
+    def wants_bleu(self, step: int) -> bool:
+        cfg = self.cfg
+        return bool(cfg.bleu_samples) and (not cfg.bleu_interval or step % cfg.bleu_interval == 0)
+
+
+class Supervised(Task):
+    """``--task sft``: prompt/response or chat rows rendered with the chat template, the loss on
+    the replies; decoding reads text as a language model does (``lmcli chat`` renders turns)."""
+
+    name = "sft"
+    described = "an SFT model"
+    examples = "conversations"
+    example_noun = "conversation(s)"
+    val_hint = "--val FILE"
+    scored = "reply"
+
+
+TASKS: dict[str, type[Task]] = {"lm": LanguageModel, "translation": Translation, "sft": Supervised}
+
+
+def make_task(cfg: Any) -> Task:
+    """The task of a ``TrainConfig`` (its ``task`` option)."""
+    return TASKS[cfg.task](cfg)

@@ -1,0 +1,77 @@
+"""Tasks as objects: the one place that knows lm, translation and sft apart."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import get_args
+
+import pytest
+from helpers import tiny_tokenizer
+
+from lmcli.config import Task, TrainConfig
+from lmcli.generate.decoding import make_prompt
+from lmcli.tasks import TASKS, SourcePrompt, TextPrompt, make_task
+
+LMCLI = Path(__file__).resolve().parents[1] / "lmcli"
+
+
+def imports(path: Path) -> set[str]:
+    """The lmcli modules a file imports, wherever the import stands (local ones included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lmcli"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lmcli")}
+    return found
+
+
+def test_every_task_option_has_its_class() -> None:
+    assert set(TASKS) == set(get_args(Task))
+    for name, cls in TASKS.items():
+        assert cls.name == name and isinstance(make_task(TrainConfig(task=name)), cls)
+
+
+def test_the_task_module_sits_below_everything_and_decoders_read_no_data_module() -> None:
+    assert imports(LMCLI / "tasks.py") == {"lmcli.errors"}  # config.py imports it: no cycle
+    for path in (LMCLI / "generate").glob("*.py"):
+        assert not any(m.startswith("lmcli.data") for m in imports(path)), path
+
+
+@pytest.mark.parametrize("name", ["lm", "sft"])
+def test_text_prompts(name: str) -> None:
+    tok = tiny_tokenizer()
+    form = make_task(TrainConfig(task=name)).prompt
+    assert type(form) is TextPrompt and not form.prefix_lm and form.shows_text
+    p = make_prompt("the cat", tok, 32, form)
+    assert p.ids == [tok.bos_id, *tok.encode("the cat")] and not p.truncated
+    long = make_prompt("the cat sat " * 5, tok, 32, form)  # keeps its end, as the context allows
+    assert long.truncated and long.ids == [tok.bos_id, *tok.encode("the cat sat " * 5)][-31:]
+    assert form.decodes("") and form.input_length(p.ids) == len(p.ids)
+
+
+@pytest.mark.parametrize("prefix_lm", [False, True])
+def test_a_translation_prompt_is_a_source_cut_to_half_the_context(prefix_lm: bool) -> None:
+    tok = tiny_tokenizer()
+    cfg = TrainConfig(task="translation", source="s", target="t", prefix_lm=prefix_lm)
+    task = make_task(cfg)
+    form = task.prompt
+    assert isinstance(form, SourcePrompt) and form.prefix_lm == task.prefix_lm == prefix_lm
+    p = make_prompt("the cat sat on the mat", tok, 32, form)
+    assert p.ids == [tok.bos_id, *tok.encode("the cat sat on the mat")[:14], tok.sep_id] and p.truncated
+    assert form.input_length(p.ids) == 14 and not form.decodes(" ") and not form.shows_text
+    assert not task.chat and task.refusal("use X") == "this is a translation model: use X"
+
+
+def test_defaults_and_the_bleu_hook_follow_the_task() -> None:
+    lm, tr = make_task(TrainConfig()), make_task(TrainConfig(task="translation", bleu_interval=3))
+    assert (lm.default_optimizer(), lm.default_schedule(), lm.default_metric()) == ("muon", "wsd", "val_loss")
+    assert (tr.default_optimizer(), tr.default_schedule(), tr.default_metric()) == (
+        "adamw",
+        "cosine",
+        "val_bleu",
+    )
+    assert not lm.wants_bleu(3) and tr.wants_bleu(3) and not tr.wants_bleu(4)
+    assert not make_task(TrainConfig(task="translation", bleu_samples=0)).wants_bleu(3)
+    assert make_task(TrainConfig(task="sft")).examples == "conversations" and lm.examples is None
