@@ -244,23 +244,27 @@ def _wide_weights(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def _in_place_weights(model: Transformer) -> list[nn.Parameter]:
+def _in_place_weights(model: Transformer) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """The weights to pack in place for a scope (``lmcli.fastpath.packed``): the large float32
-    and bfloat16 weights of the linear layers, when they add up to ``IN_PLACE_MIN_BYTES``. A
-    weight the token embedding shares (a tied head) stays plain: its rows are looked up."""
+    and bfloat16 weights of the linear layers, when they add up to ``IN_PLACE_MIN_BYTES``; and
+    the float32 ones among them that the token embedding shares (a tied head), which stay plain
+    (their rows are looked up) and are multiplied by oneDNN as they are."""
     if not packing_available():
-        return []
+        return [], []
     dtypes = (torch.float32, torch.bfloat16) if bf16_packing_available() else (torch.float32,)
     shared = {id(p) for p in model.wte.parameters()}
     found: dict[int, nn.Parameter] = {}
     for module in model.modules():
         if type(module) is nn.Linear:
             w = module.weight
-            if w.numel() >= PACK_MIN_WEIGHT and w.dtype in dtypes and id(w) not in shared:
+            if w.numel() >= PACK_MIN_WEIGHT and w.dtype in dtypes and w.is_contiguous():
                 found.setdefault(id(w), w)
     weights = list(found.values())
-    total = sum(w.numel() * w.element_size() for w in weights)
-    return weights if total >= IN_PLACE_MIN_BYTES else []
+    if sum(w.numel() * w.element_size() for w in weights) < IN_PLACE_MIN_BYTES:
+        return [], []
+    # (a bfloat16 table gains nothing from oneDNN's plain-layout product here: MKL's is as fast)
+    dense = [w for w in weights if id(w) in shared and w.dtype == torch.float32]
+    return [w for w in weights if id(w) not in shared], dense
 
 
 def _swap(module: nn.Module, cls: type) -> None:
@@ -274,7 +278,7 @@ def inference(model: Transformer) -> Iterator[Transformer]:
         yield model  # nested, not on a CPU, or LoRA adapters in training (the step reads plain weights)
         return
     packs = PackCache()
-    packed = _in_place_weights(model)  # (before the linear layers change class)
+    packed, dense = _in_place_weights(model)  # (before the linear layers change class)
     swapped: list[tuple[nn.Module, type]] = []
     for module in model.modules():
         if type(module) is nn.Linear:
@@ -285,9 +289,10 @@ def inference(model: Transformer) -> Iterator[Transformer]:
             swapped.append((module, GeluMLP))
             _swap(module, SigmoidGeluMLP)
     packs.pack_in_place(packed)
+    packs.multiply_dense(dense)
     # a model packed in place keeps its other weights' layout (its tied vocabulary table among
     # them): the transposed copy would hold the largest weight twice while it is made
-    laid_out = [] if packed else _wide_weights(model)
+    laid_out = [] if packed or dense else _wide_weights(model)
     with torch.inference_mode(False), torch.no_grad():
         for w in laid_out:
             w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) order in memory
