@@ -43,7 +43,7 @@ from lmcli.fastpath.packed import (
 )
 from lmcli.lora import has_adapters
 from lmcli.model import CausalSelfAttention, GeluMLP, Transformer
-from lmcli.positions import Positions, Rotary
+from lmcli.positions import Positions, Rotary, rotate_half
 from lmcli.quant import quantized_elements
 
 if TYPE_CHECKING:
@@ -160,12 +160,7 @@ def rotary_turn(positions: Positions, pos: Tensor, dtype: torch.dtype) -> Turn |
         return None
     cos = positions.cos[pos].to(dtype)  # (B or 1, 1, D)
     sin = positions.sin[pos].to(dtype)
-
-    def turn(x: Tensor) -> Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-    return turn
+    return lambda x: rotate_half(x, cos, sin)
 
 
 class StepRunner:
@@ -288,20 +283,20 @@ def inference(model: Transformer) -> Iterator[Transformer]:
         elif type(module) is GeluMLP:
             swapped.append((module, GeluMLP))
             _swap(module, SigmoidGeluMLP)
-    packs.pack_in_place(packed)
-    packs.multiply_dense(dense)
     # a model packed in place keeps its other weights' layout (its tied vocabulary table among
     # them): the transposed copy would hold the largest weight twice while it is made
     laid_out = [] if packed or dense else _wide_weights(model)
-    with torch.inference_mode(False), torch.no_grad():
-        for w in laid_out:
-            w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) order in memory
-    model.fast_step = StepRunner(model, packs)
-    try:
+    try:  # (from here on, whatever fails, every weight gets its values and layout back)
+        packs.pack_in_place(packed)
+        packs.multiply_dense(dense)
+        with torch.inference_mode(False), torch.no_grad():
+            for w in laid_out:
+                w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) order in memory
+        model.fast_step = StepRunner(model, packs)
         yield model
     finally:
         model.fast_step = None
-        packs.unpack(packed)
+        packs.unpack()
         with torch.inference_mode(False), torch.no_grad():
             for w in laid_out:
                 w.data = w.data.contiguous()

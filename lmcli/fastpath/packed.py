@@ -118,12 +118,14 @@ class PackCache:
                 if i % TRIM_EVERY == TRIM_EVERY - 1 or i == len(weights) - 1:
                     release_freed_memory()
 
-    def unpack(self, weights: list[nn.Parameter]) -> None:
-        """Give the weights ``pack_in_place`` replaced their plain values back."""
+    def unpack(self) -> None:
+        """Give every weight ``pack_in_place`` replaced its plain values back."""
+        packs = list(self._in_place.values())
+        self._in_place.clear()
         with torch.inference_mode(False), torch.no_grad():
-            for i, w in enumerate(weights):
-                w.data = self._in_place.pop(id(w)).packed.to_dense()
-                if i % TRIM_EVERY == TRIM_EVERY - 1 or i == len(weights) - 1:
+            for i, pack in enumerate(packs):
+                pack.weight.data = pack.packed.to_dense()
+                if i % TRIM_EVERY == TRIM_EVERY - 1 or i == len(packs) - 1:
                     release_freed_memory()
 
     def in_place(self, weight: Tensor, bias: Tensor | None) -> LinearFn | None:
