@@ -360,7 +360,8 @@ def threads_option() -> Any:
         "the cores it may keep busy (docs/quantization.md).",
         gt=0,
         le=THREADS_MAX,
-        default_help="the CPUs this process may use (affinity, cgroup quota); serve: one fewer",
+        default_help="$OMP_NUM_THREADS if set, else the CPUs this process may use (affinity, cgroup "
+        "quota); serve: one fewer",
         stored=False,  # a property of this machine: a resume elsewhere uses its own
     )
 

@@ -60,13 +60,20 @@ def cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
         return None
 
 
+def default_threads() -> int:
+    """``--threads``' default: ``$OMP_NUM_THREADS`` when it is set (the variable users set to
+    share a machine, which torch reads too), else ``usable_cpus()``."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else usable_cpus()
+
+
 def set_threads(threads: int | None) -> int:
-    """Give torch ``threads`` CPU threads (None: ``usable_cpus()``) and return the number.
+    """Give torch ``threads`` CPU threads (None: ``default_threads()``) and return the number.
 
     More threads than the machine has CPUs are refused: torch's threads spin while they wait,
     so each thread beyond a free core slows every step instead of helping.
     """
-    n = usable_cpus() if threads is None else threads
+    n = default_threads() if threads is None else threads
     limit = os.cpu_count() or 1
     if n > limit:
         raise LmcliError(f"--threads {n} is more than the {limit} CPUs of this machine")

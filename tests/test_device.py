@@ -228,3 +228,15 @@ def test_the_training_preflight_shows_the_threads(tmp_path, capsys) -> None:
         torch.set_num_threads(threads)
     assert code == 0, err
     assert "CPU threads" in out + err and "1 (--threads" in out + err
+
+
+def test_omp_num_threads_is_the_default_when_set(monkeypatch) -> None:
+    import lmcli.device as device
+
+    monkeypatch.setattr(device, "usable_cpus", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert device.default_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert device.default_threads() == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert device.default_threads() == 2
