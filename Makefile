@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # resolver from fetching a multi-GB CUDA build. Elsewhere pip picks any torch in range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install browser test lint bench clean check-gguf llama-venv check-gpu
+.PHONY: install browser test test-fast lint bench clean check-gguf llama-venv check-gpu
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ browser:
 
 test:
 	$(BIN)/python -m pytest tests
+
+# the suite without the end-to-end checks marked slow (each over ~2 s): for the edit-test loop
+test-fast:
+	$(BIN)/python -m pytest -m "not slow" tests
 
 lint:
 	$(BIN)/ruff check lmcli tests bench

@@ -33,16 +33,15 @@ def make_run(run_dir: Path, sample: str) -> None:
     import torch
 
     from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.config import ModelConfig, TrainConfig, from_dict
     from lmcli.model import Transformer
     from lmcli.tokenizer import Tokenizer
 
     tok = Tokenizer.train("bpe", iter([sample]), vocab_size=VOCAB)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.vocab_size, **SHAPE)).eval()
-    save_checkpoint(
-        run_dir / "last", model, TrainConfig(tokenizer="bpe", vocab_size=VOCAB), tok, meta={"step": 0}
-    )
+    cfg = from_dict(TrainConfig, {"tokenizer": "bpe", "vocab_size": VOCAB})
+    save_checkpoint(run_dir / "last", model, cfg, tok, meta={"step": 0})
 
 
 def child(run_dir: str, text: str) -> None:

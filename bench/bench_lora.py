@@ -34,7 +34,7 @@ def make_base(run_dir: Path) -> None:
     import torch
 
     from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.config import ModelConfig, TrainConfig, from_dict
     from lmcli.model import Transformer
     from lmcli.tokenizer import Tokenizer
 
@@ -42,16 +42,17 @@ def make_base(run_dir: Path) -> None:
     tok = Tokenizer(byte.hf, {"eos": byte.token(byte.eos_id)})  # named specials: a padded vocabulary
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=VOCAB, block_size=BLOCK, **GPT2_SMALL))
-    save_checkpoint(run_dir / "last", model, TrainConfig(tokenizer="byte"), tok, meta={"step": 0})
+    cfg = from_dict(TrainConfig, {"tokenizer": "byte"})
+    save_checkpoint(run_dir / "last", model, cfg, tok, meta={"step": 0})
 
 
 def child(tmp: str, rank: str) -> None:
     """Fine-tune the base (``rank`` 0: every weight) and print peak RSS and step time as JSON."""
-    from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.config import ModelConfig, TrainConfig, from_dict
     from lmcli.train import Reporter, train
 
     tmp_dir = Path(tmp)
-    cfg = TrainConfig(
+    options = dict(
         corpus=(str(tmp_dir / "text.txt"),),
         out=str(tmp_dir / f"ft-{rank}"),
         init_from=str(tmp_dir / "base"),
@@ -64,6 +65,7 @@ def child(tmp: str, rank: str) -> None:
         eval_batches=1,
         warmup_steps=1,
     )
+    cfg = from_dict(TrainConfig, options)
     train(ModelConfig(), cfg, reporter=Reporter(info=lambda msg: None), progress=False)
     rss = peak_rss_mb()
     records = [

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, check_same_logits, hf_twin, lmcli_model
-from lmcli.config import TrainConfig
+from lmcli.config import TrainConfig, from_dict
 from lmcli.data.windows import Batch, WindowSampler
 from lmcli.train.optim import make_optimizer
 from lmcli.train.scoring import forward_scored
@@ -50,7 +50,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch,
     logits, targets = forward_scored(model, batch)
     loss = F.cross_entropy(logits.float(), targets)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -60,14 +60,15 @@ def hf_train_step(hf: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch,
     logits = hf(input_ids=batch.x).logits
     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch.y.reshape(-1))
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg.grad_clip)
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg.optim.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
 def run() -> list[Row]:
     device = torch.device("cpu")
-    cfg = TrainConfig(batch_size=BATCH, warmup_steps=0, optimizer="adamw")  # the same optimizer on both sides
+    # the same optimizer on both sides
+    cfg = from_dict(TrainConfig, {"batch_size": BATCH, "warmup_steps": 0, "optimizer": "adamw"})
     model = lmcli_model(VOCAB, BLOCK, **SMALL).train()
     hf = hf_twin(model).train()
     check_same_logits(model, hf, VOCAB)

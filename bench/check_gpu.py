@@ -126,13 +126,13 @@ def corpus_file(folder: Path, chars: int) -> Path:
 
 
 def check_train(plan: Plan, work: Path, corpus: Path) -> dict[str, Any]:
-    from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.config import ModelConfig, TrainConfig, from_dict
     from lmcli.train import Reporter, train
     from lmcli.train.metrics import MetricsLog
 
     seen: dict[str, Any] = {}
     shape = {k: v for k, v in plan.shape.items()}
-    cfg = TrainConfig(
+    options = dict(
         corpus=(str(corpus),),
         out=str(work / "train"),
         tokenizer="byte",
@@ -147,6 +147,7 @@ def check_train(plan: Plan, work: Path, corpus: Path) -> dict[str, Any]:
         device=plan.device,
         compile=plan.compile,
     )
+    cfg = from_dict(TrainConfig, options)
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

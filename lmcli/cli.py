@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import click
 import typer
+from typer.core import TyperCommand
 
 from lmcli import __version__
 from lmcli.config import (
@@ -61,6 +62,24 @@ app = typer.Typer(
 RUN_DIR_HELP = "Run or checkpoint folder. [default: newest in checkpoints/]"
 
 
+class SectionedCommand(TyperCommand):
+    """Plain help as every command's, with options grouped under headings: a config section's
+    title (``rich_help_panel``, set by ``lmcli.options``), the command's own under Options."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                argument = param.param_type_name == "argument"
+                heading = "Arguments" if argument else getattr(param, "rich_help_panel", None) or "Options"
+                groups.setdefault(heading, []).append(record)
+        for heading, rows in groups.items():
+            if rows:
+                with formatter.section(heading):
+                    formatter.write_dl(rows)
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"lmcli {__version__}")
@@ -97,7 +116,7 @@ def build(cls: type[C], options: dict[str, Any]) -> C:
 # ----------------------------------------------------------------------------- train
 
 
-@app.command()
+@app.command(cls=SectionedCommand)
 @config_options(TrainConfig, ModelConfig)
 def train(
     config: Path | None = typer.Option(

@@ -5,6 +5,11 @@ declaration, made with ``option(...)``. From those declarations ``lmcli.options`
 command-line flags, TOML config files are checked against them, the generic checks below
 validate them, and the resolved configs travel as JSON inside every checkpoint. Adding an option
 is one new field.
+
+``TrainConfig`` groups its options in sections (``Section`` subclasses: ``cfg.optim.lr``,
+``cfg.schedule.max_steps``, ...). Outside the code every option keeps one flat name: its flag,
+its TOML key, its key in ``config.json`` and in messages; ``to_dict``/``from_dict`` convert
+between the flat options and the sections, ``replace_options`` replaces options by flat name.
 """
 
 from __future__ import annotations
@@ -219,11 +224,36 @@ def _check_range(name: str, value: float, bounds: tuple[float | None, ...]) -> N
     raise LmcliError(f"{name} must be {'<' if lt is not None else '<='} {_num(hi)}, got {value}")
 
 
+def is_section(tp: Any) -> bool:
+    """Whether a field's type is a group of options (a ``Section``) rather than an option."""
+    return isinstance(tp, type) and issubclass(tp, Section)
+
+
+@functools.cache
+def option_fields(cls: type) -> tuple[tuple[str | None, dataclasses.Field, Any], ...]:
+    """Every option of a config, its sections' flattened in declaration order: (the section's
+    attribute, or None for the config's own; the field; its type)."""
+    hints = field_types(cls)
+    out: list[tuple[str | None, dataclasses.Field, Any]] = []
+    for f in fields(cls):
+        if is_section(hints[f.name]):
+            section = hints[f.name]
+            out += [(f.name, g, field_types(section)[g.name]) for g in fields(section)]
+        else:
+            out.append((None, f, hints[f.name]))
+    return tuple(out)
+
+
 def check_fields(cfg: Any) -> None:
-    """Parse, type-check and range-check every field of a config from its declaration."""
+    """Parse, type-check and range-check every field of a config from its declaration (a
+    section checks its own fields as it is built)."""
     hints = field_types(type(cfg))
     for f in fields(cfg):
         value = getattr(cfg, f.name)
+        if is_section(hints[f.name]):
+            if not isinstance(value, hints[f.name]):
+                raise LmcliError(f"{f.name} must be a {hints[f.name].__name__}, got {value!r}")
+            continue
         parse = f.metadata.get("parse")
         if parse is not None and isinstance(value, str):
             value = parse(value)
@@ -241,6 +271,8 @@ def check_fields(cfg: Any) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder-only Transformer. Travels inside every checkpoint."""
+
+    TITLE: ClassVar[str] = "Model"  # the heading of its flags in `lmcli train --help`
 
     vocab_size: int = option(0, "Vocabulary size (from the tokenizer).", ge=0, cli=False, resume="derived")
     block_size: int = option(128, "Context length in tokens.", gt=0)
@@ -367,8 +399,23 @@ def threads_option() -> Any:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Everything about a training run except the model's shape."""
+class Section:
+    """A group of options inside a config (``TrainConfig.optim``, ...). Its fields are options as
+    any other: flags, ``config.json`` and messages name them flat (``--lr``, ``"lr"``); a TOML
+    file may hold them under the section's table (``[optim]``); ``--help`` lists them under
+    ``TITLE``. Checks between fields of different sections are the owning config's."""
+
+    TITLE: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """What the run trains and validates on, and how text becomes tokens."""
+
+    TITLE: ClassVar[str] = "Data"
 
     corpus: tuple[str, ...] = option(
         (),
@@ -376,21 +423,6 @@ class TrainConfig:
         argument=True,
         path=True,
     )
-    out: str | None = option(
-        None, "Run folder.", short="-o", default_help="checkpoints/run-<time>", stored=False
-    )
-    task: Task = option(
-        "lm",
-        "lm (language modelling), translation (source <sep> target) or sft (prompt/response or "
-        "chat rows; the loss on the replies only).",
-    )
-    source: str | None = option(None, "Translation: line-aligned source file (.gz allowed).", path=True)
-    target: str | None = option(None, "Translation: line-aligned target file (.gz allowed).", path=True)
-    source_field: str = option("source", "Translation: TSV/JSONL/dataset column or language of the source.")
-    target_field: str = option("target", "Translation: column or language of the target.")
-    val_source: str | None = option(None, "Translation: validation source file.", path=True)
-    val_target: str | None = option(None, "Translation: validation target file.", path=True)
-    prefix_lm: bool = option(False, "Translation: source tokens attend to each other both ways.")
     dataset: str | None = option(
         None, "Hugging Face dataset NAME[:CONFIG] (or a local data file).", path=True
     )
@@ -409,12 +441,29 @@ class TrainConfig:
         path=True,
         stored=False,
     )
-    init_from: str | None = option(
-        None,
-        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: "
-        "fine-tuning, with its tokenizer and chat template.",
-        path=True,
-    )
+
+
+@dataclass(frozen=True)
+class TranslationConfig(Section):
+    """``--task translation``: the parallel text and how a source is read."""
+
+    TITLE: ClassVar[str] = "Translation"
+
+    source: str | None = option(None, "Translation: line-aligned source file (.gz allowed).", path=True)
+    target: str | None = option(None, "Translation: line-aligned target file (.gz allowed).", path=True)
+    source_field: str = option("source", "Translation: TSV/JSONL/dataset column or language of the source.")
+    target_field: str = option("target", "Translation: column or language of the target.")
+    val_source: str | None = option(None, "Translation: validation source file.", path=True)
+    val_target: str | None = option(None, "Translation: validation target file.", path=True)
+    prefix_lm: bool = option(False, "Translation: source tokens attend to each other both ways.")
+
+
+@dataclass(frozen=True)
+class LoRAConfig(Section):
+    """Low-rank adapters on the ``--init-from`` model instead of training every weight."""
+
+    TITLE: ClassVar[str] = "LoRA"
+
     lora_rank: int = option(
         0, "LoRA: rank of the adapters on the --init-from model (0: train every weight).", ge=0
     )
@@ -425,8 +474,45 @@ class TrainConfig:
         "LoRA: the projections to adapt, comma-separated: qkv, attn_out, fc, gate (swiglu), mlp_out.",
     )
     lora_train_embeddings: bool = option(False, "LoRA: also train the token embedding and the output head.")
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """The batch, the loss and the optimizer's step (the learning rate's course: ``schedule``)."""
+
+    TITLE: ClassVar[str] = "Optimization"
+
     batch_size: int = option(8, "Sequences per micro-batch.", gt=0)
     grad_accum: int = option(1, "Micro-batches per optimizer step.", gt=0)
+    optimizer: Optimizer = option(
+        "auto",
+        "muon: Muon for the blocks' weight matrices, AdamW (--lr) for the rest; adamw; "
+        "auto: muon for a language model from scratch, else adamw.",
+        absent="adamw",
+    )
+    lr: float = option(1e-3, "Peak learning rate (AdamW).", gt=0)
+    muon_lr: float = option(0.02, "Muon: peak learning rate of the blocks' weight matrices.", gt=0)
+    muon_momentum: float = option(0.95, "Muon: momentum (Nesterov).", ge=0, lt=1)
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only).", ge=0)
+    beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = option(0.95, "AdamW beta2.", ge=0, lt=1)
+    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: off).", ge=0)
+    label_smoothing: float = option(0.0, "Label smoothing of the training loss.", ge=0, lt=1)
+    ema: float = option(
+        0.0,
+        "Keep an exponential moving average of the weights with this decay, saved as ema/ (0: off).",
+        ge=0,
+        lt=1,
+    )
+
+
+@dataclass(frozen=True)
+class ScheduleConfig(Section):
+    """How long the run trains and the learning rate's course over it."""
+
+    TITLE: ClassVar[str] = "Schedule"
+    DEFAULT_STEPS: ClassVar[int] = 800  # used when no stop condition is given
+
     max_steps: int | None = option(
         None, "Stop after this many steps.", gt=0, default_help="800 if no other limit"
     )
@@ -434,52 +520,77 @@ class TrainConfig:
     max_time: float | None = option(
         None, "Stop (with a checkpoint) after this long: 90s, 30m, 2h.", gt=0, parse=parse_duration
     )
-    lr: float = option(1e-3, "Peak learning rate (AdamW).", gt=0)
-    min_lr_ratio: float = option(0.1, "Floor of the decay as a fraction of the peak.", ge=0, le=1)
     schedule: Schedule = option(
         "auto",
         "Learning rate after warmup: wsd (warmup-stable-decay), cosine or linear decay; "
         "auto: wsd for a language model from scratch, else cosine.",
         absent="cosine",
     )
+    warmup_steps: int = option(100, "Linear warmup steps.", ge=0)
+    min_lr_ratio: float = option(0.1, "Floor of the decay as a fraction of the peak.", ge=0, le=1)
     decay_fraction: float = option(
         0.2, "wsd: the last fraction of the run (steps or --max-time) over which the rate decays.", gt=0, le=1
     )
-    optimizer: Optimizer = option(
-        "auto",
-        "muon: Muon for the blocks' weight matrices, AdamW (--lr) for the rest; adamw; "
-        "auto: muon for a language model from scratch, else adamw.",
-        absent="adamw",
-    )
-    muon_lr: float = option(0.02, "Muon: peak learning rate of the blocks' weight matrices.", gt=0)
-    muon_momentum: float = option(0.95, "Muon: momentum (Nesterov).", ge=0, lt=1)
-    ema: float = option(
-        0.0,
-        "Keep an exponential moving average of the weights with this decay, saved as ema/ (0: off).",
-        ge=0,
-        lt=1,
-    )
+
+    @property
+    def stop_steps(self) -> int | None:
+        """Step limit; the default applies only when neither epochs nor max-time is given."""
+        if self.max_steps is None and self.epochs is None and self.max_time is None:
+            return self.DEFAULT_STEPS
+        return self.max_steps
+
+
+@dataclass(frozen=True)
+class ValidationConfig(Section):
+    """When the run validates, on how much, and the metric ``best/`` follows."""
+
+    TITLE: ClassVar[str] = "Validation"
+
+    eval_interval: int = option(250, "Validate every N steps.", gt=0)
+    eval_batches: int = option(20, "Validation batches per evaluation.", gt=0)
     select: Select | None = option(
         None,
         "The validation metric best/ follows.",
         default_help="val_bleu for translation with --bleu-samples, else val_loss",
     )
-    warmup_steps: int = option(100, "Linear warmup steps.", ge=0)
-    weight_decay: float = option(0.1, "AdamW weight decay (matrices only).", ge=0)
-    beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
-    beta2: float = option(0.95, "AdamW beta2.", ge=0, lt=1)
-    grad_clip: float = option(1.0, "Clip the gradient norm to this (0: off).", ge=0)
-    label_smoothing: float = option(0.0, "Label smoothing of the training loss.", ge=0, lt=1)
-    eval_interval: int = option(250, "Validate every N steps.", gt=0)
-    eval_batches: int = option(20, "Validation batches per evaluation.", gt=0)
     bleu_samples: int = option(200, "Translation: validation pairs decoded greedily for BLEU (0: off).", ge=0)
     bleu_interval: int = option(
         0, "Translation: BLEU every N steps.", ge=0, default_help="at every validation"
     )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """Which checkpoints the run folder keeps, and when they are written."""
+
+    TITLE: ClassVar[str] = "Checkpoints"
+
     save_interval: int = option(0, "Checkpoint every N steps.", ge=0, default_help="at every validation")
     keep_last: int = option(0, "Periodic step-N checkpoints to keep besides last and best.", ge=0)
-    log_interval: int = option(10, "Log metrics every N steps.", gt=0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything about a training run except the model's shape: the run's own options, then
+    its sections (``cfg.optim.lr``, ``cfg.schedule.max_steps``, ...). Flags, TOML keys and the
+    stored ``config.json`` name every option flat (``to_dict``, ``from_dict``)."""
+
+    out: str | None = option(
+        None, "Run folder.", short="-o", default_help="checkpoints/run-<time>", stored=False
+    )
+    task: Task = option(
+        "lm",
+        "lm (language modelling), translation (source <sep> target) or sft (prompt/response or "
+        "chat rows; the loss on the replies only).",
+    )
+    init_from: str | None = option(
+        None,
+        "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: "
+        "fine-tuning, with its tokenizer and chat template.",
+        path=True,
+    )
     seed: int = option(1337, "Random seed (weights, data order, dropout).", ge=0, le=SEED_MAX)
+    log_interval: int = option(10, "Log metrics every N steps.", gt=0)
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option("auto", "Autocast dtype (auto: bf16 on CUDA, float32 elsewhere).")
     threads: int | None = threads_option()
@@ -494,62 +605,70 @@ class TrainConfig:
         default_help="a GPU's datasheet bf16 figure; on a CPU a float32 matmul rate measured at start",
         stored=False,  # a property of this machine: a resume elsewhere uses its own device's
     )
-
-    DEFAULT_STEPS: ClassVar[int] = 800  # used when no stop condition is given
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    translation: TranslationConfig = dataclasses.field(default_factory=TranslationConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)
         make_task(self).check()  # options this task cannot use (tasks.Task.check)
-        if (self.source is None) != (self.target is None):
-            raise LmcliError("give both --source and --target")
-        if (self.val_source is None) != (self.val_target is None):
-            raise LmcliError("give both --val-source and --val-target")
-        if self.source and (self.corpus or self.dataset):
-            raise LmcliError("give --source/--target, or a corpus, or --dataset: only one")
-        if self.val is None and self.val_source is None and self.val_fraction == 0.0:
-            raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
-        if self.tokenizer not in TOKENIZER_KINDS and not (
-            self.tokenizer.endswith(".json") or "/" in self.tokenizer or Path(self.tokenizer).exists()
-        ):
-            raise LmcliError(
-                f"invalid tokenizer {self.tokenizer!r}: choose char, byte, bpe or a tokenizer.json path"
-            )
-        if self.lora_rank:
+        self._check_data()
+        lora = self.lora
+        if lora.lora_rank:
             if not self.init_from:
                 raise LmcliError("--lora-rank needs --init-from: the base model the adapters adapt")
-            targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+            targets = [t.strip() for t in lora.lora_targets.split(",") if t.strip()]
             for name in targets or [""]:
                 if name not in LORA_TARGETS:
                     raise LmcliError(
                         f"lora-targets: {name!r} names no layer: choose from {', '.join(LORA_TARGETS)}"
                     )
-            if self.ema:
+            if self.optim.ema:
                 raise LmcliError("--ema averages full weights: it cannot be combined with --lora-rank")
-        if self.tokenizer == "bpe" and self.vocab_size < 300:
-            raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.vocab_size}")
+        if self.data.tokenizer == "bpe" and self.data.vocab_size < 300:
+            raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.data.vocab_size}")
+
+    def _check_data(self) -> None:
+        """One source of training text and of validation text; a tokenizer lmcli knows."""
+        data, pairs = self.data, self.translation
+        if (pairs.source is None) != (pairs.target is None):
+            raise LmcliError("give both --source and --target")
+        if (pairs.val_source is None) != (pairs.val_target is None):
+            raise LmcliError("give both --val-source and --val-target")
+        if pairs.source and (data.corpus or data.dataset):
+            raise LmcliError("give --source/--target, or a corpus, or --dataset: only one")
+        if data.val is None and pairs.val_source is None and data.val_fraction == 0.0:
+            raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
+        tokenizer = data.tokenizer
+        if tokenizer not in TOKENIZER_KINDS and not (
+            tokenizer.endswith(".json") or "/" in tokenizer or Path(tokenizer).exists()
+        ):
+            raise LmcliError(
+                f"invalid tokenizer {tokenizer!r}: choose char, byte, bpe or a tokenizer.json path"
+            )
 
     @property
     def optimizer_kind(self) -> str:
         """The optimizer: ``auto`` is the task's (``tasks.Task.default_optimizer``: Muon for a
         language model trained from scratch, AdamW for fine-tuning, translation and SFT)."""
-        return self.optimizer if self.optimizer != "auto" else make_task(self).default_optimizer()
+        chosen = self.optim.optimizer
+        return chosen if chosen != "auto" else make_task(self).default_optimizer()
 
     @property
     def schedule_kind(self) -> str:
         """The schedule: ``auto`` is the task's (wsd with Muon from scratch, cosine elsewhere)."""
-        return self.schedule if self.schedule != "auto" else make_task(self).default_schedule()
+        chosen = self.schedule.schedule
+        return chosen if chosen != "auto" else make_task(self).default_schedule()
 
     @property
     def selected_metric(self) -> str:
         """The validation metric ``best/`` follows (``--select``, else the task's)."""
-        return self.select if self.select is not None else make_task(self).default_metric()
-
-    @property
-    def stop_steps(self) -> int | None:
-        """Step limit; the default applies only when neither epochs nor max-time is given."""
-        if self.max_steps is None and self.epochs is None and self.max_time is None:
-            return self.DEFAULT_STEPS
-        return self.max_steps
+        chosen = self.validation.select
+        return chosen if chosen is not None else make_task(self).default_metric()
 
 
 @dataclass(frozen=True)
@@ -734,28 +853,72 @@ class AverageConfig:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """A JSON-ready dict of a config dataclass."""
-    out = dataclasses.asdict(cfg)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+    """A JSON-ready dict of a config dataclass, flat: one key per option, sections included
+    (the form of flags, of ``config.json`` and of old TOML files)."""
+    return {f.name: list(v) if isinstance(v, tuple) else v for f, v in option_items(cfg)}
+
+
+def option_items(cfg: Any) -> list[tuple[dataclasses.Field, Any]]:
+    """Every option of a config with its value, its sections' flattened."""
+    return [
+        (f, getattr(getattr(cfg, section) if section else cfg, f.name))
+        for section, f, _ in option_fields(type(cfg))
+    ]
+
+
+def _build(cls: type[C], data: dict[str, Any]) -> C:
+    """``cls`` from flat options, each section built from its own."""
+    hints = field_types(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if is_section(hints[f.name]):
+            own = field_names(hints[f.name])
+            kwargs[f.name] = _build(hints[f.name], {k: v for k, v in data.items() if k in own})
+        elif f.name in data:
+            kwargs[f.name] = data[f.name]
+    return cls(**kwargs)
 
 
 def from_dict(cls: type[C], data: dict[str, Any], *, source: str = "config") -> C:
-    """Build ``cls`` from a dict, with a one-line error for unknown keys or wrong types."""
+    """Build ``cls`` from a flat dict of options, with a one-line error for unknown keys or wrong
+    types. ``from_dict(TrainConfig, {"lr": 3e-4, "max_steps": 100})``: each option goes to its
+    section."""
     unknown = sorted(set(data) - field_names(cls))
     if unknown:
         raise LmcliError(f"{source}: unknown option(s) {', '.join(unknown)}")
     try:
-        return cls(**data)
+        return _build(cls, data)
     except TypeError as exc:
         raise LmcliError(f"{source}: {exc}") from None
+
+
+def replace_options(cfg: C, **options: Any) -> C:
+    """``dataclasses.replace`` by flat option names: ``replace_options(cfg, lora_rank=0)``
+    replaces ``cfg.lora.lora_rank``. Every check runs again."""
+    unknown = sorted(set(options) - field_names(type(cfg)))
+    if unknown:
+        raise LmcliError(f"unknown option(s) {', '.join(unknown)}")
+    changes: dict[str, Any] = {}
+    for section, f, _ in option_fields(type(cfg)):
+        if f.name not in options:
+            continue
+        if section is None:
+            changes[f.name] = options[f.name]
+        else:
+            changes.setdefault(section, {})[f.name] = options[f.name]
+    for name in sections_of(type(cfg)):
+        if name in changes:
+            changes[name] = dataclasses.replace(getattr(cfg, name), **changes[name])
+    return dataclasses.replace(cfg, **changes)
 
 
 def stored_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """The options of a config read from a run folder that may be used (``stored=True``); an
     option the folder predates gets the value it had then (``absent``)."""
-    dropped = {f.name for f in fields(cls) if not f.metadata.get("stored", True)}
+    declared = [f for _, f, _ in option_fields(cls)]
+    dropped = {f.name for f in declared if not f.metadata.get("stored", True)}
     kept = {k: v for k, v in data.items() if k not in dropped}
-    for f in fields(cls):
+    for f in declared:
         if f.name not in data and f.metadata.get("absent") is not None:
             kept[f.name] = f.metadata["absent"]
     return kept
@@ -777,14 +940,22 @@ def resolve_vocab_multiple(cfg: ModelConfig, device_type: str) -> ModelConfig:
 
 
 def field_names(cls: type) -> set[str]:
-    return {f.name for f in fields(cls)}
+    """The flat names of a config's options (its sections' included)."""
+    return {f.name for _, f, _ in option_fields(cls)}
+
+
+def sections_of(cls: type) -> dict[str, type]:
+    """A config's sections by attribute name (``TrainConfig``: data, optim, ...)."""
+    hints = field_types(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if is_section(hints[f.name])}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML (or JSON) config file into a flat ``{option: value}`` dict.
 
-    Keys may use dashes or underscores and may sit at the top level or under ``[model]`` /
-    ``[train]`` tables.
+    Keys may use dashes or underscores. They may sit at the top level, under ``[model]`` /
+    ``[train]`` tables, or under a section of ``TrainConfig`` (``[optim]``, ``[schedule]``, ...,
+    also as ``[train.optim]``), which must then hold only that section's options.
     """
     path = Path(path)
     try:
@@ -802,12 +973,26 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise LmcliError(f"cannot parse config file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise LmcliError(f"config file {path} must hold a table of options")
+    return _flatten_tables(data, f"config file {path}", tables=("model", "train"))
+
+
+def _flatten_tables(table: dict[str, Any], where: str, tables: tuple[str, ...]) -> dict[str, Any]:
+    """A config file's options, flat: the tables named ``tables`` and TrainConfig's sections
+    opened; a section's table may hold only its own options."""
+    sections = sections_of(TrainConfig)
     flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key in ("model", "train"):
-            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if isinstance(value, dict) and name in tables:
+            flat.update(_flatten_tables(value, where, tables=()))
+        elif isinstance(value, dict) and name in sections:
+            inner = {k.replace("-", "_"): v for k, v in value.items()}
+            strays = sorted(set(inner) - field_names(sections[name]))
+            if strays:
+                raise LmcliError(f"{where}: [{key}] has no option(s) {', '.join(strays)}")
+            flat.update(inner)
         else:
-            flat[key.replace("-", "_")] = value
+            flat[name] = value
     return flat
 
 

@@ -84,12 +84,13 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 
 def add_adapters(model: Transformer, cfg: TrainConfig) -> Transformer:
-    """Freeze ``model`` and put adapters of ``cfg.lora_rank`` on ``cfg.lora_targets`` of every
+    """Freeze ``model`` and put adapters of ``cfg.lora.lora_rank`` on ``lora_targets`` of every
     block (drawn from ``cfg.seed``, not from torch's global generator); with
-    ``cfg.lora_train_embeddings`` the token embedding (and an untied head) train too."""
+    ``lora_train_embeddings`` the token embedding (and an untied head) train too."""
     generator = torch.Generator().manual_seed(cfg.seed)
+    options = cfg.lora
     model.requires_grad_(False)
-    for name in parse_targets(cfg.lora_targets):
+    for name in parse_targets(options.lora_targets):
         sub, attr = TARGETS[name]
         for block in model.h:
             layer = getattr(getattr(block, sub), attr)
@@ -98,9 +99,11 @@ def add_adapters(model: Transformer, cfg: TrainConfig) -> Transformer:
                     f"lora target {name} names no layer of this model ({sub}.{attr} is absent: "
                     f"mlp {model.config.mlp})"
                 )
-            adapted = LoRALinear(layer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, generator)
+            adapted = LoRALinear(
+                layer, options.lora_rank, options.lora_alpha, options.lora_dropout, generator
+            )
             setattr(getattr(block, sub), attr, adapted)
-    if cfg.lora_train_embeddings:
+    if options.lora_train_embeddings:
         model.wte.weight.requires_grad_(True)
         model.lm_head.weight.requires_grad_(True)  # the same tensor when tied
     return model

@@ -4,6 +4,8 @@
 (``--max-steps``, ``--block-size``, ...) with the field's help, default and choices, and hands
 the command the values the user actually gave as ``options: dict[str, Any]``. Defaults are not
 filled in here: a value left out falls back to a config file, a resumed run, or the dataclass.
+A config's sections (``TrainConfig.optim``, ...) give flat flags too, listed in ``--help``
+under the section's ``TITLE`` (a config's own ``TITLE``, as ``ModelConfig``'s, heads its fields).
 
 Why not tyro or jsonargparse: both would replace Typer (a chosen dependency) and change what
 users rely on: flag spellings such as ``--untie-embeddings`` and ``-o``, the one-line error
@@ -21,7 +23,7 @@ from typing import Any, get_origin
 
 import typer
 
-from lmcli.config import choices_of, field_types, flag_name, split_optional
+from lmcli.config import choices_of, flag_name, option_fields, sections_of, split_optional
 
 
 def _cli_type(tp: Any, meta: dict[str, Any]) -> Any:
@@ -47,8 +49,9 @@ def _help(f: dataclasses.Field, tp: Any) -> str:
     return f"{meta['help']} [default: {default}]" if default is not None else meta["help"]
 
 
-def _parameter(f: dataclasses.Field, tp: Any) -> inspect.Parameter:
-    """One Typer parameter (an option, or an argument) for config field ``f``."""
+def _parameter(f: dataclasses.Field, tp: Any, heading: str | None) -> inspect.Parameter:
+    """One Typer parameter (an option, or an argument) for config field ``f``, listed in
+    ``--help`` under ``heading`` (None: with the command's own options)."""
     meta = f.metadata
     annotation = _cli_type(tp, meta)
     if meta["argument"]:
@@ -63,21 +66,32 @@ def _parameter(f: dataclasses.Field, tp: Any) -> inspect.Parameter:
             decls.append(meta["short"])
         choices = choices_of(tp)
         metavar = "[" + "|".join(choices) + "]" if choices else None
-        info = typer.Option(None, *decls, help=_help(f, tp), show_default=False, metavar=metavar)
+        info = typer.Option(
+            None, *decls, help=_help(f, tp), show_default=False, metavar=metavar, rich_help_panel=heading
+        )
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
 
 
-def config_fields(*classes: type, exclude: tuple[str, ...] = ()) -> list[tuple[dataclasses.Field, Any]]:
-    """(field, type) of every command-line field of ``classes``, in declaration order."""
+def config_fields(
+    *classes: type, exclude: tuple[str, ...] = ()
+) -> list[tuple[dataclasses.Field, Any, str | None]]:
+    """(field, type, heading in --help) of every command-line field of ``classes`` and their
+    sections, in declaration order."""
     out, seen = [], set(exclude)
     for cls in classes:
-        hints = field_types(cls)
-        for f in dataclasses.fields(cls):
+        for section, f, tp in option_fields(cls):
             if f.name in seen or not f.metadata.get("cli", True):
                 continue
             seen.add(f.name)
-            out.append((f, hints[f.name]))
+            out.append((f, tp, _heading(cls, section)))
     return out
+
+
+def _heading(cls: type, section: str | None) -> str | None:
+    """Where --help lists a field: its section's ``TITLE``, else its config's (if it has one)."""
+    if section is not None:
+        return sections_of(cls)[section].TITLE
+    return getattr(cls, "TITLE", None)
 
 
 def config_options(*classes: type, exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
@@ -86,7 +100,7 @@ def config_options(*classes: type, exclude: tuple[str, ...] = ()) -> Callable[[C
     The decorated function declares its own parameters (run folder, I/O flags) and one named
     ``options``; the flags generated here follow its own parameters in ``--help``.
     """
-    generated = [_parameter(f, tp) for f, tp in config_fields(*classes, exclude=exclude)]
+    generated = [_parameter(f, tp, heading) for f, tp, heading in config_fields(*classes, exclude=exclude)]
     names = [p.name for p in generated]
 
     def decorate(fn: Callable) -> Callable:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from lmcli.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from lmcli.config import TrainConfig
+from lmcli.config import TrainConfig, replace_options
 from lmcli.errors import LmcliError
 from lmcli.hf.load import is_hf_folder, load_hf_folder
 from lmcli.lora_run import checked_base, load_adapted
@@ -107,7 +106,7 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise LmcliError(f"{out} already holds files: choose an empty or new folder")
     ckpt = load_model(path)
-    train_config = dataclasses.replace(ckpt.train_config, lora_rank=0)  # plain weights now
+    train_config = replace_options(ckpt.train_config, lora_rank=0)  # plain weights now
     meta = {"step": ckpt.meta.get("step"), "exported_from": str(ckpt.path), "time": time.time()}
     if out.exists():
         out.rmdir()

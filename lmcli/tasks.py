@@ -103,11 +103,11 @@ class Task:
 
     def check(self) -> None:
         """Refuse options this task cannot use (one line, as every option error)."""
-        cfg = self.cfg
-        if cfg.source or cfg.target or cfg.val_source or cfg.prefix_lm:
+        pairs, select = self.cfg.translation, self.cfg.validation.select
+        if pairs.source or pairs.target or pairs.val_source or pairs.prefix_lm:
             raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
-        if cfg.select in BLEU_METRICS:
-            raise LmcliError(f"--select {cfg.select} needs --task translation and --bleu-samples above 0")
+        if select in BLEU_METRICS:
+            raise LmcliError(f"--select {select} needs --task translation and --bleu-samples above 0")
 
     def default_optimizer(self) -> str:
         """``--optimizer auto``: AdamW."""
@@ -157,19 +157,19 @@ class Translation(Task):
 
     @property
     def prompt(self) -> TextPrompt:
-        return SourcePrompt(self.cfg.prefix_lm)
+        return SourcePrompt(self.cfg.translation.prefix_lm)
 
     def check(self) -> None:
-        cfg = self.cfg
-        if cfg.select in BLEU_METRICS and not cfg.bleu_samples:
-            raise LmcliError(f"--select {cfg.select} needs --task translation and --bleu-samples above 0")
+        val = self.cfg.validation
+        if val.select in BLEU_METRICS and not val.bleu_samples:
+            raise LmcliError(f"--select {val.select} needs --task translation and --bleu-samples above 0")
 
     def default_metric(self) -> str:
-        return "val_bleu" if self.cfg.bleu_samples else "val_loss"
+        return "val_bleu" if self.cfg.validation.bleu_samples else "val_loss"
 
     def wants_bleu(self, step: int) -> bool:
-        cfg = self.cfg
-        return bool(cfg.bleu_samples) and (not cfg.bleu_interval or step % cfg.bleu_interval == 0)
+        val = self.cfg.validation
+        return bool(val.bleu_samples) and (not val.bleu_interval or step % val.bleu_interval == 0)
 
 
 class Supervised(Task):

@@ -1,4 +1,5 @@
-"""What tests share: the tiny corpus, one tiny-model builder, run folders, the CLI in-process.
+"""What tests share: the tiny corpus, one tiny-model builder, one train-config builder, run folders,
+the CLI in-process.
 
 Imported as a plain module (``from helpers import ...``) from any test folder: pytest puts tests/ on
 sys.path when it loads tests/conftest.py. Models and run folders are built in the test, never
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from safetensors.torch import load_file
 
 from lmcli.checkpoint import save_checkpoint
 from lmcli.cli import main
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig, TrainConfig, from_dict
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
 
@@ -55,14 +58,63 @@ def tiny_model(vocab_size: int | None = None, seed: int | None = 0, **config) ->
     return Transformer(ModelConfig(vocab_size=vocab_size, **{**TINY_SHAPE, **config})).eval()
 
 
+def train_config(**options: Any) -> TrainConfig:
+    """A TrainConfig from flat option names, spelled as flags, TOML keys and ``config.json``
+    spell them (``train_config(lr=3e-3, max_steps=40)``): each option goes to its section
+    (``cfg.optim.lr``, ``cfg.schedule.max_steps``), so a test never builds the sections itself.
+    Checked as any config: a bad value raises the one-line ``LmcliError`` the CLI would print.
+    (To change some options of a config: ``lmcli.config.replace_options(cfg, max_steps=8)``.)"""
+    return from_dict(TrainConfig, options, source="train_config")
+
+
 def make_run(out: Path, text: str = TINY_TEXT, kind: str = "char", seed: int = 0, **config) -> Path:
     """A run folder (``out/last`` and ``out/best``): a tiny model, context 32 unless told otherwise,
     with a ``kind`` tokenizer of ``text``."""
     tok = tiny_tokenizer(text, kind)
     model = tiny_model(tok.vocab_size, seed, **{"block_size": 32, **config})
     for name in ("last", "best"):
-        save_checkpoint(out / name, model, TrainConfig(), tok, meta={"step": 0})
+        save_checkpoint(out / name, model, train_config(), tok, meta={"step": 0})
     return out
+
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps  # 1.19e-7: float32's relative rounding step
+FLOAT32_MARGIN = 8.0  # how far above the typical rounding error two computations may drift apart
+
+
+def float32_tolerance(expected: torch.Tensor, cfg: ModelConfig) -> float:
+    """The absolute difference two float32 computations of ``cfg``'s forward pass may show
+    through rounding alone: ``FLOAT32_MARGIN * sqrt(K) * eps * max|expected|``, with
+    ``K = n_layer * max(n_embd, ffn_dim)``.
+
+    A sum of K float32 terms is off by about sqrt(K) * eps * (the size of its terms) when its
+    rounding errors have random signs (Higham and Mary, "A new approach to probabilistic
+    rounding error analysis", 2019; K * eps in the worst case). A forward pass puts one such
+    error per block into the residual stream, each from a sum over at most max(n_embd, ffn_dim)
+    terms, and the logits are of the size of ``max|expected|``. The largest difference seen
+    (Qwen2 with YaRN against transformers) is about 1.5 * sqrt(K) * eps * max|expected|;
+    the margin of 8 leaves room for CPUs that sum in yet another order. On the tiny test models
+    this is ~1e-4 on logits of size 7, while a wrong weight, bias, mask or position moves them by
+    1e-3 and more (``tests/hf/test_families.py`` keeps a weight 0.1% off failing).
+    """
+    finite = expected[torch.isfinite(expected)]
+    width = max(cfg.n_embd, cfg.ffn_dim)
+    scale = finite.abs().max().item() if finite.numel() else 0.0
+    return FLOAT32_MARGIN * math.sqrt(cfg.n_layer * width) * FLOAT32_EPS * scale
+
+
+def assert_float32_close(actual: torch.Tensor, expected: torch.Tensor, cfg: ModelConfig) -> None:
+    """``actual`` equals ``expected`` up to ``float32_tolerance``: two float32 computations of
+    the same outputs of ``cfg``'s model by different routes (lmcli against transformers or
+    llama.cpp's arithmetic, a cached step against the full forward, packed weights against plain
+    ones, adapters against merged weights).
+
+    A fixed tolerance does not hold on every CPU: each route adds its numbers in an order of its
+    own, and the order depends on the CPU and the BLAS build (AVX2 and AVX-512 kernels split a
+    dot product differently); ``atol=1e-5`` failed on an AMD EPYC at 1.2e-5. Comparing in
+    float64 instead is no cure here: transformers' RMSNorm and rotary tables compute in float32
+    even in a float64 model, and lmcli's CPU decoding paths (packed weights, the one-token step)
+    exist in float32 only."""
+    torch.testing.assert_close(actual, expected, rtol=0, atol=float32_tolerance(expected, cfg))
 
 
 def run_cli(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:

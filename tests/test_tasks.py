@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
-from helpers import tiny_tokenizer
+from helpers import tiny_tokenizer, train_config
 
-from lmcli.config import Task, TrainConfig
+from lmcli.config import Task
 from lmcli.generate.decoding import make_prompt
 from lmcli.tasks import TASKS, SourcePrompt, TextPrompt, make_task
 
@@ -30,7 +30,7 @@ def imports(path: Path) -> set[str]:
 def test_every_task_option_has_its_class() -> None:
     assert set(TASKS) == set(get_args(Task))
     for name, cls in TASKS.items():
-        assert cls.name == name and isinstance(make_task(TrainConfig(task=name)), cls)
+        assert cls.name == name and isinstance(make_task(train_config(task=name)), cls)
 
 
 def test_the_task_module_sits_below_everything_and_decoders_read_no_data_module() -> None:
@@ -42,7 +42,7 @@ def test_the_task_module_sits_below_everything_and_decoders_read_no_data_module(
 @pytest.mark.parametrize("name", ["lm", "sft"])
 def test_text_prompts(name: str) -> None:
     tok = tiny_tokenizer()
-    form = make_task(TrainConfig(task=name)).prompt
+    form = make_task(train_config(task=name)).prompt
     assert type(form) is TextPrompt and not form.prefix_lm and form.shows_text
     p = make_prompt("the cat", tok, 32, form)
     assert p.ids == [tok.bos_id, *tok.encode("the cat")] and not p.truncated
@@ -54,7 +54,7 @@ def test_text_prompts(name: str) -> None:
 @pytest.mark.parametrize("prefix_lm", [False, True])
 def test_a_translation_prompt_is_a_source_cut_to_half_the_context(prefix_lm: bool) -> None:
     tok = tiny_tokenizer()
-    cfg = TrainConfig(task="translation", source="s", target="t", prefix_lm=prefix_lm)
+    cfg = train_config(task="translation", source="s", target="t", prefix_lm=prefix_lm)
     task = make_task(cfg)
     form = task.prompt
     assert isinstance(form, SourcePrompt) and form.prefix_lm == task.prefix_lm == prefix_lm
@@ -65,7 +65,7 @@ def test_a_translation_prompt_is_a_source_cut_to_half_the_context(prefix_lm: boo
 
 
 def test_defaults_and_the_bleu_hook_follow_the_task() -> None:
-    lm, tr = make_task(TrainConfig()), make_task(TrainConfig(task="translation", bleu_interval=3))
+    lm, tr = make_task(train_config()), make_task(train_config(task="translation", bleu_interval=3))
     assert (lm.default_optimizer(), lm.default_schedule(), lm.default_metric()) == ("muon", "wsd", "val_loss")
     assert (tr.default_optimizer(), tr.default_schedule(), tr.default_metric()) == (
         "adamw",
@@ -73,5 +73,5 @@ def test_defaults_and_the_bleu_hook_follow_the_task() -> None:
         "val_bleu",
     )
     assert not lm.wants_bleu(3) and tr.wants_bleu(3) and not tr.wants_bleu(4)
-    assert not make_task(TrainConfig(task="translation", bleu_samples=0)).wants_bleu(3)
-    assert make_task(TrainConfig(task="sft")).examples == "conversations" and lm.examples is None
+    assert not make_task(train_config(task="translation", bleu_samples=0)).wants_bleu(3)
+    assert make_task(train_config(task="sft")).examples == "conversations" and lm.examples is None

@@ -108,23 +108,24 @@ TrainData = StreamData | ExampleData
 
 
 def cache_dir_of(cfg: TrainConfig) -> Path:
-    return Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
 
 
 def tokenizer_for(cfg: TrainConfig, corpus: Corpus | ExampleSource, cache_dir: Path) -> Tokenizer:
     """Load ``--tokenizer PATH``, or train char/byte/BPE on the corpus (trained ones are cached)."""
-    if cfg.tokenizer not in ("char", "byte", "bpe"):
-        return Tokenizer.load(cfg.tokenizer)
-    if cfg.tokenizer == "byte":
+    kind, vocab_size = cfg.data.tokenizer, cfg.data.vocab_size
+    if kind not in ("char", "byte", "bpe"):
+        return Tokenizer.load(kind)
+    if kind == "byte":
         return Tokenizer.train("byte", iter(()))
-    size = cfg.vocab_size if cfg.tokenizer == "bpe" else 0
-    cached = cache_dir / f"tokenizer-{corpus.key}-{cfg.tokenizer}-{size}.json"
+    size = vocab_size if kind == "bpe" else 0
+    cached = cache_dir / f"tokenizer-{corpus.key}-{kind}-{size}.json"
     if cached.exists():
         try:
             return Tokenizer.load(cached)
         except LmcliError as exc:
             _stderr(f"warning: {exc}: training it again")
-    tok = Tokenizer.train(cfg.tokenizer, corpus.texts(), cfg.vocab_size)
+    tok = Tokenizer.train(kind, corpus.texts(), vocab_size)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(cached, tok.to_json())
@@ -152,7 +153,8 @@ def _prepare_stream(
     cfg: TrainConfig, block_size: int, tokenizer: Tokenizer | None, progress: bool, info: Info
 ) -> StreamData:
     cache_dir = cache_dir_of(cfg)
-    corpus = open_corpus(cfg.corpus, cfg.dataset, cfg.split, cfg.text_column)
+    data = cfg.data
+    corpus = open_corpus(data.corpus, data.dataset, data.split, data.text_column)
     if corpus.is_empty():
         raise LmcliError(f"corpus is empty: {corpus.description}")
     if tokenizer is None:
@@ -164,12 +166,12 @@ def _prepare_stream(
     if meta.get("unknown"):
         info(f"warning: {meta['unknown']} character(s) unknown to the tokenizer became <unk>")
     ids = tokens.array()
-    if cfg.val:
-        val_file = tokenize_corpus(FileCorpus((cfg.val,)), tokenizer, cache_dir, progress=progress)
+    if data.val:
+        val_file = tokenize_corpus(FileCorpus((data.val,)), tokenizer, cache_dir, progress=progress)
         train_ids, val_ids = ids, val_file.array()
     else:
         require_window(len(ids), block_size)
-        n_val = int(len(ids) * cfg.val_fraction)
+        n_val = int(len(ids) * data.val_fraction)
         train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     require_window(len(train_ids), block_size, "training split")
     if len(val_ids) < 2:
@@ -189,29 +191,32 @@ def open_examples(cfg: TrainConfig, *, validation: bool = False) -> ExampleSourc
 
 def open_conversations(cfg: TrainConfig, *, validation: bool = False) -> ConversationRows | None:
     """The conversations of ``cfg`` (or its validation ones; None when it has none)."""
+    data = cfg.data
     if validation:
-        return ConversationRows(cfg.val, "train") if cfg.val else None
-    if cfg.dataset:
-        return ConversationRows(cfg.dataset, cfg.split)
-    if len(cfg.corpus) == 1:
-        return ConversationRows(cfg.corpus[0], cfg.split)
+        return ConversationRows(data.val, "train") if data.val else None
+    if data.dataset:
+        return ConversationRows(data.dataset, data.split)
+    if len(data.corpus) == 1:
+        return ConversationRows(data.corpus[0], data.split)
     raise LmcliError("sft needs one data file (JSONL, JSON or parquet) or --dataset")
 
 
 def open_pairs(cfg: TrainConfig, *, validation: bool = False) -> PairCorpus | None:
     """The parallel corpus of ``cfg`` (or its validation corpus; None when it has none)."""
+    data, pairs = cfg.data, cfg.translation
+    fields = pairs.source_field, pairs.target_field
     if validation:
-        if cfg.val_source:
-            return AlignedFiles(cfg.val_source, cfg.val_target or "")
-        if cfg.val:
-            return TableFile(cfg.val, cfg.source_field, cfg.target_field)
+        if pairs.val_source:
+            return AlignedFiles(pairs.val_source, pairs.val_target or "")
+        if data.val:
+            return TableFile(data.val, *fields)
         return None
-    if cfg.source:
-        return AlignedFiles(cfg.source, cfg.target or "")
-    if cfg.dataset:
-        return DatasetPairs(cfg.dataset, cfg.split, cfg.source_field, cfg.target_field)
-    if len(cfg.corpus) == 1:
-        return TableFile(cfg.corpus[0], cfg.source_field, cfg.target_field)
+    if pairs.source:
+        return AlignedFiles(pairs.source, pairs.target or "")
+    if data.dataset:
+        return DatasetPairs(data.dataset, data.split, *fields)
+    if len(data.corpus) == 1:
+        return TableFile(data.corpus[0], *fields)
     raise LmcliError(
         "translation needs parallel text: --source FILE --target FILE, one TSV/JSONL file, or --dataset"
     )
@@ -241,7 +246,7 @@ def _prepare_examples(
         train = examples
         report_skipped(val, what, block_size, info, "validation ")
     else:
-        n_val = int(len(examples) * cfg.val_fraction)
+        n_val = int(len(examples) * cfg.data.val_fraction)
         if n_val < 1:
             raise LmcliError(f"no validation {what}: give {task.val_hint} or a larger --val-fraction")
         order = np.arange(len(examples))

@@ -22,11 +22,19 @@ from lmcli.sources import load_checkpoint
 
 
 class EMA:
-    """An exponential moving average of a model's parameters; ``module`` is the averaged model."""
+    """An exponential moving average of a model's parameters; ``module`` is the averaged model.
+
+    A training run's weight average: ``update`` after each optimizer step, validated as
+    ``val_loss_<name>``, its weights saved as the checkpoint folder ``<name>/`` (with ``meta``),
+    its state (``state_dict``) in ``trainer_state.pt`` under ``<name>``."""
+
+    name = "ema"  # its checkpoint folder and its key in trainer_state.pt and metrics.jsonl
+    label = "EMA"  # how messages name it
 
     def __init__(self, model: Transformer, decay: float) -> None:
         self.decay = decay
         self.averaged = AveragedModel(model, multi_avg_fn=self._average, use_buffers=False)
+        self.val_loss: float | None = None  # the last validation loss of the averaged weights
 
     def _average(self, averaged: list[torch.Tensor], current: list[torch.Tensor], n: Any) -> None:
         d = min(self.decay, (1.0 + float(n)) / (10.0 + float(n)))
@@ -40,6 +48,10 @@ class EMA:
         """Fold the model's current parameters into the average (after an optimizer step)."""
         with torch.no_grad():
             self.averaged.update_parameters(model)
+
+    def meta(self) -> dict[str, Any]:
+        """What its checkpoint's meta.json says besides the run's step."""
+        return {"val_loss": self.val_loss, "ema_decay": self.decay}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.averaged.state_dict()

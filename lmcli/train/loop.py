@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from lmcli.sources import load_checkpoint
 from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
-from lmcli.train.mfu import flops_per_token, matmul_params, mfu, peak_tflops
+from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params, peak_tflops
 from lmcli.train.optim import group_lr, lr_at, make_optimizer
 from lmcli.train.preflight import (
     Preflight,
@@ -75,7 +75,7 @@ from lmcli.train.run_folder import (
     write_run_config,
 )
 from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds
-from lmcli.train.state import TrainState, rng_state, seed_everything, set_rng_state
+from lmcli.train.state import COUNTERS, RngStates, Stateful, StateRegistry, TrainState, seed_everything
 
 
 @dataclass
@@ -99,50 +99,57 @@ class Reporter:
 
 
 @dataclass
+class Marks:
+    """Where the loop stands between log points, validations and checkpoints (not saved: a
+    resumed run starts them at its step)."""
+
+    running: torch.Tensor  # the summed training loss since the last log point (on the device)
+    log_step: int = 0  # the step and time of the last log point
+    log_time: float = 0.0
+    train_loss: float | None = None  # the last logged training loss
+    val_loss: float | None = None  # the last validation loss
+    val_step: int = -1  # the step of the last validation
+    saved_step: int = -1  # the step of the last checkpoint
+
+
+@dataclass
 class Run:
-    """Everything one training run holds, built once by ``open_run``."""
+    """Everything one training run holds, built once by ``open_run``: its options (``cfg``, read
+    by section), data and model, the stateful parts (registered once in ``states``, which is
+    what a checkpoint saves and a resume restores) and the loop's ``marks``."""
 
     cfg: TrainConfig
     model_config: ModelConfig
     run_dir: Path
+    source: Path | None  # the run folder a resumed run started from (itself, or another: --out)
     data: TrainData
     sampler: Any  # a WindowSampler or an ExampleSampler
     model: Transformer  # what is saved and evaluated
     trained: torch.nn.Module  # what runs forward/backward: the model, or its DDP/compiled wrapper
     ddp: Any  # the DistributedDataParallel wrapper, or None
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    state: TrainState
     device: torch.device
     amp: torch.dtype | None  # the autocast dtype, None for float32
     dist: Dist
     max_steps: int | None
+    state: TrainState  # step, data cursor, bests, elapsed time
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    averages: list[EMA]  # weight averages (--ema): updated each step, validated, saved as their own folder
+    states: StateRegistry  # the above, and the RNGs: trainer_state.pt
+    marks: Marks
     metrics: MetricsLog
+    mfu: MfuBasis
     info: Callable[[str], None]  # rank 0's messages; silent on the other ranks
-    source: Path | None  # the run folder a resumed run started from (itself, or another: --out)
-    # since the last log point: the summed loss (on the device), where it started and when
-    running: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     staging: Staging | None = None  # batches' copies to a GPU, through reused pinned buffers
-    flops_per_token: float = 0.0  # training FLOPs per token (lmcli.train.mfu)
-    peak_tflops: float | None = None  # one device's peak, the MFU denominator (None: unknown)
-    peak_source: str = ""
-    log_step: int = 0
-    log_time: float = 0.0
-    train_loss: float | None = None  # the last logged training loss
-    val_loss: float | None = None  # the last validation loss
-    saved_step: int = -1  # the step of the last checkpoint
-    val_step: int = -1  # the step of the last validation
     base: dict[str, Any] | None = None  # a LoRA run's base reference (lora_run.base_reference)
-    ema: EMA | None = None  # the moving average of the weights (--ema), saved as ema/
-    ema_val_loss: float | None = None  # its last validation loss
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.batch_size * self.dist.world_size
+        return self.cfg.optim.batch_size * self.dist.world_size
 
     @property
     def tokens_per_step(self) -> int:
-        return round(self.global_batch * self.cfg.grad_accum * self.data.tokens_per_example())
+        return round(self.global_batch * self.cfg.optim.grad_accum * self.data.tokens_per_example())
 
     def done(self) -> bool:
         return self.max_steps is not None and self.state.step >= self.max_steps
@@ -203,18 +210,19 @@ def after_failure(
 
 def fit(run: Run, rep: Reporter) -> TrainResult:
     """Train until a limit or a signal, validating and saving as configured; a final checkpoint."""
-    cfg, state = run.cfg, run.state
+    cfg, state, marks = run.cfg, run.state, run.marks
+    max_time = cfg.schedule.max_time
     clock = Clock(state.elapsed)
     run.trained.train()
-    run.log_step, run.log_time = state.step, time.time()
+    marks.log_step, marks.log_time = state.step, time.time()
     stopped = "max_steps"
     bar = rep.progress if run.dist.is_main else None
     if bar is not None:
-        bar.start(run.max_steps, state.step, cfg.max_time)
+        bar.start(run.max_steps, state.step, max_time)
     try:
         with StopSignal() as stop:
             while not run.done():
-                timed_out = cfg.max_time is not None and clock() >= cfg.max_time
+                timed_out = max_time is not None and clock() >= max_time
                 # every rank stops at the same step, and shares one clock (the lr under --max-time)
                 elapsed, reason = agree_to_stop(clock(), "max_time" if timed_out else stop.received, run.dist)
                 if reason is not None:
@@ -226,16 +234,17 @@ def fit(run: Run, rep: Reporter) -> TrainResult:
                 if state.step % cfg.log_interval == 0 or run.done():
                     log_progress(run, lr, grad_norm, clock, bar)
                 improved = False
-                if state.step % cfg.eval_interval == 0 or run.done():
+                if state.step % cfg.validation.eval_interval == 0 or run.done():
                     improved = validate(run)
                 # last at every validation, or every --save-interval steps; best whenever it improves
-                due = state.step % cfg.save_interval == 0 if cfg.save_interval else run.val_step == state.step
+                every = cfg.checkpoint.save_interval
+                due = state.step % every == 0 if every else marks.val_step == state.step
                 if improved or due:
                     with stop.saving():
                         save(run, clock, improved)
-            if run.saved_step != state.step:  # the final checkpoint, also on a time limit or a signal
+            if marks.saved_step != state.step:  # the final checkpoint, also on a time limit or a signal
                 # on a signal, save first: no validation between the user and the checkpoint
-                improved = stopped not in SIGNALS and run.val_step != state.step and validate(run)
+                improved = stopped not in SIGNALS and marks.val_step != state.step and validate(run)
                 with stop.saving():
                     save(run, clock, improved)
     finally:
@@ -297,8 +306,8 @@ class StopSignal:
 
 def set_lr(run: Run, elapsed: float) -> float:
     """The schedule's learning rate for this step, set on every parameter group."""
-    cfg = run.cfg
-    lr = lr_at(run.state.step, cfg, run.max_steps, elapsed / cfg.max_time if cfg.max_time else 0.0)
+    cfg, max_time = run.cfg, run.cfg.schedule.max_time
+    lr = lr_at(run.state.step, cfg, run.max_steps, elapsed / max_time if max_time else 0.0)
     for group in run.optimizer.param_groups:
         group["lr"] = group_lr(group, lr, cfg)
     return lr
@@ -306,47 +315,48 @@ def set_lr(run: Run, elapsed: float) -> float:
 
 def train_step(run: Run) -> torch.Tensor:
     """One optimizer step over ``grad_accum`` micro-batches; returns the gradient norm."""
-    cfg, state = run.cfg, run.state
-    for micro in range(cfg.grad_accum):
-        batch = run.sampler.batch(state.cursor + run.dist.rank * cfg.batch_size, cfg.batch_size)
+    optim, state = run.cfg.optim, run.state
+    accum, size = optim.grad_accum, optim.batch_size
+    for micro in range(accum):
+        batch = run.sampler.batch(state.cursor + run.dist.rank * size, size)
         state.cursor += run.global_batch
         # DDP all-reduces gradients only on the last micro-batch of a step
-        sync = run.ddp is None or micro == cfg.grad_accum - 1
+        sync = run.ddp is None or micro == accum - 1
         with contextlib.nullcontext() if sync else run.ddp.no_sync(), autocast(run.device, run.amp):
-            loss = batch_loss(run.trained, batch.to(run.device, run.staging), cfg)
-        run.scaler.scale(loss / cfg.grad_accum).backward()
-        run.running += loss.detach() / cfg.grad_accum
+            loss = batch_loss(run.trained, batch.to(run.device, run.staging), run.cfg)
+        run.scaler.scale(loss / accum).backward()
+        run.marks.running += loss.detach() / accum
     run.scaler.unscale_(run.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), optim.grad_clip or math.inf)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    if run.ema is not None:
-        run.ema.update(run.model)
+    for average in run.averages:
+        average.update(run.model)
     return grad_norm
 
 
 def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar: Any) -> None:
     """The mean training loss since the last log point, to metrics.jsonl and the progress bar."""
-    step = run.state.step
+    step, marks = run.state.step, run.marks
     if run.dist.enabled:  # the global batch's loss, as one process would log it
-        torch.distributed.all_reduce(run.running)
-        run.running /= run.dist.world_size
-    run.train_loss = (run.running / (step - run.log_step)).item()  # the one host sync
-    run.running.zero_()
-    require_finite(run, run.train_loss)
+        torch.distributed.all_reduce(marks.running)
+        marks.running /= run.dist.world_size
+    marks.train_loss = (marks.running / (step - marks.log_step)).item()  # the one host sync
+    marks.running.zero_()
+    require_finite(run, marks.train_loss)
     now = time.time()
     record = {
         "step": step,
-        "train_loss": run.train_loss,
+        "train_loss": marks.train_loss,
         "lr": lr,
         "grad_norm": float(grad_norm),
-        "tokens_per_s": (step - run.log_step) * run.tokens_per_step / max(now - run.log_time, 1e-9),
+        "tokens_per_s": (step - marks.log_step) * run.tokens_per_step / max(now - marks.log_time, 1e-9),
         "elapsed": clock(),
         "epoch": run.sampler.epoch_of(run.state.cursor),
     }
-    record["mfu"] = mfu(record["tokens_per_s"], run.flops_per_token, run.peak_tflops, run.dist.world_size)
-    run.log_step, run.log_time = step, now
+    record["mfu"] = run.mfu.of(record["tokens_per_s"], run.dist.world_size)
+    marks.log_step, marks.log_time = step, now
     if run.dist.is_main:
         run.metrics.append(record)
     if bar is not None:
@@ -364,12 +374,12 @@ def require_finite(run: Run, loss: float) -> None:
 def validate(run: Run) -> bool:
     """The validation loss (and, for translation, greedy BLEU), logged; True if it is the best."""
     state, cfg = run.state, run.cfg
-    loss = run.val_loss = evaluate_loss(run.model, run.data, cfg, run.device, run.amp, run.dist)
+    loss = run.marks.val_loss = evaluate_loss(run.model, run.data, cfg, run.device, run.amp, run.dist)
     improved = loss < state.best_val
     state.best_val = min(state.best_val, loss)
-    run.val_step = state.step
-    if run.ema is not None:
-        run.ema_val_loss = evaluate_loss(run.ema.module, run.data, cfg, run.device, run.amp, run.dist)
+    run.marks.val_step = state.step
+    for average in run.averages:
+        average.val_loss = evaluate_loss(average.module, run.data, cfg, run.device, run.amp, run.dist)
     record = validation_record(run, loss) if run.dist.is_main else {}
     if cfg.selected_metric != "val_loss":  # a score rank 0 alone computes: every rank follows it
         improved = run.dist.is_main and select_improved(run, record, loss)
@@ -378,8 +388,8 @@ def validate(run: Run) -> bool:
             torch.distributed.broadcast_object_list(flag, src=0, group=run.dist.control)
             improved = flag[0]
     if run.dist.is_main:
-        train_loss = run.train_loss if run.train_loss is not None else float("nan")
-        scores = f", EMA val loss {record['val_loss_ema']:.4f}" if "val_loss_ema" in record else ""
+        train_loss = run.marks.train_loss if run.marks.train_loss is not None else float("nan")
+        scores = "".join(f", {a.label} val loss {a.val_loss:.4f}" for a in run.averages)
         if "val_bleu" in record:
             bleu, chrf = record["val_bleu"], record["val_chrf"]
             scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
@@ -407,16 +417,15 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
     """Rank 0: the validation's scores (greedy BLEU/chrF for translation), logged."""
     state, cfg = run.state, run.cfg
     record: dict[str, Any] = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
-    if run.ema_val_loss is not None:
-        record["val_loss_ema"] = run.ema_val_loss
+    for average in run.averages:
+        record[f"val_loss_{average.name}"] = average.val_loss
     task = make_task(cfg)
     if task.wants_bleu(state.step):  # the task's validation BLEU hook
         from lmcli.bleu import greedy_bleu
 
         with autocast(run.device, run.amp):
-            scores = greedy_bleu(
-                run.model, run.data.tokenizer, run.data.val, cfg.bleu_samples, prefix_lm=task.prefix_lm
-            )
+            samples, tok = cfg.validation.bleu_samples, run.data.tokenizer
+            scores = greedy_bleu(run.model, tok, run.data.val, samples, prefix_lm=task.prefix_lm)
         record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
     run.metrics.append(record)
     if "val_bleu" in record:
@@ -425,42 +434,32 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
 
 
 def save(run: Run, clock: Clock, improved: bool) -> None:
-    """Write ``last`` (and ``best`` when improved, and ``step-N`` with --keep-last)."""
-    state, cfg = run.state, run.cfg
+    """Write ``last`` with every registered part's state (and ``best`` when improved, ``step-N``
+    with --keep-last, and each weight average's own folder)."""
+    state, cfg, marks = run.state, run.cfg, run.marks
     # never replace a good checkpoint with diverged weights, even between log points
-    require_finite(run, float(run.running) + (run.val_loss or 0.0))
-    run.saved_step = state.step
-    rngs = [rng_state(run.device)]
-    if run.dist.enabled:  # every rank takes part in the gather; rank 0 writes
-        gathered: list[Any] = [None] * run.dist.world_size
-        torch.distributed.all_gather_object(gathered, rngs[0], group=run.dist.control)
-        rngs = gathered
+    require_finite(run, float(marks.running) + (marks.val_loss or 0.0))
+    marks.saved_step = state.step
+    state.elapsed = clock()
+    trainer_state = run.states.state_dict()  # on every rank: the RNGs are gathered; rank 0 writes
     if not run.dist.is_main:
         return
-    state.elapsed = clock()
     meta = {
         "step": state.step,
-        "val_loss": run.val_loss,
+        "val_loss": marks.val_loss,
         "best_val_loss": state.best_val,
         "time": time.time(),
     }
-    trainer_state = {
-        **state.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scaler": run.scaler.state_dict(),
-        "rng": rngs,
-    }
-    if run.ema is not None:
-        trainer_state["ema"] = run.ema.state_dict()
-        ema_meta = {**meta, "val_loss": run.ema_val_loss, "ema_decay": cfg.ema}
-        save_checkpoint(run.run_dir / "ema", run.ema.module, cfg, run.data.tokenizer, meta=ema_meta)
+    for average in run.averages:  # before last/, which holds their state
+        own = {**meta, **average.meta()}
+        save_checkpoint(run.run_dir / average.name, average.module, cfg, run.data.tokenizer, meta=own)
     last = run.run_dir / "last"
     save_checkpoint(last, run.model, cfg, run.data.tokenizer, meta=meta, state=trainer_state, base=run.base)
     if improved:
         copy_checkpoint(last, run.run_dir / "best")
-    if cfg.keep_last and state.step > 0:
+    if cfg.checkpoint.keep_last and state.step > 0:
         copy_checkpoint(last, run.run_dir / f"step-{state.step:07d}")
-        for old in step_checkpoints(run.run_dir)[: -cfg.keep_last]:
+        for old in step_checkpoints(run.run_dir)[: -cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -474,7 +473,7 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
         if stopped in SIGNALS:
             run.info(
                 f"stopped by {stopped} at step {state.step}: kept {run.run_dir / 'last'} "
-                f"(step {run.saved_step}); resume with: lmcli train --resume {run.run_dir}"
+                f"(step {run.marks.saved_step}); resume with: lmcli train --resume {run.run_dir}"
             )
         elif stopped == "max_time":
             run.info(
@@ -486,7 +485,8 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
             f"run folder {run.run_dir}"
         )
     best = state.best_val if math.isfinite(state.best_val) else None
-    return TrainResult(run.run_dir, state.step, run.train_loss, run.val_loss, best, elapsed, stopped)
+    marks = run.marks
+    return TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)
 
 
 # ----------------------------------------------------------------------------- opening a run
@@ -514,9 +514,67 @@ def open_run(
     if cfg.init_from and not resumed:
         init = load_init(cfg.init_from, info)
         model_config = init[0].config
-    base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora_rank else None
+    base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora.lora_rank else None
     tokenizer = resumed.tokenizer if resumed else init[1] if init else None
-    data = in_turn(  # rank 0 fills the token cache first, the other ranks read it
+    data = open_data(cfg, model_config, tokenizer, progress, dist_info, device, info)
+    model, model_config = build_model(model_config, cfg, data, resumed, init, device)
+    sampler = data.sampler(cfg.optim.batch_size, cfg.seed)
+    model.to(device)
+    seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
+    optimizer, scaler, state, averages, states = training_state(model, cfg, amp, dist_info, device)
+    if resumed is not None:
+        restore(states, resumed.state, cfg)
+        into = "" if Path(resume) == run_dir else f" into {run_dir}"
+        info(f"resuming {resume} at step {state.step}{into}")
+
+    trained, ddp = wrap_for_training(model, cfg, dist_info, device)
+    per_token = flops_per_token(model_config, matmul_params(model), round(data.tokens_per_example()))
+    run = Run(
+        cfg=cfg,
+        model_config=model_config,
+        run_dir=run_dir,
+        source=Path(resume) if resume is not None else None,
+        data=data,
+        sampler=sampler,
+        model=model,
+        trained=trained,
+        ddp=ddp,
+        device=device,
+        amp=amp,
+        dist=dist_info,
+        max_steps=max_steps_of(cfg, sampler.epoch_size, dist_info.world_size),
+        state=state,
+        optimizer=optimizer,
+        scaler=scaler,
+        averages=averages,
+        states=states,
+        marks=Marks(torch.zeros((), device=device), saved_step=state.step if resumed else -1),
+        metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        mfu=MfuBasis(per_token, *peak_tflops(device, cfg.peak_tflops)),
+        info=info,
+        staging=Staging(device),
+        base=base,
+    )
+    if dist_info.is_main:
+        show_preflight(run, rep)
+        write_run_config(run_dir, model_config, cfg)
+        if resumed:
+            carry_history(run)
+    return run
+
+
+def open_data(
+    cfg: TrainConfig,
+    model_config: ModelConfig,
+    tokenizer: Any,
+    progress: bool,
+    dist_info: Dist,
+    device: torch.device,
+    info: Callable[[str], None],
+) -> TrainData:
+    """The run's training and validation data, tokenized by rank 0 first (the other ranks then
+    read its cache)."""
+    data = in_turn(
         lambda: load_train_data(
             cfg,
             block_size=model_config.block_size,
@@ -528,67 +586,30 @@ def open_run(
     )
     if isinstance(data, ExampleData):  # widths that repeat where shapes are compiled or cached
         data.pad_multiple = pad_multiple(cfg.compile, device)
-    model, model_config = build_model(model_config, cfg, data, resumed, init, device)
-    sampler = data.sampler(cfg.batch_size, cfg.seed)
-    model.to(device)
-    seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
-    optimizer, scaler, state, ema = training_state(model, cfg, amp, resumed, dist_info, device)
-    if resumed is not None:
-        into = "" if Path(resume) == run_dir else f" into {run_dir}"
-        info(f"resuming {resume} at step {state.step}{into}")
-
-    trained, ddp = wrap_for_training(model, cfg, dist_info, device)
-    run = Run(
-        cfg=cfg,
-        model_config=model_config,
-        run_dir=run_dir,
-        data=data,
-        sampler=sampler,
-        model=model,
-        trained=trained,
-        ddp=ddp,
-        optimizer=optimizer,
-        scaler=scaler,
-        state=state,
-        device=device,
-        amp=amp,
-        dist=dist_info,
-        max_steps=max_steps_of(cfg, sampler.epoch_size, dist_info.world_size),
-        metrics=MetricsLog(run_dir / "metrics.jsonl"),
-        info=info,
-        source=Path(resume) if resume is not None else None,
-        running=torch.zeros((), device=device),
-        staging=Staging(device),
-        saved_step=state.step if resumed else -1,
-        base=base,
-        flops_per_token=flops_per_token(model_config, matmul_params(model), round(data.tokens_per_example())),
-        ema=ema,
-    )
-    run.peak_tflops, run.peak_source = peak_tflops(device, cfg.peak_tflops)
-    if dist_info.is_main:
-        show_preflight(run, rep)
-        write_run_config(run_dir, model_config, cfg)
-        if resumed:
-            carry_history(run)
-    return run
+    return data
 
 
 def training_state(
     model: Transformer,
     cfg: TrainConfig,
     amp: torch.dtype | None,
-    resumed: Any,
     dist_info: Dist,
     device: torch.device,
-) -> tuple[Any, Any, TrainState, EMA | None]:
-    """The optimizer, grad scaler, counters and weight average: new, or a resumed run's."""
+) -> tuple[Any, torch.amp.GradScaler, TrainState, list[EMA], StateRegistry]:
+    """The optimizer, grad scaler, counters and weight averages of a new run, each registered
+    once, with every rank's RNGs, in the ``StateRegistry`` that saves and restores them."""
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
     state = TrainState()
-    ema = EMA(model, cfg.ema) if cfg.ema else None
-    if resumed is not None:
-        restore(resumed.state, state, optimizer, scaler, dist_info, cfg, ema, device)
-    return optimizer, scaler, state, ema
+    averages = [EMA(model, cfg.optim.ema)] if cfg.optim.ema else []
+    parts: dict[str, Stateful] = {
+        COUNTERS: state,
+        "optimizer": optimizer,
+        "scaler": scaler,
+        "rng": RngStates(dist_info, device),
+    }
+    states = StateRegistry({**parts, **{average.name: average for average in averages}})
+    return optimizer, scaler, state, averages, states
 
 
 def carry_history(run: Run) -> None:
@@ -681,7 +702,7 @@ def build_model(
             raise LmcliError("a LoRA run resumes with its model options (--dropout) unchanged")
         return model_from_state(wanted, model_state(resumed.model)), wanted
     if init is not None:
-        return (lora.add_adapters(init[0], cfg) if cfg.lora_rank else init[0]), init[0].config
+        return (lora.add_adapters(init[0], cfg) if cfg.lora.lora_rank else init[0]), init[0].config
     model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)
     model_config = resolve_vocab_multiple(model_config, device.type)
     seed_everything(cfg.seed)
@@ -699,39 +720,22 @@ def load_init(path: str, info: Callable[[str], None]) -> tuple[Transformer, Any]
 
 def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> int | None:
     """The step limit: --max-steps, or the steps of --epochs, or the default (None: time only)."""
-    if cfg.epochs is not None and cfg.max_steps is None:
-        return math.ceil(cfg.epochs * windows_per_epoch / (cfg.batch_size * world_size * cfg.grad_accum))
-    return cfg.stop_steps
+    sched, optim = cfg.schedule, cfg.optim
+    if sched.epochs is not None and sched.max_steps is None:
+        per_step = optim.batch_size * world_size * optim.grad_accum
+        return math.ceil(sched.epochs * windows_per_epoch / per_step)
+    return sched.stop_steps
 
 
-def restore(
-    saved: dict[str, Any],
-    state: TrainState,
-    optimizer: Any,
-    scaler: Any,
-    dist_info: Dist,
-    cfg: TrainConfig,
-    ema: EMA | None,
-    device: torch.device | None = None,
-) -> None:
-    """A resumed run's counters, optimizer, scaler, weight average and this rank's RNG states
-    (its GPU's only)."""
+def restore(states: StateRegistry, saved: dict[str, Any], cfg: TrainConfig) -> None:
+    """A resumed run's state: every registered part from ``trainer_state.pt`` (this rank's RNGs,
+    its GPU's only), once the saved optimizer is known to be this run's."""
     was = "muon" if "muon" in saved["optimizer"] else "adamw"
     if was != cfg.optimizer_kind:
         raise LmcliError(
             f"cannot resume a run trained with --optimizer {was} with --optimizer {cfg.optimizer_kind}"
         )
-    state.load_state_dict(saved)
-    optimizer.load_state_dict(saved["optimizer"])
-    if ema is not None and "ema" in saved:  # else (--ema added on resume) it starts from here
-        ema.load_state_dict(saved["ema"])
-    # a run saved without a scaler (bf16, float32) has an empty state: a float16 resume starts
-    # a fresh scale; a float16 run resumed in bf16 ignores its scale
-    if saved.get("scaler") and scaler.is_enabled():
-        scaler.load_state_dict(saved["scaler"])
-    rngs = saved["rng"]
-    if dist_info.rank < len(rngs):  # a rank the saved run did not have keeps its own seed
-        set_rng_state(rngs[dist_info.rank], device)
+    states.load_state_dict(saved)
 
 
 def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
@@ -747,7 +751,7 @@ def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
     )
     params = run.model.num_parameters()
     return estimate_memory(
-        run.model_config, params, run.cfg.batch_size, run.amp is not None, flash, trainable
+        run.model_config, params, run.cfg.optim.batch_size, run.amp is not None, flash, trainable
     )
 
 
@@ -763,10 +767,10 @@ def show_preflight(run: Run, rep: Reporter) -> None:
         train_tokens=run.data.train_tokens,
         val_tokens=run.data.val_tokens,
         max_steps=run.max_steps,
-        max_time=cfg.max_time,
+        max_time=cfg.schedule.max_time,
         memory_bytes=preflight_memory(run, probe is not None, trainable),
         available_bytes=available_memory(run.device),
-        step_seconds=probe * cfg.grad_accum if probe is not None else None,
+        step_seconds=probe * cfg.optim.grad_accum if probe is not None else None,
     )
     amp = f"{str(run.amp).removeprefix('torch.')} autocast" if run.amp else "float32"
     facts = {
@@ -784,13 +788,15 @@ def show_preflight(run: Run, rep: Reporter) -> None:
         )
     if run.dist.enabled:
         facts["processes"] = f"{run.dist.world_size} (DDP)"
-    if cfg.lora_rank:
+    if cfg.lora.lora_rank:
         facts["LoRA"] = (
-            f"rank {cfg.lora_rank} on {cfg.lora_targets}: {fmt_count(trainable)} trainable parameters "
+            f"rank {cfg.lora.lora_rank} on {cfg.lora.lora_targets}: {fmt_count(trainable)} trainable "
+            "parameters "
             f"({100 * trainable / model.num_parameters():.2f}%)"
         )
-    peak = f"{run.peak_tflops:.3g} TFLOP/s per device, " if run.peak_tflops else ""
-    facts["MFU against"] = f"{peak}{run.peak_source}; {run.flops_per_token / 1e6:.3g} MFLOP/token"
+    basis = run.mfu
+    peak = f"{basis.peak_tflops:.3g} TFLOP/s per device, " if basis.peak_tflops else ""
+    facts["MFU against"] = f"{peak}{basis.peak_source}; {basis.flops_per_token / 1e6:.3g} MFLOP/token"
     if rep.preflight is not None:
         rep.preflight(pre, facts)
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -95,6 +96,19 @@ def peak_tflops(device: torch.device, override: float | None = None) -> tuple[fl
     if device.type == "cpu":
         return measured_cpu_tflops(), "float32 matmul, measured"
     return None, f"{device.type}: unknown peak (give --peak-tflops)"
+
+
+@dataclass(frozen=True)
+class MfuBasis:
+    """What a run's MFU is measured against: its training FLOPs per token and one device's peak
+    (None: unknown), with where that peak comes from."""
+
+    flops_per_token: float
+    peak_tflops: float | None
+    peak_source: str
+
+    def of(self, tokens_per_s: float, devices: int = 1) -> float | None:
+        return mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, devices)
 
 
 def mfu(tokens_per_s: float, per_token: float, peak: float | None, devices: int = 1) -> float | None:

@@ -24,11 +24,12 @@ def make_adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     extra = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **extra)
+    optim = cfg.optim
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), **extra)
 
 
 def muon_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -48,9 +49,9 @@ def make_muon(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) ->
     chosen = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
     muon = (Muon if device.type == "cpu" else torch.optim.Muon)(
-        [{"params": matrices, "peak_lr": cfg.muon_lr}],
-        lr=cfg.muon_lr,
-        momentum=cfg.muon_momentum,
+        [{"params": matrices, "peak_lr": cfg.optim.muon_lr}],
+        lr=cfg.optim.muon_lr,
+        momentum=cfg.optim.muon_momentum,
         weight_decay=0.0,
         nesterov=True,
     )
@@ -141,27 +142,28 @@ def lr_at(step: int, cfg: TrainConfig, max_steps: int | None, time_fraction: flo
     and decays linearly over the last ``--decay-fraction`` of the run. The end is ``max_steps``;
     a run limited only by ``--max-time`` decays over the time budget.
     """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-    floor = cfg.lr * cfg.min_lr_ratio
+    sched, peak = cfg.schedule, cfg.optim.lr
+    if step < sched.warmup_steps:
+        return peak * (step + 1) / (sched.warmup_steps + 1)
+    floor = peak * sched.min_lr_ratio
     if cfg.schedule_kind == "wsd":
         done = step / max_steps if max_steps is not None else time_fraction
         left = 1.0 - min(max(done, 0.0), 1.0)  # fraction of the run still ahead
-        if left >= cfg.decay_fraction:
-            return cfg.lr
-        return floor + (cfg.lr - floor) * left / cfg.decay_fraction
+        if left >= sched.decay_fraction:
+            return peak
+        return floor + (peak - floor) * left / sched.decay_fraction
     if max_steps is not None:
-        span = max(max_steps - cfg.warmup_steps, 1)
-        progress = min((step - cfg.warmup_steps) / span, 1.0)
+        span = max(max_steps - sched.warmup_steps, 1)
+        progress = min((step - sched.warmup_steps) / span, 1.0)
     else:
         progress = min(max(time_fraction, 0.0), 1.0)
     if cfg.schedule_kind == "linear":
-        return floor + (1.0 - progress) * (cfg.lr - floor)
-    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - floor)
+        return floor + (1.0 - progress) * (peak - floor)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
 
 
 def group_lr(group: dict[str, Any], lr: float, cfg: TrainConfig) -> float:
     """A parameter group's rate when the schedule gives ``lr`` for ``--lr``: Muon's groups follow
     the same schedule from their own peak (``peak_lr``)."""
     peak = group.get("peak_lr")
-    return lr if peak is None else lr / cfg.lr * peak
+    return lr if peak is None else lr / cfg.optim.lr * peak

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ from lmcli.config import (
     ModelConfig,
     TrainConfig,
     from_dict,
+    option_items,
+    replace_options,
     split_options,
     stored_fields,
     to_dict,
@@ -220,14 +222,13 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
         return str(Path.cwd() / p)
 
     changes: dict[str, Any] = {}
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
+    for f, value in option_items(cfg):
         if not f.metadata.get("path") or value is None:
             continue
         if f.name == "tokenizer" and value in TOKENIZER_KINDS:
             continue
         changes[f.name] = tuple(fix(v) for v in value) if isinstance(value, tuple) else fix(value)
-    return replace(cfg, **changes)
+    return replace_options(cfg, **changes)
 
 
 def check_resumable(saved: ModelConfig, requested: ModelConfig) -> None:

@@ -21,7 +21,7 @@ from lmcli.tasks import make_task
 def batch_loss(model: torch.nn.Module, batch: Batch, cfg: TrainConfig) -> torch.Tensor:
     """The training loss of a batch: mean cross-entropy of its scored tokens (label smoothed)."""
     logits, targets = forward_scored(model, batch, make_task(cfg).prefix_lm)
-    return F.cross_entropy(logits.float(), targets, label_smoothing=cfg.label_smoothing)
+    return F.cross_entropy(logits.float(), targets, label_smoothing=cfg.optim.label_smoothing)
 
 
 @torch.no_grad()
@@ -38,9 +38,10 @@ def evaluate_loss(
     model.eval()
     nll = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device
     scored = 0  # scored tokens, counted on the host (no device tensor, no sync per batch)
-    limit = cfg.eval_batches * cfg.batch_size * dist_info.world_size  # the same windows at any world size
+    size = cfg.optim.batch_size
+    limit = cfg.validation.eval_batches * size * dist_info.world_size  # the same windows at any world size
     prefix_lm = make_task(cfg).prefix_lm
-    for batch in data.val_batches(cfg.batch_size, limit, dist_info.rank, dist_info.world_size):
+    for batch in data.val_batches(size, limit, dist_info.rank, dist_info.world_size):
         scored += batch.n_targets
         with autocast(device, amp):
             logits, targets = forward_scored(model, batch.to(device), prefix_lm)
@@ -62,7 +63,7 @@ def probe_step_seconds(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        b = sampler.batch(0, cfg.batch_size).to(device)
+        b = sampler.batch(0, cfg.optim.batch_size).to(device)
         times = []
         for _ in range(2):  # the first call warms up allocators and kernels
             t0 = time.perf_counter()

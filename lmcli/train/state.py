@@ -1,8 +1,12 @@
-"""What a resumed run needs beyond weights and optimizer: the trainer's counters and every RNG.
+"""What a resumed run needs beyond its weights, and the one mechanism that saves and restores it.
 
-``TrainState`` is saved inside ``trainer_state.pt`` next to the optimizer and scaler states and
-the RNG states of every rank (``rng_state``), all as tensors and plain lists, so
-``torch.load(weights_only=True)`` reads them without unpickling arbitrary objects.
+Every stateful part of training (the counters of ``TrainState``, the optimizer, the grad scaler,
+the weight average, every rank's RNGs) is a ``Stateful``: it has ``state_dict`` and
+``load_state_dict``. ``open_run`` registers each once in a ``StateRegistry``, whose
+``state_dict`` is the whole of ``trainer_state.pt``; resuming is its ``load_state_dict``. The
+file holds tensors and plain lists only, so ``torch.load(weights_only=True)`` reads it without
+unpickling arbitrary objects. (The registry is what ``torch.distributed.checkpoint`` takes as
+its state dict: ``Stateful`` is its protocol.)
 """
 
 from __future__ import annotations
@@ -10,10 +14,52 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from lmcli.distributed import Dist
+
+
+class Stateful(Protocol):
+    """A part of training with state to save (``torch.distributed.checkpoint.stateful.Stateful``)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> None: ...
+
+
+COUNTERS = "counters"  # the part whose state sits at the top level of trainer_state.pt (lmcli 0.1)
+
+
+class StateRegistry:
+    """Every stateful part of a run, by name, saved and restored together.
+
+    ``trainer_state.pt`` maps each name to its part's state (``optimizer``, ``scaler``, ``rng``,
+    ``ema``, ...), except ``COUNTERS`` (``TrainState``), whose keys sit at the top level as in
+    every run folder so far. On resume a part whose state is missing or empty starts from where
+    it is: a part the saved run did not have (``--ema`` added on resume), a scaler the saved run
+    did not use (bf16 -> float16). A saved part this run does not have is ignored.
+    """
+
+    def __init__(self, parts: dict[str, Stateful]) -> None:
+        self.parts = dict(parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        saved: dict[str, Any] = {}
+        for name, part in self.parts.items():
+            if name == COUNTERS:
+                saved.update(part.state_dict())
+            else:
+                saved[name] = part.state_dict()
+        return saved
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for name, part in self.parts.items():
+            state = saved if name == COUNTERS else saved.get(name)
+            if state:
+                part.load_state_dict(state)
 
 
 @dataclass
@@ -43,6 +89,27 @@ class TrainState:
         self.elapsed = float(state.get("elapsed", 0.0))
         self.best_score = float(state.get("best_score", -math.inf))
         self.best_score_loss = float(state.get("best_score_loss", math.inf))
+
+
+class RngStates:
+    """The RNGs of every rank as one part: ``state_dict`` gathers each rank's (a collective:
+    every rank calls it), ``load_state_dict`` gives this rank its own; a rank the saved run did
+    not have keeps its seed."""
+
+    def __init__(self, dist: Dist, device: torch.device | None = None) -> None:
+        self.dist, self.device = dist, device
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        mine = rng_state(self.device)
+        if not self.dist.enabled:
+            return [mine]
+        gathered: list[Any] = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(gathered, mine, group=self.dist.control)
+        return gathered
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if self.dist.rank < len(states):
+            set_rng_state(states[self.dist.rank], self.device)
 
 
 def seed_everything(seed: int) -> None:

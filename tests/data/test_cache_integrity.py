@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, run_cli, tiny_tokenizer
+from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, run_cli, tiny_tokenizer, train_config
 
-from lmcli.config import TrainConfig
 from lmcli.data.examples import tokenize_examples
 from lmcli.data.pairs import AlignedFiles
 from lmcli.data.train_data import load_train_data
@@ -53,7 +52,7 @@ def _stream(tmp_path: Path, cache: Path):
     corpus = tmp_path / "c.txt"
     if not corpus.exists():  # the same file (size, mtime): the same cache key
         corpus.write_text(TINY_TEXT)
-    cfg = TrainConfig(corpus=(str(corpus),), cache_dir=str(cache))
+    cfg = train_config(corpus=(str(corpus),), cache_dir=str(cache))
     return load_train_data(cfg, block_size=16, tokenizer=tiny_tokenizer(), progress=False, info=print)
 
 
@@ -106,7 +105,7 @@ def test_a_damaged_pair_cache_is_rebuilt(tmp_path: Path, capsys) -> None:
 def test_a_broken_cached_tokenizer_is_trained_again(tmp_path: Path, capsys) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text(TINY_TEXT)
-    cfg = TrainConfig(corpus=(str(corpus),), cache_dir=str(tmp_path / "cache"))
+    cfg = train_config(corpus=(str(corpus),), cache_dir=str(tmp_path / "cache"))
     first = load_train_data(cfg, block_size=16, progress=False)
     (cached,) = (tmp_path / "cache").glob("tokenizer-*.json")
     cached.write_text('{"model": ')
@@ -144,11 +143,11 @@ def test_sigterm_during_tokenization_leaves_nothing_after_the_next_start(tmp_pat
     corpus.write_text(TINY_TEXT * 2000)  # 4 MB: tokenizing takes a moment
     env = {**os.environ, "LMCLI_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
     code = (
-        "import sys; from lmcli.config import TrainConfig; from lmcli.data.train_data import load_train_data;"
+        "import sys; from helpers import train_config; from lmcli.data.train_data import load_train_data;"
         "from lmcli.tokenizer import Tokenizer;"
         f"tok = Tokenizer.train('char', iter([{TINY_TEXT!r}]));"
         "sys.stdout.write('ready\\n'); sys.stdout.flush();"
-        f"cfg = TrainConfig(corpus=({str(corpus)!r},));"
+        f"cfg = train_config(corpus=({str(corpus)!r},));"
         "load_train_data(cfg, block_size=16, tokenizer=tok, progress=False)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
@@ -166,6 +165,6 @@ def test_sigterm_during_tokenization_leaves_nothing_after_the_next_start(tmp_pat
     assert all(t.name.endswith(".lmtmp") and f".{proc.pid}." in t.name for t in temps)
     small = tmp_path / "small.txt"
     small.write_text(TINY_TEXT)
-    cfg = TrainConfig(corpus=(str(small),), cache_dir=str(cache))
+    cfg = train_config(corpus=(str(small),), cache_dir=str(cache))
     load_train_data(cfg, block_size=16, tokenizer=tiny_tokenizer(), progress=False)
     assert not list(cache.glob(".*"))

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import tiny_tokenizer
+from helpers import tiny_tokenizer, train_config
 
 from lmcli.chat_template import encode_conversation
 from lmcli.data.conversations import ConversationRows, conversation
@@ -177,14 +177,13 @@ def test_a_template_that_fails_to_render_is_one_line(tmp_path: Path) -> None:
 
 
 def test_long_conversations_are_truncated_or_skipped_and_counted(tmp_path: Path) -> None:
-    from lmcli.config import TrainConfig
     from lmcli.data.train_data import load_train_data
 
     rows = [{"prompt": "who sat?", "response": "the cat."}] * 18
     rows += [{"prompt": "who sat?", "response": "the cat sat on the mat. " * 3}]  # the reply is cut
     rows += [{"prompt": "the dog sat on the log. " * 4, "response": "yes"}]  # no reply within the context
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = TrainConfig(
+    cfg = train_config(
         task="sft", corpus=(str(tmp_path / "d.jsonl"),), cache_dir=str(tmp_path / "c"), val_fraction=0.1
     )
     said: list[str] = []

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import train_config
 
-from lmcli.config import TrainConfig
 from lmcli.data.corpus import BuiltinCorpus, DatasetCorpus, FileCorpus, resolve_paths
 from lmcli.data.token_cache import tokenize_corpus
 from lmcli.data.train_data import load_train_data
@@ -157,7 +157,7 @@ def test_eval_windows_are_fixed_and_spread() -> None:
 
 def test_val_fraction_takes_the_tail_of_the_corpus(tmp_path: Path) -> None:
     (tmp_path / "c.txt").write_text("a" * 900 + "b" * 99)
-    cfg = TrainConfig(corpus=(str(tmp_path / "c.txt"),), val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    cfg = train_config(corpus=(str(tmp_path / "c.txt"),), val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
     data = load_train_data(cfg, block_size=1, progress=False)
     tok = data.tokenizer
     assert tok.decode(data.val.tolist()) == "b" * 99 + "" and len(data.train) == 900

@@ -21,10 +21,18 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf")
 
 from check_gguf import randomize, run_checks  # noqa: E402
-from helpers import assert_one_line_error, make_run, run_cli, tiny_model, tiny_tokenizer  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_float32_close,
+    assert_one_line_error,
+    make_run,
+    run_cli,
+    tiny_model,
+    tiny_tokenizer,
+    train_config,
+)
 
 from lmcli.checkpoint import save_checkpoint  # noqa: E402
-from lmcli.config import ModelConfig, TrainConfig, field_names  # noqa: E402
+from lmcli.config import ModelConfig, field_names  # noqa: E402
 from lmcli.errors import LmcliError  # noqa: E402
 from lmcli.hf.gguf import export_gguf, write_gguf  # noqa: E402
 from lmcli.sources import load_checkpoint  # noqa: E402
@@ -52,7 +60,7 @@ def random_run(tmp: Path, kind: str = "bpe", **config) -> Path:
     model = tiny_model(tok.vocab_size, **{"block_size": 32, **config})
     randomize(model)
     for name in ("last", "best"):
-        save_checkpoint(tmp / "run" / name, model, TrainConfig(), tok, meta={"step": 0})
+        save_checkpoint(tmp / "run" / name, model, train_config(), tok, meta={"step": 0})
     return tmp / "run"
 
 
@@ -218,9 +226,7 @@ def test_gguf_reads_back_names_shapes_values_and_computes_lmcli_logits(tmp_path:
     for dtype, reader in readers.items():
         assert_layout(reader, arch, cfg, dtype)
     # f32: the model itself, computed from the file alone
-    torch.testing.assert_close(
-        reference_logits(paths["f32"], ids), ours, rtol=1e-4, atol=1e-5
-    )  # an independent fp32 computation
+    assert_float32_close(reference_logits(paths["f32"], ids), ours, cfg)  # an independent fp32 computation
     # f16, q8_0: the f32 values, rounded as their type says
     exact = gguf_weights(readers["f32"])
     for dtype in ("f16", "q8_0"):

@@ -7,7 +7,7 @@ import json
 
 import httpx2 as httpx
 import pytest
-from helpers import run_cli
+from helpers import run_cli, train_config
 
 openai = pytest.importorskip("openai")
 
@@ -247,13 +247,12 @@ def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
     from helpers import tiny_model, tiny_tokenizer
 
     from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import TrainConfig
     from lmcli.sources import load_model
     from lmcli.tasks import make_task
 
     tok = tiny_tokenizer()
     save_checkpoint(
-        tmp_path / "mt" / "best", tiny_model(tok.vocab_size), TrainConfig(task="translation"), tok, meta={}
+        tmp_path / "mt" / "best", tiny_model(tok.vocab_size), train_config(task="translation"), tok, meta={}
     )
     ckpt = load_model(tmp_path / "mt")
     cfg = SampleConfig(max_new_tokens=10, temperature=0.9, seed=4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run
+from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run, train_config
 from helpers import run_cli as run
 
 FAST = [*FAST_TRAIN_ARGS, "--max-steps", "2"]
@@ -68,14 +68,13 @@ def test_beam_without_any_input_is_refused(tmp_path: Path, capsys, monkeypatch) 
 
 def test_translation_run_needs_a_source_for_sample(tmp_path: Path, capsys, monkeypatch) -> None:
     from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import TrainConfig
     from lmcli.sources import load_checkpoint
 
     base = load_checkpoint(make_run(tmp_path / "lm"))
     save_checkpoint(
         tmp_path / "mt" / "last",
         base.model,
-        TrainConfig(task="translation", source="s", target="t"),
+        train_config(task="translation", source="s", target="t"),
         base.tokenizer,
         meta={"step": 0},
     )

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, make_run, run_cli
+from helpers import assert_one_line_error, make_run, run_cli, train_config
 
 from lmcli import chat_template
 from lmcli.chat import ChatSession
 from lmcli.checkpoint import Checkpoint
-from lmcli.config import SampleConfig, ServeConfig, TrainConfig
+from lmcli.config import SampleConfig, ServeConfig
 from lmcli.errors import LmcliError
 from lmcli.sources import load_model
 
@@ -191,7 +191,7 @@ def test_system_prompt_given_twice_and_translation_models_are_refused(
     stdin = json.dumps([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}])
     code, _, err = run_cli(["chat", str(chat_run), "--system", "be brief"], capsys, stdin, monkeypatch)
     assert_one_line_error(code, err, "give the system prompt once: --system or a system message")
-    translation = dataclasses.replace(checkpoint, train_config=TrainConfig(task="translation"))
+    translation = dataclasses.replace(checkpoint, train_config=train_config(task="translation"))
     with pytest.raises(LmcliError, match="this is a translation model"):
         ChatSession.from_checkpoint(translation, SampleConfig())
 
@@ -289,6 +289,7 @@ class Terminal:
 PROMPT = "> "
 
 
+@pytest.mark.slow
 def test_terminal_streams_and_ctrl_c_stops_the_reply(tmp_path: Path) -> None:
     run = make_run(tmp_path / "long", block_size=4096)  # replies of thousands of tokens
     n = 3000
@@ -326,6 +327,7 @@ def test_terminal_streams_and_ctrl_c_stops_the_reply(tmp_path: Path) -> None:
     assert "Traceback" not in term.out
 
 
+@pytest.mark.slow
 def test_terminal_commands_reset_system_save_and_full_context(chat_run: Path, tmp_path: Path) -> None:
     term = Terminal(str(chat_run), "--max-new-tokens", "8", "--min-new-tokens", "8", *SETTINGS)
     saved = {}

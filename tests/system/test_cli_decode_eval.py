@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, make_run
+from helpers import assert_one_line_error, make_run, train_config
 from helpers import run_cli as run
 
 
@@ -220,7 +220,6 @@ def test_a_padded_vocabulary_never_reaches_sample_beam_or_eval(tmp_path: Path, c
     import torch
 
     from lmcli.checkpoint import logical_state, model_from_state, save_checkpoint
-    from lmcli.config import TrainConfig
     from lmcli.sources import load_checkpoint
 
     padded = make_run(tmp_path / "padded", vocab_multiple=64)
@@ -232,7 +231,7 @@ def test_a_padded_vocabulary_never_reaches_sample_beam_or_eval(tmp_path: Path, c
     plain_cfg = dataclasses.replace(ckpt.model_config, vocab_multiple=1)
     plain = model_from_state(plain_cfg, logical_state(ckpt.model))
     for run_dir, model in ((padded, ckpt.model), (tmp_path / "plain", plain)):
-        save_checkpoint(run_dir / "best", model, TrainConfig(), ckpt.tokenizer, meta={"step": 0})
+        save_checkpoint(run_dir / "best", model, train_config(), ckpt.tokenizer, meta={"step": 0})
     (tmp_path / "t.txt").write_text("the cat sat on the mat.\nthe dog\n")
     commands = [
         ["sample", "-p", "the", "-p", "a", "--max-new-tokens", "12", "--temperature", "0", "--json"],

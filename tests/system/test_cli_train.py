@@ -75,6 +75,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "bad.json").write_text("{not json")
     (tmp / "afile").write_text("x")
     (tmp / "bad.toml").write_text("colour = 3\n")
+    (tmp / "mixed.toml").write_text('[optim]\ntokenizer = "byte"\n')
     c = str(tmp / "c.txt")
     return [
         (["train", str(tmp / "missing.txt")], "no such file or folder"),
@@ -89,6 +90,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["train", c, "--lr", "-1"], "lr must be positive"),
         (["train", c, "--max-time", "soon"], "invalid duration"),
         (["train", c, "--config", str(tmp / "bad.toml")], "unknown option(s) colour"),
+        (["train", c, "--config", str(tmp / "mixed.toml")], "[optim] has no option(s) tokenizer"),
         (["train", c, "--batch-size", "many"], "batch-size"),
         (["train", c, "--no-such-flag"], "No such option"),
         (["train", "--resume", str(tmp / "norun")], "no such run folder"),

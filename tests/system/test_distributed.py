@@ -24,6 +24,8 @@ from helpers import TINY_TEXT, read_metrics, weights
 
 from lmcli.cli import main as lmcli_main
 
+pytestmark = pytest.mark.slow  # torchrun starts two interpreters per run
+
 if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
 

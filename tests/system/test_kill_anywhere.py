@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from helpers import TINY_TEXT
 
 from lmcli.cli import main
@@ -44,6 +45,7 @@ def temps(run: Path) -> list[str]:
     return sorted(p.name for p in run.iterdir() if p.name.endswith(".lmtmp"))
 
 
+@pytest.mark.slow
 def test_sigkills_at_random_moments_never_lose_the_run(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text(TINY_TEXT)

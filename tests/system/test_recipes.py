@@ -17,6 +17,6 @@ def test_there_are_recipes() -> None:
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_resolves_to_configs(path: Path) -> None:
     model, train = resolve_configs(load_config_file(path), {})
-    assert model.n_layer > 0 and train.batch_size > 0
+    assert model.n_layer > 0 and train.optim.batch_size > 0
     # each recipe says how long it runs: a step count or a wall-time budget
-    assert train.max_steps is not None or train.max_time is not None
+    assert train.schedule.max_steps is not None or train.schedule.max_time is not None

@@ -21,11 +21,12 @@ from helpers import (
     run_cli,
     tiny_model,
     tiny_tokenizer,
+    train_config,
     weights,
 )
 
 from lmcli.checkpoint import save_checkpoint
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.sources import load_checkpoint
 from lmcli.train import Reporter, train
@@ -83,6 +84,7 @@ def wait_for_step(run: Path, at_least: int, proc: subprocess.Popen, timeout: flo
     raise AssertionError("no checkpoint in time")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text(TINY_TEXT * 3)
@@ -101,6 +103,7 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: 
     assert_same_weights(weights(tmp_path / "full"), weights(tmp_path / "killed"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signals_save_print_the_resume_command_and_exit(tmp_path: Path, sig: int, code: int) -> None:
     corpus = tmp_path / "c.txt"
@@ -121,7 +124,7 @@ def tiny_checkpoint(path: Path) -> None:
     """A checkpoint folder at ``path``; unseeded, so each call writes other weights."""
     tok = tiny_tokenizer()
     model = tiny_model(tok.vocab_size, seed=None, block_size=16, n_layer=1, n_embd=16)
-    save_checkpoint(path, model, TrainConfig(), tok, meta={"step": 1}, state={"step": 1})
+    save_checkpoint(path, model, train_config(), tok, meta={"step": 1}, state={"step": 1})
 
 
 def test_a_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
@@ -210,7 +213,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
     tmp_path: Path, monkeypatch
 ) -> None:
     (tmp_path / "c.txt").write_text(TINY_TEXT)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp_path / "c.txt"),),
         out=str(tmp_path / "run"),
         batch_size=4,
@@ -241,7 +244,7 @@ def test_a_nan_between_log_points_never_reaches_a_saved_checkpoint(tmp_path: Pat
     """Validation (and its save) at step 8 falls between log points 0 and 10: the NaN of step 7
     must stop the run there, not overwrite the good checkpoint of step 4."""
     (tmp_path / "c.txt").write_text(TINY_TEXT)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp_path / "c.txt"),),
         out=str(tmp_path / "run"),
         batch_size=4,

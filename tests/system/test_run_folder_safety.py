@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -25,11 +24,12 @@ from helpers import (
     run_cli,
     tiny_model,
     tiny_tokenizer,
+    train_config,
     weights,
 )
 
 from lmcli.checkpoint import save_checkpoint
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig, TrainConfig, replace_options
 from lmcli.errors import LmcliError
 from lmcli.sources import load_checkpoint
 from lmcli.train import Reporter, train
@@ -53,7 +53,7 @@ def config(tmp_path: Path, out: str | None, **kw) -> TrainConfig:
         warmup_steps=1,
         eval_batches=1,
     )
-    return TrainConfig(**{**base, **kw})
+    return train_config(**{**base, **kw})
 
 
 def quiet(messages: list[str] | None = None, progress=None) -> Reporter:
@@ -157,7 +157,7 @@ def test_writers_never_follow_a_planted_link(tmp_path: Path) -> None:
     plant(run, outside, [*TEMP_NAMES, "config.json", "loss.png", "last", "last.old", *old_temp_folders()])
     target_for(outside, "metrics.jsonl")
     before = snapshot(outside)
-    write_run_config(run, MODEL, TrainConfig())
+    write_run_config(run, MODEL, train_config())
     records = [{"step": 1, "train_loss": 3.0}, {"step": 2, "val_loss": 2.5}]
     log = MetricsLog(run / "metrics.jsonl")
     for r in records:
@@ -165,7 +165,7 @@ def test_writers_never_follow_a_planted_link(tmp_path: Path) -> None:
     log.truncate_after(1)
     plot_loss_curve(records, run / "loss.png")
     tok = tiny_tokenizer()
-    save_checkpoint(run / "last", tiny_model(tok.vocab_size), TrainConfig(), tok, meta={"step": 1})
+    save_checkpoint(run / "last", tiny_model(tok.vocab_size), train_config(), tok, meta={"step": 1})
     assert snapshot(outside) == before
     assert not (run / "config.json").is_symlink() and not (run / "last").is_symlink()
     load_checkpoint(run / "last")
@@ -284,7 +284,7 @@ def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(tmp_path: 
     assert isinstance(other[0], LmcliError), other[0]
     assert f"in use by another lmcli (pid {os.getpid()})" in str(other[0])
     # two resumes of one run at once
-    longer = replace(cfg, max_steps=8)
+    longer = replace_options(cfg, max_steps=8)
     other = start_another_run_while_tokenizing(
         monkeypatch, lambda: train(MODEL, longer, resume=cfg.out, reporter=quiet(), progress=False)
     )
@@ -384,6 +384,7 @@ class CrashAt(SignalAt):
             raise RuntimeError("simulated crash")
 
 
+@pytest.mark.slow
 def test_save_interval_still_keeps_best_up_to_date(tmp_path: Path) -> None:
     cfg = config(tmp_path, "run", max_steps=40, eval_interval=2, save_interval=3, lr=3e-3)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -398,6 +399,7 @@ def test_save_interval_still_keeps_best_up_to_date(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- item 13
 
 
+@pytest.mark.slow
 def test_stale_temporary_files_of_dead_writers_are_removed_at_the_next_start(tmp_path: Path, capsys) -> None:
     run = cli_run(tmp_path, "run", capsys, "--max-steps", "4")
     dead = subprocess.Popen(["true"])
@@ -422,6 +424,7 @@ def test_stale_temporary_files_of_dead_writers_are_removed_at_the_next_start(tmp
 # ----------------------------------------------------------------------------- item 14
 
 
+@pytest.mark.slow
 def test_keep_last_orders_step_folders_by_number(tmp_path: Path) -> None:
     """Past step 9,999,999 the names grow a digit: step-10000000 sorts before step-9999999 as text."""
     cfg = config(tmp_path, "run", max_steps=2)
@@ -434,7 +437,7 @@ def test_keep_last_orders_step_folders_by_number(tmp_path: Path) -> None:
     meta["step"] = 9_999_998
     meta.pop("sha256")
     (last / "meta.json").write_text(json.dumps(meta))
-    longer = replace(cfg, max_steps=10_000_001, save_interval=1, keep_last=2, eval_interval=1000)
+    longer = replace_options(cfg, max_steps=10_000_001, save_interval=1, keep_last=2, eval_interval=1000)
     train(MODEL, longer, resume=cfg.out, reporter=quiet(), progress=False)
     steps = sorted(p.name for p in (tmp_path / "run").glob("step-*"))
     assert steps == ["step-10000000", "step-10000001"]
@@ -446,7 +449,7 @@ def test_keep_last_orders_step_folders_by_number(tmp_path: Path) -> None:
 def save_new_version(path: Path, step: int) -> None:
     tok = tiny_tokenizer()
     model = tiny_model(tok.vocab_size, seed=step, n_layer=1, n_embd=16, block_size=16)
-    save_checkpoint(path, model, TrainConfig(), tok, meta={"step": step}, state={"step": step})
+    save_checkpoint(path, model, train_config(), tok, meta={"step": step}, state={"step": step})
 
 
 @pytest.mark.parametrize("during", ["sha256_of", "read_tensors"])

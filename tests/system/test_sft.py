@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_one_line_error, read_metrics, run_cli
+from helpers import assert_one_line_error, read_metrics, run_cli, train_config
 
 from lmcli import chat_template
 from lmcli.sources import load_checkpoint
@@ -66,6 +66,7 @@ def reply(run: Path, prompt: str) -> str:
     return tok.decode(ids[start:])
 
 
+@pytest.mark.slow
 def test_a_tiny_model_fine_tuned_with_sft_answers_held_out_prompts(tmp_path: Path, capsys) -> None:
     train_words = words(1500, 0)
     data = write_jsonl(tmp_path / "train.jsonl", instruction_rows(train_words))
@@ -156,12 +157,11 @@ def test_sft_from_an_lmcli_run_takes_its_weights_tokenizer_and_template(tmp_path
     from helpers import tiny_model, tiny_tokenizer
 
     from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import TrainConfig
 
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
     base = tiny_model(tok.vocab_size, block_size=32)
-    save_checkpoint(tmp_path / "base" / "last", base, TrainConfig(), tok, meta={"step": 0})
+    save_checkpoint(tmp_path / "base" / "last", base, train_config(), tok, meta={"step": 0})
     rows = [{"prompt": "the cat", "response": "sat on the mat."}] * 20
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     code, _, err = run_cli(

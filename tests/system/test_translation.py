@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, run_cli
+from helpers import read_metrics, run_cli, train_config
 
 from lmcli.cli import main
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.sources import load_checkpoint
 from lmcli.train import Reporter, train
@@ -44,7 +44,7 @@ def train_reversal(tmp: Path, out: str, **overrides):
         warmup_steps=20,
         out=str(tmp / out),
     )
-    cfg = TrainConfig(**{**options, **overrides})
+    cfg = train_config(**{**options, **overrides})
     model = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=16)
     return train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
 
@@ -63,6 +63,7 @@ def greedy(run: Path, word: str) -> str:
     return tok.decode(ids[start:])
 
 
+@pytest.mark.slow
 def test_a_small_model_learns_to_reverse_words_exactly(tmp_path: Path) -> None:
     result = train_reversal(tmp_path, "run", max_steps=800, eval_interval=400, bleu_samples=50)
     assert result.best_val_loss < 0.05  # target-only loss, nats per target token
@@ -121,7 +122,7 @@ def test_label_smoothing_changes_the_training_loss_not_the_validation_loss(tmp_p
 def test_prefix_lm_trains(tmp_path: Path) -> None:
     result = train_reversal(tmp_path, "run", max_steps=200, eval_interval=100, prefix_lm=True)
     assert result.best_val_loss < 1.0  # far below uniform over 8 letters + <eos> (2.2 nats)
-    assert load_checkpoint(tmp_path / "run").train_config.prefix_lm
+    assert load_checkpoint(tmp_path / "run").train_config.translation.prefix_lm
 
 
 def test_line_count_mismatch_is_one_line_naming_both_counts(tmp_path: Path, capsys) -> None:
@@ -156,7 +157,7 @@ def test_line_count_mismatch_is_one_line_naming_both_counts(tmp_path: Path, caps
 )
 def test_translation_option_errors(kw: dict, message: str) -> None:
     with pytest.raises(LmcliError, match=message):
-        TrainConfig(**kw)
+        train_config(**kw)
 
 
 @pytest.mark.parametrize("select", [None, "val_chrf", "val_loss"])
@@ -175,6 +176,6 @@ def test_best_follows_the_selected_metric_bleu_by_default(tmp_path: Path, select
 
 def test_select_bleu_needs_translation_with_bleu_samples() -> None:
     with pytest.raises(LmcliError, match="--select val_bleu needs --task translation and --bleu-samples"):
-        TrainConfig(select="val_bleu")
+        train_config(select="val_bleu")
     with pytest.raises(LmcliError, match="--select val_chrf needs"):
-        TrainConfig(task="translation", source="s", target="t", bleu_samples=0, select="val_chrf")
+        train_config(task="translation", source="s", target="t", bleu_samples=0, select="val_chrf")

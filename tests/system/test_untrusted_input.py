@@ -94,6 +94,7 @@ def run_measured(commands: list[list[str]], timeout: float = 180) -> list[dict]:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_crafted_configs_are_refused_before_any_allocation(tmp_path: Path) -> None:
     """Today: `eval` grows to tens of GB, `sample` builds 20,000 layers, a huge block size asks
     for terabytes. Each must be one line, exit 2, in well under a second, and a peak RSS far

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_TEXT, assert_one_line_error, run_cli
+from helpers import TINY_TEXT, assert_one_line_error, run_cli, train_config
 
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig
 from lmcli.distributed import SETUP_TIMEOUT, STEP_TIMEOUT, Dist, init_distributed
 from lmcli.model import Transformer
 from lmcli.train import Reporter, train
@@ -22,7 +22,7 @@ from lmcli.train.metrics import MetricsLog
 from lmcli.train.mfu import flops_per_token, gpu_peak_tflops, matmul_params, measured_cpu_tflops, mfu
 from lmcli.train.optim import make_optimizer
 from lmcli.train.preflight import estimate_memory, measured_memory
-from lmcli.train.state import TrainState, rng_state, set_rng_state
+from lmcli.train.state import COUNTERS, RngStates, StateRegistry, TrainState, rng_state, set_rng_state
 
 MODEL = ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
 
@@ -77,7 +77,7 @@ def test_resuming_a_bf16_run_in_float16_starts_a_fresh_scaler() -> None:
     """A bf16 (or float32) run saves the state of a disabled GradScaler, an empty dict; loading it
     into the enabled scaler of a float16 resume used to raise."""
     model = Transformer(replace(MODEL, vocab_size=20))
-    cfg = TrainConfig(corpus=("x",))
+    cfg = train_config(corpus=("x",))
     saved = {
         **TrainState(step=7).state_dict(),
         "optimizer": make_optimizer(model, cfg, torch.device("cpu")).state_dict(),
@@ -87,11 +87,17 @@ def test_resuming_a_bf16_run_in_float16_starts_a_fresh_scaler() -> None:
     assert saved["scaler"] == {}
     scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
     state = TrainState()
-    restore(saved, state, make_optimizer(model, cfg, torch.device("cpu")), scaler, Dist(), cfg, None)
+
+    def registry() -> StateRegistry:
+        optimizer = make_optimizer(model, cfg, torch.device("cpu"))
+        parts = {COUNTERS: state, "optimizer": optimizer, "scaler": scaler, "rng": RngStates(Dist())}
+        return StateRegistry(parts)
+
+    restore(registry(), saved, cfg)
     assert state.step == 7 and scaler.get_scale() == 1024.0
     # a float16 run's scale is carried over
     saved["scaler"] = torch.amp.GradScaler("cpu", init_scale=64.0).state_dict()
-    restore(saved, state, make_optimizer(model, cfg, torch.device("cpu")), scaler, Dist(), cfg, None)
+    restore(registry(), saved, cfg)
     assert scaler.get_scale() == 64.0
 
 
@@ -129,7 +135,7 @@ def test_ddp_neither_broadcasts_buffers_nor_copies_gradients(monkeypatch) -> Non
 
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", FakeDDP)
     model = Transformer(ModelConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16))
-    trained, ddp = wrap_for_training(model, TrainConfig(corpus=("x",)), Dist(0, 0, 2), torch.device("cpu"))
+    trained, ddp = wrap_for_training(model, train_config(corpus=("x",)), Dist(0, 0, 2), torch.device("cpu"))
     assert ddp is trained and seen["broadcast_buffers"] is False and seen["gradient_as_bucket_view"] is True
 
 
@@ -183,7 +189,7 @@ def test_cpu_peak_is_measured_without_touching_the_global_rng() -> None:
 def test_mfu_is_in_metrics_and_the_progress_line(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TINY_TEXT)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(corpus),),
         out=str(tmp_path / "run"),
         batch_size=4,
@@ -253,7 +259,7 @@ def test_sigterm_saves_first_and_never_validates(tmp_path: Path, monkeypatch) ->
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TINY_TEXT)
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(corpus),),
         out=str(tmp_path / "run"),
         batch_size=4,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics
+from helpers import read_metrics, train_config
 
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.data.examples import ExampleSampler, batch_width, collate, pad_multiple
@@ -64,7 +64,7 @@ def config(tmp: Path, prefix_lm: bool, **overrides) -> TrainConfig:
         out=str(tmp / f"run{int(prefix_lm)}"),
         cache_dir=str(tmp / "cache"),
     )
-    return TrainConfig(**{**options, **overrides})
+    return train_config(**{**options, **overrides})
 
 
 SHAPE = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)

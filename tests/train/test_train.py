@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_TEXT, assert_same_weights, tiny_model, tiny_tokenizer, weights
+from helpers import TINY_TEXT, assert_same_weights, tiny_model, tiny_tokenizer, train_config, weights
 
 from lmcli.checkpoint import save_checkpoint
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config import ModelConfig, TrainConfig, replace_options
 from lmcli.errors import LmcliError
 from lmcli.sources import load_checkpoint
 from lmcli.tokenizer import Tokenizer
@@ -41,7 +41,7 @@ def config(tmp_path: Path, name: str, **kw) -> TrainConfig:
         lr=3e-3,
     )
     base.update(kw)
-    return TrainConfig(**base)
+    return train_config(**base)
 
 
 def quiet() -> Reporter:
@@ -127,7 +127,7 @@ def test_resume_may_extend_the_run_but_not_change_the_shape(tmp_path: Path) -> N
     cfg = config(tmp_path, "run", max_steps=10)
     train(MODEL, cfg, reporter=quiet(), progress=False)
     longer = train(
-        MODEL, replace(cfg, max_steps=20), resume=tmp_path / "run", reporter=quiet(), progress=False
+        MODEL, replace_options(cfg, max_steps=20), resume=tmp_path / "run", reporter=quiet(), progress=False
     )
     assert longer.step == 20
     with pytest.raises(LmcliError, match="different model shape .*n-layer 2 -> 3"):
@@ -155,7 +155,7 @@ def test_keep_last_keeps_periodic_checkpoints(tmp_path: Path) -> None:
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
-    cfg = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    cfg = train_config(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     lrs = [lr_at(s, cfg, 100) for s in range(100)]
     assert lrs[0] < lrs[5] < lrs[9] < 1.0
     assert lrs[10] == pytest.approx(1.0)
@@ -168,7 +168,7 @@ def test_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path: Path) -
     model = tiny_model(seed=None, **asdict(replace(MODEL, vocab_size=tok.vocab_size)))
     compiled = torch.compile(model)  # only wrapped: its state_dict has _orig_mod. names
     assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
-    save_checkpoint(tmp_path / "c", compiled, TrainConfig(), tok, meta={"step": 0})
+    save_checkpoint(tmp_path / "c", compiled, train_config(), tok, meta={"step": 0})
     loaded = load_checkpoint(tmp_path / "c").model
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2)
@@ -226,7 +226,7 @@ def test_muon_trains_the_block_matrices_and_adamw_the_rest(tmp_path: Path) -> No
     from lmcli.train.optim import MuonAdamW, make_optimizer
 
     model = tiny_model(13, n_embd=16)
-    opt = make_optimizer(model, TrainConfig(optimizer="muon", muon_lr=0.05, lr=1e-3), torch.device("cpu"))
+    opt = make_optimizer(model, train_config(optimizer="muon", muon_lr=0.05, lr=1e-3), torch.device("cpu"))
     assert isinstance(opt, MuonAdamW)
     muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
@@ -253,7 +253,7 @@ def test_resuming_with_another_optimizer_is_refused_in_one_line(tmp_path: Path, 
 
 
 def test_schedules_warm_up_and_end_at_the_floor_by_steps_or_by_time() -> None:
-    wsd = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
+    wsd = train_config(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
     lrs = [lr_at(s, wsd, 100) for s in range(101)]
     assert (
         lrs[9] < 1.0 and all(lr == 1.0 for lr in lrs[10:80]) and lrs[80] == pytest.approx(1.0)
@@ -264,7 +264,7 @@ def test_schedules_warm_up_and_end_at_the_floor_by_steps_or_by_time() -> None:
     assert lr_at(500, wsd, None, time_fraction=0.5) == 1.0
     assert lr_at(500, wsd, None, time_fraction=0.9) == pytest.approx(0.55)
     assert lr_at(500, wsd, None, time_fraction=1.0) == pytest.approx(0.1)
-    linear = TrainConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
+    linear = train_config(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
     assert [lr_at(s, linear, 4) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
     assert lr_at(0, linear, None, time_fraction=0.25) == pytest.approx(0.75)
 
@@ -343,16 +343,16 @@ def test_cpu_muon_is_torchs_muon_in_float32() -> None:
 def test_auto_is_muon_and_wsd_from_scratch_adamw_and_cosine_elsewhere_and_old_runs_keep_theirs() -> None:
     from lmcli.config import stored_fields
 
-    scratch = TrainConfig()
+    scratch = train_config()
     assert (scratch.optimizer_kind, scratch.schedule_kind) == ("muon", "wsd")
-    fine_tune = TrainConfig(init_from="some/folder")
+    fine_tune = train_config(init_from="some/folder")
     assert (fine_tune.optimizer_kind, fine_tune.schedule_kind) == ("adamw", "cosine")
-    translation = TrainConfig(task="translation", source="a.txt", target="b.txt")
+    translation = train_config(task="translation", source="a.txt", target="b.txt")
     assert (translation.optimizer_kind, translation.schedule_kind) == ("adamw", "cosine")
-    pinned = TrainConfig(optimizer="adamw", schedule="linear")
+    pinned = train_config(optimizer="adamw", schedule="linear")
     assert (pinned.optimizer_kind, pinned.schedule_kind) == ("adamw", "linear")
     # a run folder written before the options existed trained with AdamW and cosine: it resumes so
-    old = TrainConfig(**stored_fields(TrainConfig, {"lr": 1e-3}))
+    old = train_config(**stored_fields(TrainConfig, {"lr": 1e-3}))
     assert (old.optimizer_kind, old.schedule_kind) == ("adamw", "cosine")
 
 

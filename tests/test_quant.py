@@ -127,6 +127,7 @@ def test_quantizing_twice_or_an_unknown_group_size_is_refused() -> None:
         quantize(tiny_model(**LLAMA), "int4", 48)
 
 
+@pytest.mark.slow
 def test_eval_quantize_int8_perplexity_is_within_one_percent_of_float32(tmp_path: Path, capsys) -> None:
     corpus = tmp_path / "corpus.txt"
     from helpers import TINY_TEXT
