@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmcli.config import GROUP_SIZES
 from lmcli.device import release_freed_memory
 from lmcli.errors import LmcliError
 
@@ -46,7 +47,6 @@ MODES = ("none", "int8", "int4")
 INT8_KERNEL_K = 16
 INT8_KERNEL_MAX_ROWS = 48  # from 64 rows on, dequantizing to bfloat16 and a GEMM is faster
 CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 # ----------------------------------------------------------------------------- quantizing
@@ -214,13 +214,15 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
         return model
     if mode not in MODES:
         raise LmcliError(f"invalid quantization {mode!r}: choose one of {', '.join(MODES)}")
-    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+    if mode == "int4" and group_size not in GROUP_SIZES:
         raise LmcliError(
-            f"group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}"
+            f"group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
         )
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise LmcliError("the model is quantized already")
     device = next(model.parameters()).device
+    if mode == "int4" and device.type not in ("cpu", "cuda"):
+        raise LmcliError(f"--quantize int4 runs on a CPU or CUDA, not on {device.type}: use int8")
     if mode == "int4" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         raise LmcliError("--quantize int4 on CUDA needs a GPU of compute capability 8.0 or later (Ampere)")
     with torch.no_grad():
