@@ -169,12 +169,17 @@ def _read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None
 
 
 def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
-    """The checkpoint to decode or evaluate with, on the device the options ask for."""
-    from lmcli.device import pick_device
+    """The checkpoint to decode or evaluate with, on the device the options ask for, with the
+    CPU threads they ask for and its linear layers quantized as asked (``--quantize``)."""
+    from lmcli.device import pick_device, set_threads
+    from lmcli.quant import quantize
     from lmcli.sources import DTYPES, load_model
 
     cfg = build(DeviceConfig, options)
-    return load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    set_threads(cfg.threads)
+    ckpt = load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    quantize(ckpt.model, cfg.quantize, cfg.group_size)
+    return ckpt
 
 
 @contextlib.contextmanager
@@ -257,6 +262,7 @@ def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, s
             "tokens": g.ids,
             "logprobs": [round(x, 6) for x in g.logprobs],
             "finish_reason": g.finish_reason,
+            **g.speed.report(),
             "settings": to_dict(cfg),
         }
         typer.echo(json.dumps(record, ensure_ascii=False))
@@ -504,7 +510,8 @@ def serve(
             file=sys.stderr,
         )
     with _loaded(run_dir, options) as ckpt:
-        run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
+        threads = build(DeviceConfig, options).threads
+        run_server(ckpt, cfg, threads=threads, announce=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 # ----------------------------------------------------------------------------- chat

@@ -38,7 +38,9 @@ Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 ExportFormat = Literal["hf", "gguf", "lmcli"]
-GgufType = Literal["f32", "f16", "q8_0"]
+GgufType = Literal["f32", "f16", "q8_0", "q4_0"]
+Quantize = Literal["none", "int8", "int4"]
+GROUP_SIZES = (32, 64, 128, 256)  # the int4 kernels' group sizes
 LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGETS: the layers they name
 Optimizer = Literal["auto", "adamw", "muon"]
 Schedule = Literal["auto", "cosine", "wsd", "linear"]
@@ -380,6 +382,21 @@ class ModelConfig:
 
 
 DEVICE_HELP = "Device to run on (auto: cuda, then mps, then cpu)."
+THREADS_MAX = 4096  # a bound for the range check; lmcli.device.set_threads holds it to the machine's CPUs
+
+
+def threads_option() -> Any:
+    """``--threads``, one declaration for the configs that hold it (TrainConfig, DeviceConfig)."""
+    return option(
+        None,
+        "CPU threads torch computes with. On a machine shared with other jobs, give each job only "
+        "the cores it may keep busy (docs/quantization.md).",
+        gt=0,
+        le=THREADS_MAX,
+        default_help="$OMP_NUM_THREADS if set, else the CPUs this process may use (affinity, cgroup "
+        "quota); serve: one fewer",
+        stored=False,  # a property of this machine: a resume elsewhere uses its own
+    )
 
 
 @dataclass(frozen=True)
@@ -577,6 +594,7 @@ class TrainConfig:
     log_interval: int = option(10, "Log metrics every N steps.", gt=0)
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option("auto", "Autocast dtype (auto: bf16 on CUDA, float32 elsewhere).")
+    threads: int | None = threads_option()
     compile: bool = option(False, "torch.compile the model.")
     deterministic: bool = option(
         False, "Use torch's deterministic algorithms (ops that have none warn); slower on a GPU."
@@ -732,7 +750,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where `eval`, `sample` and `beam` run."""
+    """Where and how `eval`, `sample`, `beam`, `chat` and `serve` run the model."""
 
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option(
@@ -740,9 +758,20 @@ class DeviceConfig:
         "Dtype of the weights (auto: as stored in the folder). On a GPU float32 weights compute "
         "under bf16 autocast (float16 without native bf16); float32: no autocast.",
     )
+    threads: int | None = threads_option()
+    quantize: Quantize = option(
+        "none",
+        "Weight-only quantization of the linear layers after loading: int8 (per output channel) "
+        "or int4 (groups of --group-size; the vocabulary head stays int8). docs/quantization.md.",
+    )
+    group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.group_size not in GROUP_SIZES:
+            raise LmcliError(
+                f"group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -771,12 +800,6 @@ class ServeConfig:
     )
     client_timeout: float = option(
         10.0, "Seconds a client has to send a request's headers, then its body.", gt=0, parse=parse_duration
-    )
-    threads: int | None = option(
-        None,
-        "CPU threads of the decoding thread.",
-        gt=0,
-        default_help="all cores but one (for HTTP), at least 1",
     )
     grace: float = option(
         10.0,
@@ -816,7 +839,8 @@ class ExportConfig:
     merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (a LoRA run needs it).")
     dtype: GgufType | None = option(
         None,
-        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; norms and biases stay f32).",
+        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; q4_0: 4-bit blocks, the vocabulary "
+        "q8_0; norms and biases stay f32).",
         default_help="f16",
     )
 

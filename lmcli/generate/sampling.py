@@ -8,6 +8,7 @@ Reproducibility: sample ``j`` of every prompt draws from its own ``torch.Generat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,26 @@ from lmcli.tokenizer import Tokenizer
 
 
 @dataclass
+class Speed:
+    """How fast one ``generate`` call ran: its prompts' tokens through the prefill, and the new
+    tokens of every row through the decoding steps."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    def report(self) -> dict[str, float | None]:
+        """Tokens per second of the prefill and of decoding (None where nothing was timed)."""
+        return {
+            "prefill_tokens_per_s": round(self.prefill_tokens / self.prefill_s, 2)
+            if self.prefill_s
+            else None,
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 2) if self.decode_s else None,
+        }
+
+
+@dataclass
 class Generated:
     """One generated continuation."""
 
@@ -34,6 +55,7 @@ class Generated:
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"  # "eos", "stop" (a stop string) or "length"
+    speed: Speed = field(default_factory=Speed)  # of the generate call that made it (shared by its rows)
 
 
 @torch.inference_mode()
@@ -62,15 +84,23 @@ def generate(
     check_fits(model, len(out), f"{len(prompts)} prompt(s) x {len(samples)} sample(s)")
     rows = [Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None) for g in out]
     engine = Engine(model, tokenizer, prefix_lm=prefix_lm)
+    speed = Speed(prefill_tokens=sum(map(len, prompts)))
     with fastpath.inference(model):
+        start = time.perf_counter()
         engine.start(prompts, rows, cfg.max_new_tokens)
+        speed.prefill_s, start = time.perf_counter() - start, time.perf_counter()
+        chosen = 0
         with fastpath.step_threads(model, len(rows)):
             while engine.live:
                 for e in engine.advance():
+                    chosen += 1
                     if on_text is not None and e.text:
                         on_text(e.position, e.text)
+        speed.decode_s = time.perf_counter() - start
+    speed.decode_tokens = chosen - len(rows)  # every token but each row's first came from a step
     for g, r in zip(out, rows, strict=True):
         g.ids, g.logprobs, g.text, g.finish_reason = r.ids, r.logprobs, r.text, r.finish_reason or "length"
+        g.speed = speed
     return out
 
 

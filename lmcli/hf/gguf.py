@@ -43,8 +43,9 @@ from lmcli.safe_io import temp_file, write_error
 from lmcli.sources import load_checkpoint
 from lmcli.tokenizer import Tokenizer
 
-GGUF_TYPES = ("f32", "f16", "q8_0")
-Q8_BLOCK = 32  # values per Q8_0 block: a matrix whose rows are not a multiple stays f16
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
+Q8_BLOCK = 32  # values per Q8_0 (and Q4_0) block: a matrix whose rows are not a multiple stays f16
+VOCABULARY_TENSORS = ("token_embd.weight", "output.weight")  # q8_0 in a q4_0 file, as lmcli's int4 keeps them
 
 
 def _gguf() -> Any:
@@ -69,9 +70,9 @@ def encode_tensor(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, Any]:
     data = t.detach().cpu().float().numpy()
     if data.ndim == 1 or dtype == "f32":
         return data, None
-    if dtype == "q8_0" and data.shape[-1] % Q8_BLOCK == 0:
-        Q8_0 = gguf.GGMLQuantizationType.Q8_0
-        return gguf.quants.quantize(data, Q8_0), Q8_0
+    if dtype in ("q8_0", "q4_0") and data.shape[-1] % Q8_BLOCK == 0:
+        qtype = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        return gguf.quants.quantize(data, qtype), qtype
     return data.astype(np.float16), None
 
 
@@ -173,16 +174,18 @@ def write_gguf(
     if out.exists() or out.is_symlink():
         raise LmcliError(f"{out} already exists: choose a new file name")
     out.parent.mkdir(parents=True, exist_ok=True)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
-        dtype, gguf.LlamaFileType.MOSTLY_Q8_0
-    )
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    }.get(dtype, gguf.LlamaFileType.MOSTLY_Q4_0)
 
     tmp = temp_file(out)
     try:
         w = gguf.GGUFWriter(str(tmp), family.gguf_arch)
         w.add_name(name)
         w.add_file_type(file_type)
-        if dtype == "q8_0":
+        if dtype in ("q8_0", "q4_0"):
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_context_length(cfg.block_size)
         w.add_embedding_length(cfg.n_embd)
@@ -204,7 +207,8 @@ def write_gguf(
         if getattr(tok, "chat_template", None):  # a tokenizer imported with one keeps it
             w.add_chat_template(tok.chat_template)
         for tensor_name, t in tensors.items():
-            data, raw_type = encode_tensor(t, dtype)
+            vocabulary = dtype == "q4_0" and tensor_name in VOCABULARY_TENSORS
+            data, raw_type = encode_tensor(t, "q8_0" if vocabulary else dtype)
             w.add_tensor(tensor_name, data, raw_dtype=raw_type)
         w.write_header_to_file()
         w.write_kv_data_to_file()

@@ -112,14 +112,16 @@ def _event_log() -> EventLog:
     return events
 
 
-def _setup(ckpt: Checkpoint, cfg: ServeConfig, log_level: str) -> tuple[Any, Scheduler, socket.socket]:
+def _setup(
+    ckpt: Checkpoint, cfg: ServeConfig, log_level: str, threads: int | None = None
+) -> tuple[Any, Scheduler, socket.socket]:
     model = describe(ckpt, cfg)
     scheduler = Scheduler(
         ckpt.model,
         ckpt.tokenizer,
         max_batch=cfg.max_batch,
         max_queue=cfg.max_queue,
-        threads=cfg.threads,
+        threads=threads,
         prefix_lm=make_task(ckpt.train_config).prefix_lm,
     )
     app = create_app(model, scheduler, cfg)
@@ -140,9 +142,16 @@ def _setup(ckpt: Checkpoint, cfg: ServeConfig, log_level: str) -> tuple[Any, Sch
     return _Server(config, guard, events, app.state.api.close), scheduler, sock
 
 
-def serve(ckpt: Checkpoint, cfg: ServeConfig, *, announce: Callable[[str], None] = print) -> None:
-    """Serve ``ckpt`` until SIGTERM or Ctrl-C (see the module docstring)."""
-    server, scheduler, sock = _setup(ckpt, cfg, "warning")
+def serve(
+    ckpt: Checkpoint,
+    cfg: ServeConfig,
+    *,
+    threads: int | None = None,
+    announce: Callable[[str], None] = print,
+) -> None:
+    """Serve ``ckpt`` until SIGTERM or Ctrl-C (see the module docstring); ``threads``: torch's
+    CPU threads for decoding (default: all CPUs but one, which HTTP needs)."""
+    server, scheduler, sock = _setup(ckpt, cfg, "warning", threads)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     announce(f"lmcli serve: {describe(ckpt, cfg).name} on http://{shown}:{port} (chat page at /, API at /v1)")

@@ -37,7 +37,15 @@ from lmcli.checkpoint import (
 from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple
 from lmcli.data.examples import pad_multiple
 from lmcli.data.train_data import ExampleData, TrainData, load_train_data
-from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
+from lmcli.device import (
+    Staging,
+    autocast,
+    autocast_dtype,
+    configure_backend,
+    deterministic_algorithms,
+    set_threads,
+    usable_cpus,
+)
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.errors import LmcliError, Terminated
 from lmcli.hf.load import is_hf_folder, load_hf_folder
@@ -161,6 +169,7 @@ def train(
     The run folder is locked for the whole call; if the call fails before a first checkpoint,
     a folder it created is removed; an interruption says which checkpoint was kept."""
     rep = reporter or Reporter()
+    set_threads(cfg.threads)
     dist_info, device = init_distributed(cfg.device)
     held: list[RunFolder] = []  # rank 0's locked run folder
     opened: list[Run] = []
@@ -785,6 +794,7 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     amp = f"{str(run.amp).removeprefix('torch.')} autocast" if run.amp else "float32"
     facts = {
         "device": f"{run.device}, {amp}",
+        "CPU threads": f"{torch.get_num_threads()} (--threads; {usable_cpus()} CPUs usable)",
         "run folder": str(run.run_dir),
         "corpus": str(run.data.info.get("corpus", ""))
         + (" (token cache reused)" if run.data.info.get("cached") else ""),

@@ -343,7 +343,7 @@ def test_cli_writes_the_default_name_and_never_overwrites(tmp_path: Path, capsys
     ("argv", "message"),
     [
         (["--dtype", "f16"], "--dtype applies to --format gguf only"),
-        (["--format", "gguf", "--dtype", "q4_0"], "invalid dtype 'q4_0': choose one of f32, f16, q8_0"),
+        (["--format", "gguf", "--dtype", "q4_k"], "invalid dtype 'q4_k': choose one of f32, f16, q8_0, q4_0"),
         (["a.gguf", "--out", "b.gguf", "--format", "gguf"], "give the output once"),
     ],
 )
