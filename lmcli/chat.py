@@ -77,7 +77,7 @@ class ChatSession:
         task = make_task(ckpt.train_config)
         if not task.chat:
             raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
-        template = chat_template.find_template(ckpt.path)
+        template = chat_template.template_of(ckpt)
         return cls(ckpt.model, ckpt.tokenizer, cfg, template, system)
 
     @property

@@ -24,6 +24,7 @@ Hugging Face folder, a LoRA run, the newest run) is opened by ``lmcli.sources``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -391,11 +392,13 @@ def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, 
     return expected, computed
 
 
-def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
+def check_header(cfg: ModelConfig, header: WeightsHeader, *, any_dtype: bool = False) -> None:
     """One line when ``cfg`` does not describe the weights in ``header``, found before anything
     as large as the config claims is built: layers and embedding first (the numbers a crafted
     config inflates), then every tensor's name, shape and dtype, the total size, and the size
-    of what the model computes from the config alone (position tables, masks)."""
+    of what the model computes from the config alone (position tables, masks). ``any_dtype``:
+    tensors of another format (GGUF's types, a Hugging Face folder's dtypes), whose own reader
+    checked that the file holds them; names and shapes are checked, sizes counted in float32."""
     where = f"weights {header.path}"
     layers = {int(m.group(1)) for name in header.tensors if (m := _LAYER.match(name))}
     if cfg.n_layer != len(layers) or layers != set(range(len(layers))):
@@ -424,10 +427,10 @@ def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
         got_dtype, got_shape = header.tensors[name]
         if got_shape != shape:
             raise LmcliError(f"{where}: {name} has shape {got_shape}, config expects {shape}")
-        if got_dtype != dtype:
+        if got_dtype != dtype and not any_dtype:
             raise LmcliError(f"{where}: {name} is {got_dtype}, expected {dtype}")
     n_bytes = sum(math.prod(s) * _DTYPES[d].itemsize for d, s in expected.values())
-    if n_bytes > header.file_size:
+    if n_bytes > header.file_size and not any_dtype:
         raise LmcliError(f"{where}: {n_bytes} bytes of tensors in a file of {header.file_size} bytes")
     if computed > max(n_bytes, COMPUTED_FLOOR):
         raise LmcliError(
@@ -452,6 +455,16 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], where: st
     if left:  # a tensor the format does not store and nothing computed: a bug, not bad input
         raise RuntimeError(f"not materialized after loading: {', '.join(left[:3])}")
     return model
+
+
+def with_context(model: Transformer, block_size: int) -> Transformer:
+    """``model`` with a context of ``block_size`` tokens (shorter than its own): the same weights,
+    learned positions cut to their first ``block_size`` rows, the position tables made anew."""
+    cfg = dataclasses.replace(model.config, block_size=block_size)
+    state = model_state(model)
+    if "wpe.weight" in state:
+        state["wpe.weight"] = state["wpe.weight"][:block_size]
+    return model_from_state(cfg, state).train(model.training)
 
 
 def load_weights(cfg: ModelConfig, path: Path, device: torch.device | str = "cpu") -> Transformer:

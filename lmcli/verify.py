@@ -7,10 +7,16 @@ config (names, shapes, dtypes, sizes; ``lmcli.checkpoint.check_header``), the to
 and fits the vocabulary, and ``trainer_state.pt`` loads with ``weights_only`` (no code runs).
 The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
 the ones that were trained (a checksum recomputed by whoever edited a file matches again).
+
+A Hugging Face folder or a GGUF file, which ``sample``, ``eval`` and the rest also read, is
+checked as they check it before building anything: its config or metadata through the family
+adapter, its weights' names and shapes against that config, its tokenizer against the
+vocabulary (``verify_import``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -118,11 +124,62 @@ def checkpoints_of(path: Path) -> list[Path]:
     return found
 
 
-def verify_run(path: str | Path) -> list[CheckpointReport]:
-    """Check a run folder (its ``config.json`` and every checkpoint) or one checkpoint folder."""
+@dataclass
+class ImportReport:
+    """What verifying a Hugging Face folder or a GGUF file found (it passed)."""
+
+    path: Path
+    what: str  # "Hugging Face llama folder", "GGUF llama file (Q8_0, F32)"
+    params: int
+    vocab: int
+
+    def line(self) -> str:
+        return f"ok  {self.path}: {self.what}, {self.params:,} parameters, {self.vocab} tokens"
+
+
+def verify_import(path: Path) -> ImportReport:
+    """Check a Hugging Face folder or a GGUF file as loading it would, without building it."""
+    from lmcli.checkpoint import WeightsHeader, expected_weights
+    from lmcli.hf.gguf_load import read_gguf_header
+
+    if not os.path.isdir(path):
+        header = read_gguf_header(path)
+        kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
+        params = sum(math.prod(s) for _, s in expected_weights(header.config)[0].values())
+        return ImportReport(
+            path, f"GGUF {header.family.gguf_arch} file ({kinds})", params, header.tokenizer.vocab_size
+        )
+    from lmcli.hf.families import HFConfig, from_hf_config
+    from lmcli.hf.load import read_json, read_tokenizer
+    from lmcli.hf.weights import weight_files
+
+    hf = HFConfig(read_json(path / CONFIG), str(path / CONFIG))
+    family = from_hf_config(hf)
+    cfg = family.config_from_hf(hf)[0]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(path):
+        shapes |= {k: shape for k, (_, shape) in read_header(file).tensors.items()}
+    mapped = family.from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()}, cfg)
+    tensors = {k: ("F32", tuple(t.shape)) for k, t in mapped.items()}
+    check_header(cfg, WeightsHeader(path, tensors, 0), any_dtype=True)
+    tok = read_tokenizer(path, hf)
+    if tok.vocab_size > cfg.vocab_size:
+        raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    params = sum(math.prod(s) for _, s in tensors.values())
+    return ImportReport(path, f"Hugging Face {family.name} folder", params, tok.vocab_size)
+
+
+def verify_run(path: str | Path) -> list[CheckpointReport | ImportReport]:
+    """Check a run folder (its ``config.json`` and every checkpoint) or one checkpoint folder; a
+    Hugging Face folder or a GGUF file as ``verify_import`` does."""
+    from lmcli.hf.gguf_load import is_gguf_file
+    from lmcli.hf.load import is_hf_folder
+
     path = Path(path)
     if not os.path.lexists(path):
         raise LmcliError(f"no such run or checkpoint folder: {path}")
+    if is_gguf_file(path) or is_hf_folder(path):
+        return [verify_import(path)]
     if not path.is_dir() or path.is_symlink():
         raise LmcliError(f"{path} is not a folder")
     refuse_symlinks(path)

@@ -168,7 +168,8 @@ def _common(
 
 
 def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[str]]:
-    """A completion's prompts (text, texts, token ids, or lists of ids) as ids with ``<bos>``."""
+    """A completion's prompts (text, texts, token ids, or lists of ids) as ids; a text in the
+    model's prompt form (``<bos>`` first where its tokenizer puts it), ids as given."""
     prompt = body.get("prompt")
     tok = model.tokenizer
     if isinstance(prompt, str):

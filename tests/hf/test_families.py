@@ -117,7 +117,8 @@ def test_cli_eval_perplexity_equals_the_hf_loop(tmp_path: Path, name: str, capsy
         assert "warning:" in err and "context capped at the sliding window of 48 tokens (of 96)" in err
     ours = json.loads(out.splitlines()[-1])
     _, tok = load_hf_folder(folder)
-    ids = [tok.bos_id, *tok.encode(TEXT)]
+    ids = transformers.AutoTokenizer.from_pretrained(folder)(TEXT)["input_ids"]  # its default: no <bos>
+    assert ids == tok.with_bos(tok.encode(TEXT)) and ids[0] != tok.bos_id
     assert ours["tokens"] == len(ids) - 1 > 64
     assert ours["perplexity"] == pytest.approx(hf_perplexity(hf_model(folder), ids, 31, 16), rel=1e-5)
 
@@ -230,7 +231,8 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path: 
     )
     text = "the dog sat on the log."
     ids = tok.encode(text)
-    assert hf_tok(text)["input_ids"] == ids
+    assert hf_tok(text)["input_ids"] == [tok.bos_id, *ids]  # <bos> first, as lmcli reads a text
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
     idx = torch.tensor([[tok.bos_id, *ids] * 2])
     with torch.no_grad():
         torch.testing.assert_close(ckpt.model(idx), model(idx).logits, rtol=1e-5, atol=1e-5)
