@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from families import hf_tokenizer
-from tokenizers import Tokenizer
+from helpers import TINY_TEXT
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 T = gguf.GGMLQuantizationType
 KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -31,6 +32,12 @@ K_SCALES = {"Q4_K": ((0, 2), 144), "Q5_K": ((0, 2), 176), "Q6_K": ((208,), 210)}
 SHAPE = dict(n_embd=256, n_head=4, n_kv=2, n_layer=2, ffn=512, context=64)  # K types: rows of 256
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+TEXTS = [  # pre-tokenization cases: contractions, digits, runs of spaces, newlines, non-ASCII
+    "It's the model's 3rd run, isn't it?  Yes:   1234567 tokens.\n\n\tindented\r\n",
+    "naïve café — “quotes” and emoji 🙂; ümlaut ß 2024-05-01\n",
+    "THE CAT'LL SAY <|im_end|> or <|endoftext|> as text   ",
+    "  leading spaces, trailing newline\n",
+]
 
 
 def field(reader: gguf.GGUFReader, key: str):
@@ -38,6 +45,35 @@ def field(reader: gguf.GGUFReader, key: str):
 
 
 # ----------------------------------------------------------------------------- writing
+
+
+def source_tokenizer(pre: str) -> Tokenizer:
+    """A byte-level BPE with the pre-tokenizer a model of GGUF's ``pre`` has in its tokenizer.json."""
+    llama3 = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt-2", "smollm"))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = {
+        "gpt-2": byte_level,
+        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
+        "llama-bpe": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(llama3), "isolated"), byte_level]),
+        "qwen2": pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(llama3.replace(r"\p{N}{1,3}", r"\p{N}")), "isolated"), byte_level]
+        ),
+    }[pre]
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TINY_TEXT, *TEXTS * 3, "12 123 1234 12345 didn't it's"], trainer=trainer)
+    return tok
 
 
 def _k_blocks(rows: int, cols: int, kind: str, scale: float, rng: np.random.Generator) -> np.ndarray:
@@ -102,7 +138,9 @@ def model_tensors(arch: str, vocab: int, rng: np.random.Generator, tied: bool) -
     return out
 
 
-def write_tokenizer(w: gguf.GGUFWriter, tok: Tokenizer, vocab: int, pre: str, add_bos: bool | None) -> None:
+def write_tokenizer(
+    w: gguf.GGUFWriter, tok: Tokenizer, vocab: int, pre: str, add_bos: bool | None, model: str = "gpt2"
+) -> None:
     """The tokenizer's metadata as llama.cpp's converter writes a byte-level BPE's."""
     by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab)]
@@ -111,7 +149,7 @@ def write_tokenizer(w: gguf.GGUFWriter, tok: Tokenizer, vocab: int, pre: str, ad
     types = [
         TT.CONTROL if t in specials else TT.UNUSED if t.startswith("[PAD") else TT.NORMAL for t in tokens
     ]
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(model)
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
@@ -136,10 +174,13 @@ def write_gguf_model(
     pre: str = "gpt-2",
     add_bos: bool | None = True,
     name: str = "tiny",
+    tok: Tokenizer | None = None,
+    tokenizer_model: str = "gpt2",
 ) -> Path:
-    """A tiny random ``arch`` model, its matrices ``kind``, as llama.cpp's converter lays it out."""
+    """A tiny random ``arch`` model, its matrices ``kind``, as llama.cpp's converter lays it out
+    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text)."""
     rng = np.random.default_rng(seed)
-    tok = hf_tokenizer(SPECIALS)
+    tok = tok or hf_tokenizer(SPECIALS)
     vocab = tok.get_vocab_size() + 4  # a few unused ids, as padded vocabularies have
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -156,7 +197,7 @@ def write_gguf_model(
         w.add_layer_norm_rms_eps(1e-6)
         w.add_rope_freq_base(5000.0)
         w.add_rope_dimension_count(C // H)
-    write_tokenizer(w, tok, vocab, pre, add_bos)
+    write_tokenizer(w, tok, vocab, pre, add_bos, tokenizer_model)
     for tname, value in model_tensors(arch, vocab, rng, tied).items():
         if value.ndim == 1:
             w.add_tensor(tname, value)
