@@ -39,6 +39,10 @@ class TextPrompt:
     prefix_lm = False  # the prompt attends causally, as every position in training
     shows_text = True  # a continuation reads on from its prompt's text (lmcli sample prints both)
 
+    def encode(self, text: str, tokenizer: Any) -> list[int]:
+        """The ids of a user's text (``frame`` puts the prompt's own tokens around them)."""
+        return tokenizer.encode(text)
+
     def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
         """The prompt's ids around the text's ids ``body``, and whether part of ``body`` was left
         out; fitting the prompt in the context is the decoder's (``decoding.make_prompt``)."""

@@ -179,7 +179,7 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
     family = from_gguf_arch(str(meta.require("general.architecture")), where)
     cfg = family.config_from_gguf(meta, {name: t.shape for name, t in tensors.items()})
     _check_shapes(family, cfg, tensors, path)
-    tok = tokenizer_from_gguf(meta.get, where)
+    tok = tokenizer_from_gguf(meta)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
     return GgufHeader(path, meta, tensors, family, cfg, tok)

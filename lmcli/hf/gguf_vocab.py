@@ -31,11 +31,11 @@ refused.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lmcli.errors import LmcliError
+from lmcli.hf.families.hf_config import HFConfig
 from lmcli.tokenizer import Tokenizer
 
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -211,30 +211,12 @@ SPECIAL_KEYS = {
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 
 
-def tokenizer_from_gguf(get: Callable[..., Any], where: str) -> Tokenizer:
-    """lmcli's Tokenizer of a GGUF file's metadata; ``get(key, default)`` reads one key (a
-    ``gguf_load.GgufFields``). One line for a tokenizer model or pre-tokenizer lmcli lacks."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    kind = get("tokenizer.ggml.model", None)
-    if kind != "gpt2":
-        raise LmcliError(
-            f"{where}: unsupported GGUF tokenizer model {kind!r} (lmcli reads gpt2, a byte-level BPE)"
-        )
-    name = get("tokenizer.ggml.pre", "gpt-2")
-    pre = PRE_ALIASES.get(name, name)
-    if pre not in PRE_TOKENIZERS:
-        raise LmcliError(
-            f"{where}: unsupported GGUF pre-tokenizer {name!r} (lmcli reads {', '.join(PRE_TOKENIZERS)})"
-        )
-    tokens: list[str] = get("tokenizer.ggml.tokens")
-    types: list[int] = get("tokenizer.ggml.token_type", None) or [1] * len(tokens)
-    merges: list[str] = get("tokenizer.ggml.merges", None) or []
-    if len(types) != len(tokens):
-        raise LmcliError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+def bpe_spec(tokens: list[str], types: list[int], merges: list[str], pre: str) -> dict[str, Any]:
+    """The ``tokenizer.json`` of a GGUF byte-level BPE: control tokens special, user-defined
+    ones added (matched in text), the pre-tokenizer of GGUF's name ``pre``."""
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
+        vocab.setdefault(t, i)  # a repeated text keeps its first id
     added = [
         {
             "id": i,
@@ -248,7 +230,7 @@ def tokenizer_from_gguf(get: Callable[..., Any], where: str) -> Tokenizer:
         for i, t in enumerate(types)
         if t in (CONTROL, USER_DEFINED)
     ]
-    spec = {
+    return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
@@ -270,6 +252,38 @@ def tokenizer_from_gguf(get: Callable[..., Any], where: str) -> Tokenizer:
             "merges": [m.split(" ", 1) for m in merges],
         },
     }
+
+
+def _texts(value: Any, what: str, where: str, kind: type = str) -> list:
+    """``value`` if it is a list of ``kind``; one line otherwise."""
+    if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+        raise LmcliError(f"{where}: {what} is not a list of {kind.__name__}")
+    return value
+
+
+def tokenizer_from_gguf(meta: HFConfig) -> Tokenizer:
+    """lmcli's Tokenizer of a GGUF file's metadata (keys as the file names them); one line for
+    a tokenizer model or pre-tokenizer lmcli lacks, or metadata of the wrong kind."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    get, where = meta.get, meta.where
+    kind = get("tokenizer.ggml.model", None)
+    if kind != "gpt2":
+        raise LmcliError(
+            f"{where}: unsupported GGUF tokenizer model {kind!r} (lmcli reads gpt2, a byte-level BPE)"
+        )
+    name = get("tokenizer.ggml.pre", "gpt-2")
+    pre = PRE_ALIASES.get(name, name)
+    if pre not in PRE_TOKENIZERS:
+        raise LmcliError(
+            f"{where}: unsupported GGUF pre-tokenizer {name!r} (lmcli reads {', '.join(PRE_TOKENIZERS)})"
+        )
+    tokens = _texts(meta.require("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", where)
+    types = _texts(get("tokenizer.ggml.token_type", None) or [1] * len(tokens), "the token types", where, int)
+    merges = _texts(get("tokenizer.ggml.merges", None) or [], "tokenizer.ggml.merges", where)
+    if len(types) != len(tokens):
+        raise LmcliError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    spec = bpe_spec(tokens, types, merges, pre)
     try:
         hf = HFTokenizer.from_str(json.dumps(spec))
     except Exception as exc:  # tokenizers raises plain Exception on a bad definition

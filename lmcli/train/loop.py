@@ -554,12 +554,7 @@ def open_run(
         staging=Staging(device),
         saved_step=state.step if resumed else -1,
         base=base,
-        flops_per_token=flops_per_token(
-            model_config,
-            matmul_params(model),
-            round(data.tokens_per_example()),
-            matmul_params(model, trained_only=True) if cfg.lora_rank else None,
-        ),
+        flops_per_token=training_flops(model, cfg, data),
         ema=ema,
     )
     run.peak_tflops, run.peak_source = peak_tflops(device, cfg.peak_tflops)
@@ -684,6 +679,12 @@ def build_model(
     model_config = resolve_vocab_multiple(model_config, device.type)
     seed_everything(cfg.seed)
     return Transformer(model_config), model_config
+
+
+def training_flops(model: Transformer, cfg: TrainConfig, data: TrainData) -> float:
+    """Training FLOPs per token (``train/mfu.py``); a LoRA run's frozen weights get no gradient."""
+    trained = matmul_params(model, trained_only=True) if cfg.lora_rank else None
+    return flops_per_token(model.config, matmul_params(model), round(data.tokens_per_example()), trained)
 
 
 def load_init(
