@@ -59,7 +59,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-RUN_DIR_HELP = "Run or checkpoint folder. [default: newest in checkpoints/]"
+RUN_DIR_HELP = "Run or checkpoint folder, Hugging Face folder or GGUF file. [default: newest in checkpoints/]"
 
 
 def _version(value: bool) -> None:
@@ -442,7 +442,7 @@ def _print_score(score: Any, what: str, to_stderr: bool) -> None:
 @app.command()
 @config_options(ExportConfig)
 def export(
-    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder."),
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder, Hugging Face folder or GGUF file."),
     out_dir: Path | None = typer.Argument(
         None, help="Folder (hf, must be new or empty) or file (gguf, must be new) to write."
     ),
@@ -576,9 +576,14 @@ def chat(
 
 
 @app.command()
-def verify(run_dir: Path = typer.Argument(..., help="Run or checkpoint folder.")) -> None:
+def verify(
+    run_dir: Path = typer.Argument(
+        ..., help="Run or checkpoint folder (or a Hugging Face folder, a GGUF file)."
+    ),
+) -> None:
     """Check a run folder without building a model: files, links, checksums, configs, weight
-    shapes and sizes against the config, tokenizer, trainer state. One line per checkpoint."""
+    shapes and sizes against the config, tokenizer, trainer state. One line per checkpoint. A
+    Hugging Face folder or GGUF file: its config or metadata, weights' shapes and tokenizer."""
     from lmcli.verify import verify_run
 
     for report in verify_run(run_dir):

@@ -242,3 +242,48 @@ def test_a_bad_gguf_file_is_one_line(tmp_path: Path, capsys, make, message: str)
     for command in (["sample", str(path), "--max-new-tokens", "1"], ["verify", str(path)]):
         code, _, err = run_cli(command, capsys)
         assert_one_line_error(code, err, message)
+
+
+def test_a_pre_tokenizer_gguf_cannot_name_is_refused_on_export(tmp_path: Path, capsys) -> None:
+    from tokenizers import pre_tokenizers
+
+    folder = hf_folder(tmp_path, "llama-tied")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = json.loads(pre_tokenizers.Whitespace().__getstate__())
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    capsys.readouterr()  # transformers' progress bar
+    code, _, err = run_cli(["export", str(folder), str(tmp_path / "x.gguf"), "--format", "gguf"], capsys)
+    assert_one_line_error(
+        code, err, "GGUF export supports byte-level BPE tokenizers with the pre-tokenizer of"
+    )
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_serve_reads_a_gguf_file_with_its_chat_template_and_bos_rule(tmp_path: Path) -> None:
+    """Completions follow the file's add_bos_token (false here), chat completions its template:
+    each equals lmcli sample's greedy tokens on the same prompt ids."""
+    import httpx2 as httpx
+
+    from lmcli.config import SampleConfig, ServeConfig
+    from lmcli.generate.sampling import generate
+    from lmcli.serve.server import running
+
+    path = write_gguf_model(tmp_path / "m.gguf", "qwen2", "Q8_0", add_bos=False)
+    ckpt = load_model(path)
+    tok = ckpt.tokenizer
+    greedy = SampleConfig(temperature=0, max_new_tokens=4)
+    from lmcli.chat_template import encode, template_of
+
+    chat_ids = encode([{"role": "user", "content": "hi"}], template_of(ckpt), tok)
+    assert tok.decode(chat_ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    with running(ckpt, ServeConfig(port=0, grace=1)) as (url, _):
+        body = {"prompt": "the cat", "max_tokens": 4, "temperature": 0, "logprobs": 0}
+        done = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        expected = generate(ckpt.model, tok, [tok.encode("the cat")], greedy)[0]  # no <bos> first
+        assert done["choices"][0]["text"] == expected.text
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+        done = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert (
+            done["choices"][0]["message"]["content"] == generate(ckpt.model, tok, [chat_ids], greedy)[0].text
+        )
+        assert done["usage"]["prompt_tokens"] == len(chat_ids)
