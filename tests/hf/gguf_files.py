@@ -22,8 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from families import hf_tokenizer
-from helpers import TINY_TEXT
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
 T = gguf.GGMLQuantizationType
 KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -54,25 +53,15 @@ def source_tokenizer(pre: str) -> Tokenizer:
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt-2", "smollm"))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = {
+    split = {"llama-bpe": llama3, "qwen2": llama3.replace(r"\p{N}{1,3}", r"\p{N}")}
+    pre_tokenizer = {
         "gpt-2": byte_level,
         "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
-        "llama-bpe": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(llama3), "isolated"), byte_level]),
-        "qwen2": pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(llama3.replace(r"\p{N}{1,3}", r"\p{N}")), "isolated"), byte_level]
-        ),
-    }[pre]
+    }.get(pre) or pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split[pre]), "isolated"), byte_level])
+    texts = (*TEXTS * 3, "12 123 1234 12345 didn't it's")
+    tok = hf_tokenizer(SPECIALS, pre_tokenizer, vocab_size=400, texts=texts)
     if pre == "qwen2":
         tok.normalizer = normalizers.NFC()
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TINY_TEXT, *TEXTS * 3, "12 123 1234 12345 didn't it's"], trainer=trainer)
     return tok
 
 

@@ -101,29 +101,21 @@ def test_block_size_below_an_imported_context_is_applied_and_stored(tmp_path: Pa
     assert stored_block(lora) == 16 and load_model(lora).model.config.block_size == 16  # the base is cut too
 
 
-def test_block_size_above_an_imported_context_keeps_the_models(tmp_path: Path, capsys) -> None:
+def test_block_size_above_an_imported_context_keeps_the_models(tmp_path: Path) -> None:
     folder = hf_folder(tmp_path, "llama-tied")
-    (tmp_path / "c.txt").write_text(TINY_TEXT)
-    cfg = TrainConfig(
-        corpus=(str(tmp_path / "c.txt"),),
-        init_from=str(folder),
-        out=str(tmp_path / "ft"),
-        cache_dir=str(tmp_path / "cache"),
-        max_steps=1,
-        eval_interval=1,
-        eval_batches=1,
-        batch_size=2,
-    )
     notes: list[str] = []
-    train(ModelConfig(block_size=128), cfg, reporter=Reporter(info=notes.append), progress=False)
-    assert stored_block(tmp_path / "ft") == 64
+    _, ckpt = preflight_of(folder, tmp_path, ModelConfig(block_size=128), notes=notes)
+    assert ckpt.model_config.block_size == 64
     assert any("has a context of 64 tokens: block size 64, not 128" in n for n in notes)
 
 
 # ----------------------------------------------------------------------------- the pre-flight
 
 
-def preflight_of(folder: Path, tmp: Path, model_config: ModelConfig, **options: object):
+def preflight_of(
+    folder: Path, tmp: Path, model_config: ModelConfig, notes: list[str] | None = None, **options: object
+):
+    """A one-step run ``--init-from folder``: its pre-flight figures and its last checkpoint."""
     (tmp / "c.txt").write_text(TINY_TEXT * 120)
     seen = {}
     cfg = TrainConfig(
@@ -137,7 +129,8 @@ def preflight_of(folder: Path, tmp: Path, model_config: ModelConfig, **options: 
         batch_size=2,
         **options,
     )
-    rep = Reporter(info=lambda m: None, preflight=lambda pre, facts: seen.update(pre=pre, facts=facts))
+    info = notes.append if notes is not None else (lambda m: None)
+    rep = Reporter(info=info, preflight=lambda pre, facts: seen.update(pre=pre, facts=facts))
     train(model_config, cfg, reporter=rep, progress=False)
     return seen["pre"], load_checkpoint(cfg.out)
 
