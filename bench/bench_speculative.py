@@ -3,8 +3,9 @@ same model, prompt and settings (``lmcli sample --draft``).
 
 The pair: a 6x384 character-level model (~10.8M parameters) and a 2x128 draft (~0.4M), each
 trained briefly by ``lmcli.train`` on the same text (CPython's documentation, ``bench/texts.py``)
-with the same tokenizer, so that the draft agrees with the model often, as a small model of a
-family agrees with a large one. Two random models would agree on almost nothing (no speed-up
+with the same tokenizer (the model for ``TARGET_SECONDS``, the draft for ``DRAFT_SECONDS``, at
+most ``STEPS`` steps each), so that the draft agrees with the model often, as a small model of
+a family agrees with a large one. Two random models would agree on almost nothing (no speed-up
 to measure), and a draft made of the model's own first layers agrees only once both are trained.
 
 Both sides decode exactly ``NEW`` tokens (``min_new_tokens = max_new_tokens``) from the same
@@ -32,26 +33,32 @@ from lmcli.train import Reporter, train
 NEW = 200
 PROMPT = 32
 K = 4  # --draft-tokens
-STEPS = 300
+STEPS = 400
+TARGET_SECONDS, DRAFT_SECONDS = 120.0, 40.0
 TARGET = dict(n_layer=6, n_head=6, n_embd=384)
 DRAFT = dict(n_layer=2, n_head=2, n_embd=128)
 
 
-def trained(folder: Path, corpus: Path, shape: dict[str, int], tokenizer: str) -> Path:
-    """A char model of ``shape`` trained ``STEPS`` steps on ``corpus``; its run folder."""
+def trained(folder: Path, corpus: Path, shape: dict[str, int], tokenizer: str, seconds: float) -> Path:
+    """A char model of ``shape`` trained on ``corpus`` for ``seconds`` (at most ``STEPS`` steps);
+    its run folder."""
     cfg = TrainConfig(
         corpus=(str(corpus),),
         out=str(folder),
         tokenizer=tokenizer,
         max_steps=STEPS,
-        batch_size=16,
+        max_time=seconds,
+        batch_size=8,
         eval_interval=STEPS,
         eval_batches=2,
-        warmup_steps=30,
+        warmup_steps=20,
         cache_dir=str(folder.parent / "cache"),
         seed=0,
     )
-    train(ModelConfig(block_size=256, **shape), cfg, reporter=Reporter(info=lambda m: None), progress=False)
+    result = train(
+        ModelConfig(block_size=256, **shape), cfg, reporter=Reporter(info=lambda m: None), progress=False
+    )
+    log(f"{shape}: {result.step} steps, validation loss {result.val_loss}")
     return folder
 
 
@@ -92,14 +99,15 @@ def run() -> list[Row]:
         root = Path(tmp)
         corpus = root / "docs.txt"
         corpus.write_text(doc_text())
-        log(f"training the model {TARGET} and the draft {DRAFT}, {STEPS} steps each")
-        big = trained(root / "model", corpus, TARGET, "char")
-        small = trained(root / "draft", corpus, DRAFT, str(big / "last" / "tokenizer.json"))
+        log(f"training the model {TARGET} and the draft {DRAFT}")
+        big = trained(root / "model", corpus, TARGET, "char", TARGET_SECONDS)
+        small = trained(root / "draft", corpus, DRAFT, str(big / "last" / "tokenizer.json"), DRAFT_SECONDS)
         target, helper = load_checkpoint(big / "last"), load_checkpoint(small / "last")
         tok = target.tokenizer
         prompt = tok.with_bos(tok.encode(doc_text()[10000:20000]))[:PROMPT]
         draft = Draft(helper.model, helper.tokenizer, K)
-        log(f"{target.model.num_parameters() / 1e6:.1f}M model, {helper.model.num_parameters() / 1e6:.2f}M draft")
+        big_m, small_m = target.model.num_parameters() / 1e6, helper.model.num_parameters() / 1e6
+        log(f"{big_m:.1f}M model, {small_m:.2f}M draft")
         return [case(target.model, draft, tok, prompt, t) for t in (0.0, 0.8)]
 
 

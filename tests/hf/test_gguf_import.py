@@ -77,9 +77,15 @@ def test_the_tokenizer_rebuilt_from_metadata_encodes_as_its_source(tmp_path: Pat
     )
     assert tok.add_bos == (pre == "llama-bpe")  # llama.cpp's default when the file does not say
     assert "<|im_start|>" in tok.chat_template
-    # and out again: the source's pre-tokenizer by its GGUF name
+    # and out again: the source's pre-tokenizer by its GGUF name, the rebuilt one's too
     named = Tokenizer(source, {"eos": "<|im_end|>"})
     assert gguf_vocab(named, source.get_vocab_size(), gguf.TokenType).pre == pre
+    again = gguf_vocab(tok, source.get_vocab_size() + 4, gguf.TokenType)
+    assert (again.pre, again.add_bos, again.merges) == (
+        pre,
+        pre == "llama-bpe",
+        field(gguf.GGUFReader(path), "tokenizer.ggml.merges"),
+    )
 
 
 @pytest.mark.parametrize("add_bos", [True, False])
