@@ -3,9 +3,9 @@ same model, prompt and settings (``lmcli sample --draft``).
 
 The pair: a 6x384 character-level model (~10.8M parameters) and a 2x128 draft (~0.4M), each
 trained briefly by ``lmcli.train`` on the same text (CPython's documentation, ``bench/texts.py``)
-with the same tokenizer (the model for ``TARGET_SECONDS``, the draft for ``DRAFT_SECONDS``, at
-most ``STEPS`` steps each), so that the draft agrees with the model often, as a small model of
-a family agrees with a large one. Two random models would agree on almost nothing (no speed-up
+with the same tokenizer, ``STEPS`` steps each (seeded: the same pair on every machine, about
+two minutes of training on two cores), so that the draft agrees with the model often, as a
+small model of a family agrees with a large one. Two random models would agree on almost nothing (no speed-up
 to measure), and a draft made of the model's own first layers agrees only once both are trained.
 
 Both sides decode exactly ``NEW`` tokens (``min_new_tokens = max_new_tokens``) from the same
@@ -30,24 +30,22 @@ from lmcli.generate.speculative import Draft
 from lmcli.sources import load_checkpoint
 from lmcli.train import Reporter, train
 
-NEW = 200
+NEW = 96
 PROMPT = 32
+CONTEXT = 128  # prompt + NEW: speculation needs both in the context
 K = 4  # --draft-tokens
-STEPS = 400
-TARGET_SECONDS, DRAFT_SECONDS = 120.0, 40.0
+STEPS = 150
 TARGET = dict(n_layer=6, n_head=6, n_embd=384)
 DRAFT = dict(n_layer=2, n_head=2, n_embd=128)
 
 
-def trained(folder: Path, corpus: Path, shape: dict[str, int], tokenizer: str, seconds: float) -> Path:
-    """A char model of ``shape`` trained on ``corpus`` for ``seconds`` (at most ``STEPS`` steps);
-    its run folder."""
+def trained(folder: Path, corpus: Path, shape: dict[str, int], tokenizer: str) -> Path:
+    """A char model of ``shape`` trained ``STEPS`` steps on ``corpus``; its run folder."""
     cfg = TrainConfig(
         corpus=(str(corpus),),
         out=str(folder),
         tokenizer=tokenizer,
         max_steps=STEPS,
-        max_time=seconds,
         batch_size=8,
         eval_interval=STEPS,
         eval_batches=2,
@@ -55,9 +53,8 @@ def trained(folder: Path, corpus: Path, shape: dict[str, int], tokenizer: str, s
         cache_dir=str(folder.parent / "cache"),
         seed=0,
     )
-    result = train(
-        ModelConfig(block_size=256, **shape), cfg, reporter=Reporter(info=lambda m: None), progress=False
-    )
+    model = ModelConfig(block_size=CONTEXT, **shape)
+    result = train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
     log(f"{shape}: {result.step} steps, validation loss {result.val_loss}")
     return folder
 
@@ -100,8 +97,8 @@ def run() -> list[Row]:
         corpus = root / "docs.txt"
         corpus.write_text(doc_text())
         log(f"training the model {TARGET} and the draft {DRAFT}")
-        big = trained(root / "model", corpus, TARGET, "char", TARGET_SECONDS)
-        small = trained(root / "draft", corpus, DRAFT, str(big / "last" / "tokenizer.json"), DRAFT_SECONDS)
+        big = trained(root / "model", corpus, TARGET, "char")
+        small = trained(root / "draft", corpus, DRAFT, str(big / "last" / "tokenizer.json"))
         target, helper = load_checkpoint(big / "last"), load_checkpoint(small / "last")
         tok = target.tokenizer
         prompt = tok.with_bos(tok.encode(doc_text()[10000:20000]))[:PROMPT]

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmcli import fastpath
 from lmcli.errors import LmcliError
 from lmcli.generate.decoding import prefill
 from lmcli.generate.engine import Row
@@ -181,7 +182,12 @@ class Speculator:
 
     def run(self, row: Row, prompt: list[int], on_text: Callable[[str], None] | None = None) -> DraftStats:
         """Decode ``row`` (from ``prompt``, which must ``fit``) to its end; ``on_text(piece)``
-        receives its text as it comes."""
+        receives its text as it comes. A small model's steps run on one thread, as without a
+        draft (``fastpath.step_threads``; switching between rounds would cost more)."""
+        with fastpath.step_threads(self.model, 1):
+            return self._run(row, prompt, on_text)
+
+    def _run(self, row: Row, prompt: list[int], on_text: Callable[[str], None] | None) -> DraftStats:
         pad = self.tokenizer.pad_id
         target, draft = _cache(self.model, prompt[:-1], pad), _cache(self.draft.model, prompt[:-1], pad)
         last, pending = prompt[-1], [prompt[-1]]
