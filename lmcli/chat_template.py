@@ -82,6 +82,12 @@ def find_template(folder: str | Path) -> Template | None:
     return Template(template, str(folder)) if isinstance(template, str) and template.strip() else None
 
 
+def template_of(ckpt: Any) -> Template | str | None:
+    """The chat template of a loaded model: its folder's, else its tokenizer's (a GGUF file
+    holds it in its metadata), or None: lmcli's."""
+    return find_template(ckpt.path) or ckpt.tokenizer.chat_template
+
+
 def _special(tokenizer: Tokenizer, token_id: int | None) -> str:
     return (tokenizer.hf.id_to_token(token_id) or "") if token_id is not None else ""
 

@@ -24,6 +24,7 @@ Hugging Face folder, a LoRA run, the newest run) is opened by ``lmcli.sources``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -472,6 +473,16 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], where: st
     if left:  # a tensor the format does not store and nothing computed: a bug, not bad input
         raise RuntimeError(f"not materialized after loading: {', '.join(left[:3])}")
     return model
+
+
+def with_context(model: Transformer, block_size: int) -> Transformer:
+    """``model`` with a context of ``block_size`` tokens (shorter than its own): the same weights,
+    learned positions cut to their first ``block_size`` rows, the position tables made anew."""
+    cfg = dataclasses.replace(model.config, block_size=block_size)
+    state = model_state(model)
+    if "wpe.weight" in state:
+        state["wpe.weight"] = state["wpe.weight"][:block_size]
+    return model_from_state(cfg, state).train(model.training)
 
 
 def load_weights(cfg: ModelConfig, path: Path, device: torch.device | str = "cpu") -> Transformer:

@@ -26,6 +26,7 @@ from lmcli.config import (
     BeamConfig,
     ChatConfig,
     DeviceConfig,
+    DraftConfig,
     EvalConfig,
     ExportConfig,
     ModelConfig,
@@ -59,7 +60,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-RUN_DIR_HELP = "Run or checkpoint folder. [default: newest in checkpoints/]"
+RUN_DIR_HELP = "Run or checkpoint folder, Hugging Face folder or GGUF file. [default: newest in checkpoints/]"
 
 
 class SectionedCommand(TyperCommand):
@@ -195,6 +196,21 @@ def _loaded(run_dir: Path | None, options: dict[str, Any]) -> Iterator[Any]:
         yield ckpt
 
 
+def _load_draft(options: dict[str, Any], ckpt: Any) -> Any:
+    """``--draft``'s model (on the model's device and dtype), its tokenizer checked against the
+    model's; None without ``--draft``."""
+    cfg = build(DraftConfig, options)
+    if cfg.draft is None:
+        return None
+    from lmcli.generate.speculative import Draft, check_draft
+    from lmcli.sources import load_model
+
+    param = next(ckpt.model.parameters())
+    draft = load_model(cfg.draft, param.device, param.dtype)
+    check_draft(ckpt.tokenizer, draft.tokenizer, cfg.draft)
+    return Draft(draft.model, draft.tokenizer, cfg.draft_tokens)
+
+
 def _warn_prompts(prompts: list[Any]) -> None:
     _warn_inputs(sum(p.unknown for p in prompts), sum(p.truncated for p in prompts))
 
@@ -210,7 +226,7 @@ def _warn_inputs(unknown: int, cut: int) -> None:
 
 
 @app.command()
-@config_options(SampleConfig, DeviceConfig)
+@config_options(SampleConfig, DraftConfig, DeviceConfig)
 def sample(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
@@ -219,6 +235,12 @@ def sample(
     ),
     json_out: bool = typer.Option(
         False, "--json", help="JSONL: prompt, text, per-token log-probs, settings."
+    ),
+    chat: bool = typer.Option(
+        False,
+        "--chat",
+        help="Each prompt is a user's message in the model's chat template; prints the reply "
+        "(an instruct model answers a question so).",
     ),
     *,
     options: dict[str, Any],
@@ -230,7 +252,8 @@ def sample(
     cfg = build(SampleConfig, options)
     with _loaded(run_dir, options) as ckpt:
         task = make_task(ckpt.train_config)
-        form = task.prompt  # how this model reads a prompt
+        form = _chat_form(ckpt, task) if chat else task.prompt  # how this model reads a prompt
+        draft = _load_draft(options, ckpt)
         texts = _read_lines(prompt_file, prompt)
         if texts is None:
             if not form.decodes(""):
@@ -240,19 +263,41 @@ def sample(
         if stream and form.shows_text:
             typer.echo(texts[0], nl=False)
         on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
-        unknown = cut = 0
-        for g, p in iter_samples(ckpt.model, ckpt.tokenizer, texts, cfg, form=form, on_text=on_text):
+        unknown = cut = ended = 0
+        samples = iter_samples(
+            ckpt.model, ckpt.tokenizer, texts, cfg, form=form, on_text=on_text, draft=draft
+        )
+        for g, p in samples:
             # printed as each batch finishes: memory flat in the number of prompts
             if g.sample_index == 0:
                 unknown, cut = unknown + p.unknown, cut + p.truncated
+            ended += g.finish_reason == "eos" and not g.ids
             if not stream:
-                _print_sample(g, texts, cfg, json_out, form.shows_text)
+                _print_sample(g, texts, cfg, json_out, form.shows_text, draft)
         _warn_inputs(unknown, cut)
         if stream:
             typer.echo("")
+        if ended:
+            hint = "" if chat else "; an instruct model answers a question with --chat (its chat template)"
+            print(
+                f"warning: {ended} sample(s) ended at once: the model's first token was its end{hint}",
+                file=sys.stderr,
+            )
 
 
-def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, shows_text: bool) -> None:
+def _chat_form(ckpt: Any, task: Any) -> Any:
+    """``sample --chat``: prompts in the model's chat template (its own, else lmcli's)."""
+    from lmcli.chat_template import template_of
+    from lmcli.generate.decoding import ChatPrompt
+
+    if not task.chat:
+        raise LmcliError(task.refusal("--chat does not apply"))
+    return ChatPrompt(template_of(ckpt))
+
+
+def _print_sample(
+    g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, shows_text: bool, draft: Any = None
+) -> None:
     if json_out:
         record = {
             "prompt": texts[g.prompt_index],
@@ -265,6 +310,8 @@ def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, s
             **g.speed.report(),
             "settings": to_dict(cfg),
         }
+        if draft is not None:
+            record["draft"] = {"tokens": draft.tokens, "proposed": g.drafted, "accepted": g.accepted}
         typer.echo(json.dumps(record, ensure_ascii=False))
     else:
         typer.echo(f"--- prompt {g.prompt_index}, sample {g.sample_index} ({g.finish_reason}) ---")
@@ -423,7 +470,7 @@ def _print_score(score: Any, what: str, to_stderr: bool) -> None:
 @app.command()
 @config_options(ExportConfig)
 def export(
-    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder."),
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder, Hugging Face folder or GGUF file."),
     out_dir: Path | None = typer.Argument(
         None, help="Folder (hf, must be new or empty) or file (gguf, must be new) to write."
     ),
@@ -518,7 +565,7 @@ def serve(
 
 
 @app.command()
-@config_options(ChatConfig, SampleConfig, DeviceConfig, exclude=("num_samples",))
+@config_options(ChatConfig, SampleConfig, DraftConfig, DeviceConfig, exclude=("num_samples",))
 def chat(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     json_io: bool = typer.Option(
@@ -539,7 +586,7 @@ def chat(
     cfg = build(SampleConfig, options)
     chat_cfg = build(ChatConfig, options)
     with _loaded(run_dir, options) as ckpt:
-        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system)
+        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system, draft=_load_draft(options, ckpt))
         try:
             if json_io or not sys.stdin.isatty():
                 result = run_json(session, sys.stdin)

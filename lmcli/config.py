@@ -696,6 +696,22 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class DraftConfig:
+    """Speculative decoding in `lmcli sample` and `lmcli chat`: a small model proposes tokens."""
+
+    draft: str | None = option(
+        None,
+        "A draft model (run folder, Hugging Face folder or GGUF file) with the same tokenizer: "
+        "it proposes tokens that the model checks several at a time; the same text, sooner.",
+        path=True,
+    )
+    draft_tokens: int = option(4, "Tokens the draft proposes per step of the model.", gt=0, le=64)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
 class BeamConfig:
     """Settings of `lmcli beam` (scores follow Hugging Face: sum of log-probs / length^alpha)."""
 

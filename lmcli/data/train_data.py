@@ -96,6 +96,10 @@ class ExampleData:
     def tokens_per_example(self) -> float:
         return float(self.train.length.mean())
 
+    def longest_example(self) -> int:
+        """The widest batch's width: the longest training example, at most the context."""
+        return min(self.block_size, int(self.train.length.max())) if len(self.train) else self.block_size
+
     def val_batches(self, batch_size: int, limit: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         """The first ``limit`` validation examples (this rank's share), ``batch_size`` at a time."""
         indices = np.arange(min(limit, len(self.val)))[rank::world]

@@ -37,12 +37,12 @@ BACKLOG = 2048  # connections the kernel holds until they are accepted
 
 def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
     """The served model as the API shows it."""
-    from lmcli.chat_template import find_template
+    from lmcli.chat_template import template_of
 
     name = cfg.model_name or (ckpt.path.parent.name if ckpt.path.name in ("best", "last") else ckpt.path.name)
     task = make_task(ckpt.train_config)
     no_chat = None if task.chat else task.refusal("use /v1/completions with the source as prompt")
-    template = find_template(ckpt.path)
+    template = template_of(ckpt)
     block_size = ckpt.model.config.block_size
     return Model(name, ckpt.tokenizer, block_size, template, int(time.time()), task.prompt, no_chat)
 

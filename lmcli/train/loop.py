@@ -33,6 +33,7 @@ from lmcli.checkpoint import (
     read_json,
     save_checkpoint,
     step_checkpoints,
+    with_context,
 )
 from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple
 from lmcli.data.examples import pad_multiple
@@ -48,6 +49,7 @@ from lmcli.device import (
 )
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.errors import LmcliError, Terminated
+from lmcli.hf.gguf_load import is_gguf_file, load_gguf
 from lmcli.hf.load import is_hf_folder, load_hf_folder
 from lmcli.lora_run import base_reference
 from lmcli.model import Transformer
@@ -531,7 +533,7 @@ def open_run(
 
     init = None
     if cfg.init_from and not resumed:
-        init = load_init(cfg.init_from, info)
+        init = load_init(cfg.init_from, info, model_config.block_size)
         model_config = init[0].config
     base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora.lora_rank else None
     tokenizer = resumed.tokenizer if resumed else init[1] if init else None
@@ -547,7 +549,7 @@ def open_run(
         info(f"resuming {resume} at step {state.step}{into}")
 
     trained, ddp = wrap_for_training(model, cfg, dist_info, device)
-    per_token = flops_per_token(model_config, matmul_params(model), round(data.tokens_per_example()))
+    per_token = training_flops(model, cfg, data)
     run = Run(
         cfg=cfg,
         model_config=model_config,
@@ -728,13 +730,32 @@ def build_model(
     return Transformer(model_config), model_config
 
 
-def load_init(path: str, info: Callable[[str], None]) -> tuple[Transformer, Any]:
-    """The model and tokenizer ``--init-from`` names: a Hugging Face folder or an lmcli run or
-    checkpoint folder (a LoRA run's adapters merged), in float32 as every model trains."""
-    if is_hf_folder(path) or not Path(path).is_dir():
-        return load_hf_folder(path, torch.float32, info)
-    ckpt = load_checkpoint(path)
-    return ckpt.model.float(), ckpt.tokenizer
+def training_flops(model: Transformer, cfg: TrainConfig, data: TrainData) -> float:
+    """Training FLOPs per token (``train/mfu.py``); a LoRA run's frozen weights get no gradient."""
+    trained = matmul_params(model, trained_only=True) if cfg.lora.lora_rank else None
+    return flops_per_token(model.config, matmul_params(model), round(data.tokens_per_example()), trained)
+
+
+def load_init(
+    path: str, info: Callable[[str], None], block_size: int | None = None
+) -> tuple[Transformer, Any]:
+    """The model and tokenizer ``--init-from`` names: a Hugging Face folder, a GGUF file or an
+    lmcli run or checkpoint folder (a LoRA run's adapters merged), in float32 as every model
+    trains. ``block_size`` below its context cuts it (the run trains and stores that context);
+    above it, the model keeps its own, and ``info`` says so."""
+    if is_gguf_file(path):
+        model, tok, _ = load_gguf(path, torch.float32)
+    elif is_hf_folder(path) or not Path(path).is_dir():
+        model, tok = load_hf_folder(path, torch.float32, info)
+    else:
+        ckpt = load_checkpoint(path)
+        model, tok = ckpt.model.float(), ckpt.tokenizer
+    context = model.config.block_size
+    if block_size is not None and block_size < context:
+        model = with_context(model, block_size)
+    elif block_size is not None and block_size > context:
+        info(f"note: {path} has a context of {context} tokens: block size {context}, not {block_size}")
+    return model, tok
 
 
 def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> int | None:
@@ -769,8 +790,9 @@ def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
         and not make_task(run.cfg).prefix_lm
     )
     params = run.model.num_parameters()
+    longest = run.data.longest_example() if isinstance(run.data, ExampleData) else None
     return estimate_memory(
-        run.model_config, params, run.cfg.optim.batch_size, run.amp is not None, flash, trainable
+        run.model_config, params, run.cfg.optim.batch_size, run.amp is not None, flash, trainable, longest
     )
 
 
