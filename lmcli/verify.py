@@ -168,7 +168,10 @@ def verify_gguf(path: Path) -> CheckpointReport:
     params = sum(math.prod(t.shape) for t in header.tensors.values())
     kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
     vocab = header.tokenizer.vocab_size
-    what = f"GGUF {header.family.gguf_arch} file ({kinds}), tensors fit its metadata, tokenizer of {vocab} tokens"
+    what = (
+        f"GGUF {header.family.gguf_arch} file ({kinds}), tensors fit its metadata, "
+        f"tokenizer of {vocab} tokens"
+    )
     return CheckpointReport(path, None, params, 0, what)
 
 
