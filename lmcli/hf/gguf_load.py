@@ -43,6 +43,7 @@ from lmcli.checkpoint import WeightsHeader, check_header, model_from_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.hf.families import FamilyAdapter, HFConfig, from_gguf_arch
+from lmcli.hf.families.hf_config import GgufSchema
 from lmcli.hf.gguf_check import check_gguf
 from lmcli.hf.gguf_vocab import tokenizer_from_gguf
 from lmcli.model import Transformer
@@ -139,7 +140,7 @@ def _metadata(reader: Any, where: str) -> HFConfig:
         except (ValueError, UnicodeDecodeError, IndexError) as exc:
             raise LmcliError(f"{where}: cannot read metadata {key}: {exc}") from None
         out[key] = value
-    return HFConfig(out, where)
+    return HFConfig(out, where, GgufSchema())
 
 
 def _tensors(reader: Any, where: str) -> dict[str, GgufTensor]:

@@ -211,6 +211,14 @@ SPECIAL_KEYS = {
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 
 
+def _applicable(merges: list[str], vocab: dict[str, int]) -> list[list[str]]:
+    """The merges that can apply: both parts and their join in the vocabulary. The others never
+    fire (lmcli's byte tokenizer writes one such placeholder, see the module doc), and
+    ``tokenizers`` would fail on them."""
+    pairs = [m.split(" ", 1) for m in merges]
+    return [p for p in pairs if len(p) == 2 and p[0] in vocab and p[1] in vocab and p[0] + p[1] in vocab]
+
+
 def bpe_spec(tokens: list[str], types: list[int], merges: list[str], pre: str) -> dict[str, Any]:
     """The ``tokenizer.json`` of a GGUF byte-level BPE: control tokens special, user-defined
     ones added (matched in text), the pre-tokenizer of GGUF's name ``pre``."""
@@ -249,7 +257,7 @@ def bpe_spec(tokens: list[str], types: list[int], merges: list[str], pre: str) -
             "byte_fallback": False,
             "ignore_merges": pre in IGNORES_MERGES,
             "vocab": vocab,
-            "merges": [m.split(" ", 1) for m in merges],
+            "merges": _applicable(merges, vocab),
         },
     }
 
@@ -286,7 +294,9 @@ def tokenizer_from_gguf(meta: HFConfig) -> Tokenizer:
     spec = bpe_spec(tokens, types, merges, pre)
     try:
         hf = HFTokenizer.from_str(json.dumps(spec))
-    except Exception as exc:  # tokenizers raises plain Exception on a bad definition
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # tokenizers raises plain Exception, or panics (not an Exception)
         raise LmcliError(f"{where}: cannot build its tokenizer: {str(exc)[:200]}") from None
     specials = {}
     for role, key in SPECIAL_KEYS.items():

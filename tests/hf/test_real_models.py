@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_TEXT, assert_one_line_error, make_run, run_cli, tiny_model, tiny_tokenizer
+from helpers import (
+    TINY_TEXT,
+    assert_one_line_error,
+    make_run,
+    run_cli,
+    tiny_model,
+    tiny_tokenizer,
+    train_config,
+)
 
 from lmcli import chat_template
 from lmcli.checkpoint import save_checkpoint
@@ -118,7 +126,7 @@ def preflight_of(
     """A one-step run ``--init-from folder``: its pre-flight figures and its last checkpoint."""
     (tmp / "c.txt").write_text(TINY_TEXT * 120)
     seen = {}
-    cfg = TrainConfig(
+    cfg = train_config(
         corpus=(str(tmp / "c.txt"),),
         init_from=str(folder),
         out=str(tmp / f"ft{len(list(tmp.glob('ft*')))}"),
