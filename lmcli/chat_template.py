@@ -170,7 +170,7 @@ def encode(messages: list[Message], template: str | None, tokenizer: Tokenizer) 
             ids += [tokenizer.hf.token_to_id(piece)] if special else tokenizer.encode(piece)
         return ids
     text = render(messages, template, tokenizer)
-    return _special_parser(tokenizer).encode(text, add_special_tokens=False).ids
+    return special_parser(tokenizer).encode(text, add_special_tokens=False).ids
 
 
 def encode_conversation(
@@ -201,7 +201,7 @@ def encode_conversation(
                 "rendering all of it, so the reply's tokens cannot be found"
             )
         spans.append((len(before), len(upto.rstrip())))
-    enc = _special_parser(tokenizer).encode(full, add_special_tokens=False)
+    enc = special_parser(tokenizer).encode(full, add_special_tokens=False)
     scored = [any(a <= start < b for a, b in spans) for start, _ in enc.offsets]
     return list(enc.ids), scored
 
@@ -218,7 +218,7 @@ def _lmcli_conversation(messages: list[Message], tokenizer: Tokenizer) -> list[t
 
 
 @functools.lru_cache(maxsize=4)
-def _special_parser(tokenizer: Tokenizer) -> Any:
+def special_parser(tokenizer: Tokenizer) -> Any:
     """A copy of the tokenizer that reads special-token strings as special tokens."""
     from tokenizers import Tokenizer as HFTokenizer
 
