@@ -82,6 +82,8 @@ def read_task(path: str | Path, limit: int | None = None, num_fewshot: int = 0) 
             raise LmcliError(f"{where}: a {kind} row in a {task.kind} file: one kind per file")
         task.kind = kind
         (marked if fewshot else task.items).append(item)
+    if not task.items:
+        raise LmcliError(f"{path}: no rows to score")
     pool = marked or task.items
     if len(pool) < num_fewshot or len(task.items) <= (0 if marked else num_fewshot):
         raise LmcliError(

@@ -1,32 +1,22 @@
-"""lmcli models in EleutherAI's lm-evaluation-harness, and its tasks in ``lmcli eval --harness``.
+"""``LmcliLM``: an lmcli run, checkpoint or Hugging Face folder as lm-evaluation-harness's ``LM``.
 
-``LmcliLM`` is the harness's ``LM`` (a ``TemplateLM``: the harness tokenizes each
-(context, continuation) pair with ``tok_encode`` and ``_encode_pair``), registered under the
-name ``lmcli`` with the harness's ``register_model``. Its ``loglikelihood`` groups the requests
-of one context and scores them with ``lmcli.downstream.scoring`` (the context run once, its KV
-cache shared by its continuations); ``loglikelihood_rolling`` scores the harness's rolling
-windows the same way; ``generate_until`` decodes with lmcli's engine. Every context starts with
-``<bos>``, as lmcli reads every text (the harness's ``hf`` backend does so with
-``add_bos_token=True``).
-
-lm-evaluation-harness 0.4.13 finds models only in its own registry: it reads no entry point or
-plugin, and ``--include_path`` holds task YAMLs only. So the registration happens when this
-module is imported, and ``python -m lmcli.harness ARGS`` is the ``lm_eval ARGS`` command with it
-imported: ``python -m lmcli.harness --model lmcli --model_args path=RUN --tasks hellaswag``. In
-Python: ``import lmcli.harness`` then ``lm_eval.simple_evaluate(model="lmcli", ...)``.
+It is a ``TemplateLM``: the harness tokenizes each (context, continuation) pair with
+``tok_encode`` and ``_encode_pair``. ``loglikelihood`` groups the requests of one context and
+scores them with ``lmcli.downstream.scoring`` (the context run once, its KV cache shared by its
+continuations); ``loglikelihood_rolling`` scores the harness's rolling windows the same way;
+``generate_until`` decodes with lmcli's engine. Every context starts with ``<bos>``, as lmcli
+reads every text (the harness's ``hf`` backend does so with ``add_bos_token=True``).
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
@@ -36,16 +26,12 @@ from lmcli.checkpoint import Checkpoint
 from lmcli.config import DeviceConfig, SampleConfig, field_names, from_dict
 from lmcli.data.corpus import batched
 from lmcli.device import inference_dtype, pick_device, precision
-from lmcli.downstream.run import TaskResult
 from lmcli.downstream.scoring import Group, score_groups
 from lmcli.errors import LmcliError
 from lmcli.generate.sampling import BATCH_ROWS, generate
 from lmcli.sources import DTYPES, load_model
 
-MAIN_METRICS = ("acc_norm", "acc", "exact_match")  # the score a task adds to the combined one
 
-
-@register_model("lmcli")
 class LmcliLM(TemplateLM):
     """An lmcli run, checkpoint or Hugging Face folder as an lm-evaluation-harness model.
 
@@ -221,97 +207,22 @@ class LmcliLM(TemplateLM):
 
 
 def _device_name(device: Any) -> str:
-    """The harness's ``--device`` (``cuda:0``, ``cpu``, none) as lmcli's ``--device``."""
-    if device is None:
+    """The harness's ``--device`` as lmcli's: its default ``cuda:0`` on a machine without CUDA,
+    or a device lmcli does not name, is ``auto`` (its hf backend falls back to the CPU too)."""
+    import torch
+
+    name = str(device).split(":")[0] if device is not None else "auto"
+    if name not in ("cpu", "cuda", "mps") or (name == "cuda" and not torch.cuda.is_available()):
         return "auto"
-    name = str(device).split(":")[0]
-    return name if name in ("cpu", "cuda", "mps") else "auto"
+    return name
 
 
 def _template(ckpt: Checkpoint) -> str | None:
     return chat_template.find_template(ckpt.path) or ckpt.tokenizer.chat_template
 
 
-# ----------------------------------------------------------------------------- lmcli eval --harness
+# the harness's own models first: its registry imports them only while it is empty
+import lm_eval.models  # noqa: E402, F401
 
-
-def task_manager(names: list[str], include_path: str | None = None) -> Any:
-    """The harness's ``TaskManager`` that knows ``names``: the tasks of ``include_path`` alone
-    when they are all there (indexing the harness's own thousands of YAML files takes seconds),
-    else those and the harness's own; a name none holds is a one-line error."""
-    from lm_eval.tasks import TaskManager
-
-    if include_path is not None:
-        if not Path(include_path).is_dir():
-            raise LmcliError(f"--include-path {include_path}: no such folder")
-        own = TaskManager(include_path=include_path, include_defaults=False)
-        if all(name in own.all_tasks for name in names):
-            return own
-    manager = TaskManager(include_path=include_path)
-    for name in names:
-        if name not in manager.all_tasks:
-            near = difflib.get_close_matches(name, manager.all_tasks, n=3)
-            hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            raise LmcliError(f"no lm-evaluation-harness task named {name!r}{hint}")
-    return manager
-
-
-def run_harness(
-    ckpt: Checkpoint,
-    names: list[str],
-    *,
-    include_path: str | None = None,
-    limit: int | None = None,
-    num_fewshot: int | None = None,
-    batch_size: int = 8,
-    log_samples: bool = False,
-) -> dict[str, Any]:
-    """The harness's ``simple_evaluate`` of ``ckpt`` on its tasks ``names``: its results dict."""
-    from lm_eval import simple_evaluate
-
-    manager = task_manager(names, include_path)
-    lm = LmcliLM(checkpoint=ckpt, batch_size=batch_size)
-    return simple_evaluate(
-        model=lm,
-        tasks=names,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=log_samples,
-        bootstrap_iters=0,
-    )
-
-
-def harness_results(results: dict[str, Any]) -> list[TaskResult]:
-    """Each task's scores from the harness's results dict: ``acc``, or ``metric/filter`` when the
-    task filters (gsm8k's ``exact_match/strict-match``); standard errors left out."""
-    out = []
-    for task, fields in results["results"].items():
-        scores = {}
-        for key, value in fields.items():
-            metric, _, filt = key.partition(",")
-            if filt and not metric.endswith("_stderr") and isinstance(value, int | float):
-                scores[metric if filt == "none" else f"{metric}/{filt}"] = float(value)
-        main = next((k for m in MAIN_METRICS for k in scores if k == m or k.startswith(m + "/")), None)
-        rows = results.get("n-samples", {}).get(task, {}).get("effective", 0)
-        shots = results.get("n-shot", {}).get(task, 0)
-        out.append(TaskResult(task, "harness", rows, shots, scores, main))
-    return out
-
-
-def main() -> None:
-    """``python -m lmcli.harness ARGS``: the ``lm_eval`` command with ``--model lmcli`` known;
-    lmcli's own errors (a bad run folder, model_args) are one line and exit code 2."""
-    import sys
-
-    from lm_eval.__main__ import cli_evaluate
-
-    try:
-        cli_evaluate()
-    except LmcliError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
+if "lmcli" not in model_registry:  # imported once more (a reload): the first class stays
+    register_model("lmcli")(LmcliLM)
