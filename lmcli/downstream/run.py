@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmcli.config import TrainConfig
+from lmcli.config import TASK_SCORES, TrainConfig
 from lmcli.device import autocast
 from lmcli.downstream.formats import TaskFile, read_task
 from lmcli.downstream.kinds import KIND_OF, Chat, Scorer
@@ -129,7 +129,8 @@ def load_eval_tasks(cfg: TrainConfig) -> list[TaskFile]:
         kind = KIND_OF[next(t.kind for t in tasks if t.name == name)]
         if metric not in kind.metrics:
             raise LmcliError(
-                f"--select {select}: {name} is a {kind.name} task: choose {' or '.join(kind.metrics)}"
+                f"--select {select}: {name} is a {kind.name} task: "
+                f"choose {' or '.join(m for m in kind.metrics if m in TASK_SCORES)}"
             )
     return tasks
 

@@ -88,6 +88,8 @@ def test_bad_task_rows_are_one_line(tiny_run: Path, tmp_path: Path, row, message
 def test_task_files_and_text_do_not_mix(tiny_run: Path, mc: Path, capsys) -> None:
     code, _, err = run_cli(["eval", str(tiny_run), str(mc), "--task", str(mc)], capsys)
     assert_one_line_error(code, err, "--task and --harness score task files: give no text to evaluate")
+    code, _, err = run_cli(["eval", str(tiny_run), "--task", str(mc.with_name("none.jsonl"))], capsys)
+    assert_one_line_error(code, err, "none.jsonl: No such file or directory")
 
 
 def test_select_must_name_a_given_task() -> None:
@@ -115,9 +117,7 @@ def test_select_of_a_score_the_task_has_not(tmp_path: Path, capsys) -> None:
         "task:cl:acc_norm",
     ]
     code, _, err = run_cli([*argv, "--max-steps", "2", "-q"], capsys)
-    assert_one_line_error(
-        code, err, "--select task:cl:acc_norm: cl is a cloze task: choose acc or perplexity"
-    )
+    assert_one_line_error(code, err, "--select task:cl:acc_norm: cl is a cloze task: choose acc")
     assert not (tmp_path / "run").exists()
 
 
