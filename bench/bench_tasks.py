@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, lmcli_model
 from bench.texts import doc_text
@@ -28,22 +30,13 @@ from lmcli.checkpoint import save_checkpoint
 from lmcli.config import TrainConfig
 from lmcli.downstream.kinds import KIND_OF, Scorer
 from lmcli.downstream.run import load_tasks
+from lmcli.harness import task_config
 from lmcli.hf.export import export_hf
 from lmcli.tokenizer import Tokenizer
 
 VOCAB, BLOCK = 8000, 256
 QUESTIONS, CONTEXT_CHARS, ENDING_CHARS = 96, 240, 80
 GOAL = 2.0
-YAML = """task: bench_mc
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list: [{{metric: acc}}, {{metric: acc_norm}}]
-"""
 
 
 def span(text: str, rng: random.Random, chars: int) -> str:
@@ -61,7 +54,7 @@ def write_task(folder: Path, text: str) -> Path:
         rows.append({"context": context, "choices": choices, "answer": rng.randrange(4)})
     data = folder / "bench_mc.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "bench_mc.yaml").write_text(YAML.format(data=data))
+    (folder / "bench_mc.yaml").write_text(yaml.safe_dump(task_config("bench_mc", data, "multiple_choice")))
     return data
 
 

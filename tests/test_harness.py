@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import TINY_TEXT, assert_one_line_error, make_run, run_cli
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
@@ -20,7 +21,7 @@ from lm_eval.models.huggingface import HFLM
 
 from lmcli.downstream.formats import read_task
 from lmcli.downstream.kinds import KIND_OF, Scorer
-from lmcli.harness import LmcliLM, task_manager
+from lmcli.harness import LmcliLM, task_config, task_manager
 from lmcli.hf.export import export_hf
 from lmcli.sources import load_model
 
@@ -28,35 +29,6 @@ sys.path.insert(0, str(Path(__file__).parent / "hf"))
 from families import hf_folder  # noqa: E402
 
 WORDS = sorted(set(TINY_TEXT.replace(".", "").split()))
-MC_YAML = """task: tinymc
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list: [{{metric: acc}}, {{metric: acc_norm}}]
-"""
-CLOZE_YAML = """task: tinycloze
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
-output_type: loglikelihood
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{target}}}}"
-metric_list: [{{metric: acc}}, {{metric: perplexity}}]
-"""
-GEN_YAML = """task: tinygen
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{target}}}}"
-generation_kwargs: {{until: ["."], max_gen_toks: 6, do_sample: false}}
-metric_list: [{{metric: exact_match}}]
-"""
 
 
 def phrase(rng: random.Random, low: int, high: int) -> str:
@@ -68,19 +40,21 @@ def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder of three harness tasks and their JSONL (lmcli's format: the same files)."""
     folder = tmp_path_factory.mktemp("tasks")
     rng = random.Random(0)
-    mc, cloze = [], []
+    mc, cloze, gen = [], [], []
     for _ in range(24):
         choices = list(dict.fromkeys(phrase(rng, 1, 4) for _ in range(4)))
         mc.append({"context": phrase(rng, 2, 8), "choices": choices, "answer": rng.randrange(len(choices))})
         cloze.append({"context": phrase(rng, 2, 8), "target": " " + rng.choice(WORDS)})
-    for name, rows, yaml in (
-        ("tinymc", mc, MC_YAML),
-        ("tinycloze", cloze, CLOZE_YAML),
-        ("tinygen", cloze[:8], GEN_YAML),
+        gen.append({"context": phrase(rng, 2, 8), "answer": rng.choice(WORDS)})
+    for name, rows, kind in (
+        ("tinymc", mc, "multiple_choice"),
+        ("tinycloze", cloze, "cloze"),
+        ("tinygen", gen[:8], "generation"),
     ):
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (folder / f"{name}.yaml").write_text(yaml.format(data=data))
+        config = task_config(name, data, kind, until=(".",), max_gen_toks=6)
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(config))
     return folder
 
 

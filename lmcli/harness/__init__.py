@@ -2,7 +2,7 @@
 
 - ``lm.py``: ``LmcliLM``, the harness's ``LM`` for lmcli's models, registered as ``lmcli``;
 - ``run.py``: ``run_harness`` (``lmcli eval --harness``), the harness's task index, its results
-  as lmcli's rows;
+  as lmcli's rows, and ``task_config``: an lmcli task file as a harness task;
 - ``__main__.py``: ``python -m lmcli.harness ARGS``, the ``lm_eval`` command with ``lmcli``
   among its models.
 
@@ -14,6 +14,6 @@ package is imported, and ``python -m lmcli.harness ARGS`` is ``lm_eval ARGS`` wi
 """
 
 from lmcli.harness.lm import LmcliLM
-from lmcli.harness.run import harness_results, run_harness, task_manager
+from lmcli.harness.run import harness_results, run_harness, task_config, task_manager
 
-__all__ = ["LmcliLM", "harness_results", "run_harness", "task_manager"]
+__all__ = ["LmcliLM", "harness_results", "run_harness", "task_config", "task_manager"]

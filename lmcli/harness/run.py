@@ -8,11 +8,36 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.checkpoint import Checkpoint
+from lmcli.downstream.kinds import DEFAULT_STOP, KIND_OF
 from lmcli.downstream.run import TaskResult
 from lmcli.errors import LmcliError
 from lmcli.harness.lm import LmcliLM
 
 MAIN_METRICS = ("acc_norm", "acc", "exact_match")  # the score a task adds to the combined one
+
+
+def task_config(
+    name: str, data: str | Path, kind: str, *, until: tuple[str, ...] = DEFAULT_STOP, max_gen_toks: int = 256
+) -> dict[str, Any]:
+    """The harness task (a task YAML's content; JSON is YAML) that reads an lmcli task file of
+    ``kind`` (its rows in lmcli's format, few-shot rows aside) with the prompts, continuations and
+    scores lmcli gives it: to compare lmcli's scorer with any harness backend on the same rows."""
+    config: dict[str, Any] = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "doc_to_text": "{{context}}",
+    }
+    if kind == "multiple_choice":
+        config.update(output_type="multiple_choice", doc_to_choice="{{choices}}", doc_to_target="{{answer}}")
+    elif kind == "cloze":
+        config.update(output_type="loglikelihood", doc_to_target="{{target}}")
+    else:
+        gen = {"until": list(until), "max_gen_toks": max_gen_toks, "do_sample": False}
+        config.update(output_type="generate_until", doc_to_target="{{answer}}", generation_kwargs=gen)
+    config["metric_list"] = [{"metric": m} for m in KIND_OF[kind].metrics]
+    return config
 
 
 def task_manager(names: list[str], include_path: str | None = None) -> Any:

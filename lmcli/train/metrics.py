@@ -57,7 +57,18 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, plt: Any, out: Path) -> None:
+Curve = tuple[list[tuple[int, float]], dict[str, Any]]  # (step, value) points, ``ax.plot`` options
+
+
+def _plot(plt: Any, lines: list[Curve], ylabel: str, out: Path) -> None:
+    """Curves against step (each its points and its ``ax.plot`` options) as a PNG at ``out``."""
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for points, style in lines:
+        ax.plot(*zip(*points, strict=True), **style)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png")
@@ -74,16 +85,9 @@ def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if not train and not val:
         return "no metrics to plot"
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train", linewidth=1)
-    if val:
-        ax.plot(*zip(*val, strict=True), label="validation", marker="o", markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    _save(fig, plt, out)
+    lines = [(train, {"label": "train", "linewidth": 1})] if train else []
+    lines += [(val, {"label": "validation", "marker": "o", "markersize": 3})] if val else []
+    _plot(plt, lines, "loss (nats/token)", out)
     return None
 
 
@@ -94,13 +98,9 @@ def plot_task_scores(records: list[dict[str, Any]], out: Path) -> bool:
     plt = _pyplot() if keys else None
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    lines = []
     for key in keys:
         points = [(r["step"], r[key]) for r in records if key in r]
-        ax.plot(*zip(*points, strict=True), label=key.removeprefix("task:"), marker="o", markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("score")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    _save(fig, plt, out)
+        lines.append((points, {"label": key.removeprefix("task:"), "marker": "o", "markersize": 3}))
+    _plot(plt, lines, "score", out)
     return True
