@@ -16,7 +16,7 @@ from bench.common import RESULTS, Row, cpu_name, table
 
 SUITES = (
     *("train", "eval", "eval_memory", "sample", "speculative"),
-    *("beam", "tokenize", "load", "serve", "lora", "cpu_decode"),
+    *("beam", "tokenize", "load", "serve", "lora", "cpu_decode", "tasks"),
 )
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -227,7 +227,7 @@ def encode(
         return ids
     context = _context(messages, tokenizer, True, extra)
     text = _render_jinja(template, [context], renderer, max_chars)[0]
-    return _special_parser(tokenizer).encode_batch([text], add_special_tokens=False)[0].ids
+    return special_parser(tokenizer).encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def encode_conversation(
@@ -265,7 +265,7 @@ def encode_conversation(
                 "rendering all of it, so the reply's tokens cannot be found"
             )
         spans.append((len(before), len(upto.rstrip())))
-    enc = _special_parser(tokenizer).encode(full, add_special_tokens=False)
+    enc = special_parser(tokenizer).encode(full, add_special_tokens=False)
     scored = [any(a <= start < b for a, b in spans) for start, _ in enc.offsets]
     return list(enc.ids), scored
 
@@ -282,7 +282,7 @@ def _lmcli_conversation(messages: list[Message], tokenizer: Tokenizer) -> list[t
 
 
 @functools.lru_cache(maxsize=4)
-def _special_parser(tokenizer: Tokenizer) -> Any:
+def special_parser(tokenizer: Tokenizer) -> Any:
     """A copy of the tokenizer that reads special-token strings as special tokens."""
     from tokenizers import Tokenizer as HFTokenizer
 

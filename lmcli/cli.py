@@ -26,6 +26,7 @@ from lmcli.config import (
     BeamConfig,
     ChatConfig,
     DeviceConfig,
+    DownstreamConfig,
     DraftConfig,
     EvalConfig,
     ExportConfig,
@@ -97,7 +98,7 @@ def _root(
 
     \b
     lmcli train   [CORPUS...]   train a model (built-in corpus when none is given)
-    lmcli eval    RUN_DIR       perplexity and bits per byte on held-out text
+    lmcli eval    RUN_DIR       perplexity and bits per byte, or scores on downstream tasks
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2) or a GGUF file
@@ -393,7 +394,7 @@ def _print_hypotheses(results: list[Any], cfg: BeamConfig, json_out: bool, to_st
 
 
 @app.command("eval")
-@config_options(EvalConfig, DeviceConfig)
+@config_options(EvalConfig, DownstreamConfig, DeviceConfig)
 def eval_command(
     run_dir: Path = typer.Argument(..., help="Run or checkpoint folder (or a Hugging Face folder)."),
     paths: list[str] | None = typer.Argument(
@@ -404,10 +405,15 @@ def eval_command(
     *,
     options: dict[str, Any],
 ) -> None:
-    """Perplexity and bits per byte of a model on held-out text."""
+    """Perplexity and bits per byte of a model on held-out text; with --task or --harness, its
+    scores on downstream tasks (multiple choice, cloze, generation)."""
     from lmcli.evaluate import evaluate_run
 
     cfg = build(EvalConfig, options)
+    tasks = build(DownstreamConfig, options)
+    if tasks.wanted:
+        _eval_tasks(run_dir, paths or [], cfg, tasks, json_out, options)
+        return
     with _loaded(run_dir, options) as ckpt:
         if cfg.per_line and (output is not None or not json_out):
             # each line's record is written as it is scored: memory stays flat however many lines
@@ -423,6 +429,81 @@ def eval_command(
             typer.echo(json.dumps({"evaluated": what, **score.report()}))
         else:
             _print_score(score, what, to_stderr=cfg.per_line and output is None)
+
+
+def _eval_tasks(
+    run_dir: Path,
+    paths: list[str],
+    cfg: EvalConfig,
+    tasks: DownstreamConfig,
+    json_out: bool,
+    options: dict[str, Any],
+) -> None:
+    """``lmcli eval --task/--harness``: the task files read and the harness found before the model
+    loads, every task scored, a table (or ``--json``) and the combined score."""
+    from lmcli.downstream.run import chat_of, evaluate_tasks, load_tasks, report
+
+    if paths or cfg.per_line or cfg.dataset or cfg.source or cfg.target:
+        raise LmcliError("--task and --harness score task files: give no text to evaluate with them")
+    files = load_tasks(tasks.task, tasks.limit, tasks.num_fewshot or 0)
+    names = [n.strip() for n in (tasks.harness or "").split(",") if n.strip()]
+    if tasks.harness is not None and not names:
+        raise LmcliError("--harness: give task names, comma-separated (hellaswag,arc_easy)")
+    harness = _harness() if names else None
+    with _loaded(run_dir, options) as ckpt:
+        chat = chat_of(ckpt.tokenizer, ckpt.train_config, ckpt.path)
+        results = evaluate_tasks(
+            ckpt.model,
+            ckpt.tokenizer,
+            files,
+            batch_size=cfg.batch_size,
+            chat=chat,
+            max_gen_tokens=tasks.max_gen_tokens,
+            progress=not json_out,
+        )
+        if harness is not None:
+            out = harness.run_harness(
+                ckpt,
+                names,
+                include_path=tasks.include_path,
+                limit=tasks.limit,
+                num_fewshot=tasks.num_fewshot,
+                batch_size=cfg.batch_size,
+            )
+            results += harness.harness_results(out)
+    if json_out:
+        typer.echo(json.dumps(report(results)))
+    else:
+        _print_tasks(results, str(run_dir))
+
+
+def _harness() -> Any:
+    """``lmcli.harness``, or a one-line error saying what to install."""
+    try:
+        import lmcli.harness as harness
+    except ImportError as exc:
+        raise LmcliError(
+            f"--harness needs lm-evaluation-harness: pip install 'lmcli[harness]' ({exc})"
+        ) from None
+    return harness
+
+
+def _print_tasks(results: list[Any], what: str) -> None:
+    """One row per task and score, as lm-evaluation-harness prints its table; the combined score."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmcli.downstream.run import combined
+
+    table = Table(title=f"lmcli eval: {what}", title_justify="left")
+    for column in ("task", "kind", "rows", "shots", "metric", "value"):
+        table.add_column(column, justify="right" if column in ("rows", "shots", "value") else "left")
+    for r in results:
+        for n, (metric, value) in enumerate(r.scores.items()):
+            head = (r.name, r.kind, str(r.rows), str(r.fewshot)) if n == 0 else ("", "", "", "")
+            table.add_row(*head, metric + (" *" if metric == r.main else ""), f"{value:.4f}")
+    Console().print(table)
+    typer.echo(f"combined score (mean of the scores marked *): {combined(results):.4f}")
 
 
 def _eval_per_line(ckpt: Any, cfg: EvalConfig, paths: tuple[str, ...], output: Path | None) -> Any:

@@ -44,7 +44,8 @@ GROUP_SIZES = (32, 64, 128, 256)  # the int4 kernels' group sizes
 LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGETS: the layers they name
 Optimizer = Literal["auto", "adamw", "muon"]
 Schedule = Literal["auto", "cosine", "wsd", "linear"]
-Select = Literal["val_loss", "val_bleu", "val_chrf"]
+SELECT_METRICS = ("val_loss", "val_bleu", "val_chrf")  # --select: these, or task:NAME:METRIC
+TASK_SCORES = ("acc", "acc_norm", "exact_match")  # an --eval-task's scores --select may follow
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 VOCAB_MULTIPLE_MAX = 1024  # --vocab-multiple: a larger one only wastes rows
@@ -117,6 +118,31 @@ def parse_duration(value: str | float | int) -> float:
     if not parts or "".join(a + b for a, b in parts) != text:
         raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
     return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def parse_select(value: str) -> str:
+    """A ``--select`` value: a validation metric, or ``task:NAME:METRIC``, the score METRIC of the
+    ``--eval-task`` named NAME (whether NAME is one is ``TrainConfig``'s check)."""
+    if value in SELECT_METRICS:
+        return value
+    parts = value.split(":")
+    if len(parts) == 3 and parts[0] == "task" and parts[1] and parts[2] in TASK_SCORES:
+        return value
+    if len(parts) == 3 and parts[0] == "task" and parts[1] and parts[2] == "perplexity":
+        raise LmcliError(f"--select {value}: best/ follows a score that grows; choose acc")
+    raise LmcliError(
+        f"invalid select {value!r}: choose one of {', '.join(SELECT_METRICS)}, or task:NAME:METRIC "
+        f"(an --eval-task's {', '.join(TASK_SCORES)})"
+    )
+
+
+def task_name(path: str | os.PathLike) -> str:
+    """The name a downstream task file goes by (``--select task:NAME:...``, metrics, tables):
+    its file name without ``.jsonl``/``.json`` and ``.gz``."""
+    name = Path(path).name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
 
 
 def parse_vocab_multiple(value: str | int) -> int:
@@ -549,14 +575,25 @@ class ValidationConfig(Section):
 
     eval_interval: int = option(250, "Validate every N steps.", gt=0)
     eval_batches: int = option(20, "Validation batches per evaluation.", gt=0)
-    select: Select | None = option(
+    select: str | None = option(
         None,
-        "The validation metric best/ follows.",
+        "The validation metric best/ follows: val_loss, val_bleu, val_chrf, or task:NAME:METRIC "
+        "(acc, acc_norm or exact_match of the --eval-task NAME).",
         default_help="val_bleu for translation with --bleu-samples, else val_loss",
+        parse=parse_select,
     )
     bleu_samples: int = option(200, "Translation: validation pairs decoded greedily for BLEU (0: off).", ge=0)
     bleu_interval: int = option(
         0, "Translation: BLEU every N steps.", ge=0, default_help="at every validation"
+    )
+    eval_task: tuple[str, ...] = option(
+        (),
+        "A downstream task file (JSONL: multiple choice, cloze or generation; docs/evaluation.md) "
+        "scored at every validation, as task:NAME:METRIC in metrics.jsonl (repeatable).",
+        path=True,
+    )
+    eval_task_limit: int = option(
+        100, "Rows of each --eval-task scored at every validation (the first N).", gt=0
     )
 
 
@@ -632,6 +669,20 @@ class TrainConfig:
                 raise LmcliError("--ema averages full weights: it cannot be combined with --lora-rank")
         if self.data.tokenizer == "bpe" and self.data.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.data.vocab_size}")
+        self._check_eval_tasks()
+
+    def _check_eval_tasks(self) -> None:
+        """``--eval-task`` files of distinct names; ``--select task:NAME:...`` names one of them."""
+        names = [task_name(path) for path in self.validation.eval_task]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise LmcliError(f"--eval-task: two files are named {twice[0]}: rename one")
+        select = self.validation.select or ""
+        if select.startswith("task:") and select.split(":")[1] not in names:
+            given = ", ".join(names) if names else "none"
+            raise LmcliError(
+                f"--select {select}: no --eval-task is named {select.split(':')[1]} (given: {given})"
+            )
 
     def _check_data(self) -> None:
         """One source of training text and of validation text; a tokenizer lmcli knows."""
@@ -755,13 +806,47 @@ class EvalConfig:
         ge=1,
         default_help="the context",
     )
-    batch_size: int = option(8, "Windows per forward pass.", gt=0)
+    batch_size: int = option(8, "Windows (--task: questions) per forward pass.", gt=0)
     per_line: bool = option(False, "Score each line on its own as <bos> line <eos>.")
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.context and self.stride and self.stride > self.context:
             raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
+
+
+@dataclass(frozen=True)
+class DownstreamConfig:
+    """Settings of `lmcli eval --task/--harness`: downstream benchmarks (docs/evaluation.md), not
+    the training tasks (``--task lm|translation|sft`` of `lmcli train`)."""
+
+    task: tuple[str, ...] = option(
+        (),
+        "A task file (JSONL: multiple choice, cloze or generation rows, or the published HellaSwag, "
+        "ARC, LAMBADA or GSM8K layout) to score (repeatable).",
+    )
+    harness: str | None = option(
+        None,
+        "lm-evaluation-harness tasks, comma-separated (hellaswag,arc_easy); needs lmcli[harness] "
+        "and the tasks' datasets.",
+    )
+    include_path: str | None = option(None, "--harness: a folder of more lm-evaluation-harness task YAMLs.")
+    limit: int | None = option(None, "Score at most the first N rows of each task.", gt=0)
+    num_fewshot: int | None = option(
+        None,
+        "Solved examples before each question (--task: the file's fewshot rows).",
+        ge=0,
+        default_help="0; --harness: each task's own",
+    )
+    max_gen_tokens: int = option(256, "Generation tasks: most tokens generated per answer.", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def wanted(self) -> bool:
+        """Whether any downstream task is asked for."""
+        return bool(self.task or self.harness)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from lmcli.device import (
     usable_cpus,
 )
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
+from lmcli.downstream.run import describe_scores, load_eval_tasks, task_scores
 from lmcli.errors import LmcliError, Terminated
 from lmcli.hf.gguf_load import is_gguf_file, load_gguf
 from lmcli.hf.load import is_hf_folder, load_hf_folder
@@ -57,7 +58,7 @@ from lmcli.safe_io import refuse_symlinks
 from lmcli.sources import load_checkpoint
 from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
-from lmcli.train.metrics import MetricsLog, plot_loss_curve
+from lmcli.train.metrics import MetricsLog, plot_loss_curve, plot_task_scores
 from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params, peak_tflops
 from lmcli.train.optim import group_lr, lr_at, make_optimizer
 from lmcli.train.preflight import (
@@ -144,6 +145,7 @@ class Run:
     info: Callable[[str], None]  # rank 0's messages; silent on the other ranks
     staging: Staging | None = None  # batches' copies to a GPU, through reused pinned buffers
     base: dict[str, Any] | None = None  # a LoRA run's base reference (lora_run.base_reference)
+    eval_tasks: list[Any] | None = None  # --eval-task files, scored at each validation (lmcli.downstream)
 
     @property
     def global_batch(self) -> int:
@@ -414,6 +416,7 @@ def validate(run: Run) -> bool:
         if "val_bleu" in record:
             bleu, chrf = record["val_bleu"], record["val_chrf"]
             scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
+        scores += describe_scores(record)
         run.info(
             f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
             f"(ppl {math.exp(min(loss, 50)):.2f}){scores}" + (" *best*" if improved else "")
@@ -448,6 +451,7 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
             samples, tok = cfg.validation.bleu_samples, run.data.tokenizer
             scores = greedy_bleu(run.model, tok, run.data.val, samples, prefix_lm=task.prefix_lm)
         record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
+    record.update(task_scores(run))  # --eval-task: task:NAME:METRIC
     run.metrics.append(record)
     if "val_bleu" in record:
         record["sentences"] = scores["sentences"]  # for the message, not the metrics file
@@ -489,6 +493,7 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
     state = run.state
     if run.dist.is_main:
         note = plot_loss_curve(run.metrics.read(), run.run_dir / "loss.png")
+        plot_task_scores(run.metrics.read(), run.run_dir / "tasks.png")
         if note:
             run.info(f"note: {note}")
         if stopped in SIGNALS:
@@ -530,6 +535,7 @@ def open_run(
     info = rep.info if dist_info.is_main else (lambda msg: None)
     run_dir, resumed = locate_run(model_config, cfg, resume, dist_info, held)
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
+    eval_tasks = load_eval_tasks(cfg) if dist_info.is_main else []  # a bad file stops the run here
 
     init = None
     if cfg.init_from and not resumed:
@@ -575,6 +581,7 @@ def open_run(
         info=info,
         staging=Staging(device),
         base=base,
+        eval_tasks=eval_tasks,
     )
     if dist_info.is_main:
         show_preflight(run, rep)
