@@ -31,6 +31,7 @@ from lmcli.config import (
     ModelConfig,
     SampleConfig,
     ServeConfig,
+    TokenizeConfig,
     TrainConfig,
     field_names,
     from_dict,
@@ -96,6 +97,7 @@ def _root(
 
     \b
     lmcli train   [CORPUS...]   train a model (built-in corpus when none is given)
+    lmcli tokenize CORPUS... -o DIR   tokenize a large corpus into shards, on every core
     lmcli eval    RUN_DIR       perplexity and bits per byte on held-out text
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
@@ -146,6 +148,37 @@ def train(
     )
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)
+
+
+@app.command(cls=SectionedCommand)
+@config_options(TokenizeConfig, exclude=("val", "val_fraction", "align_documents", "document_mask"))
+def tokenize(
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    *,
+    options: dict[str, Any],
+) -> None:
+    """Tokenize a corpus into a folder of token shards, on every core; `lmcli train DIR` trains on it.
+
+    Reads what `lmcli train` reads (files, folders, globs, .gz/.zst, JSONL/parquet columns,
+    --dataset in streaming mode) in flat memory. Run again after an interruption: finished
+    shards are kept and the rest is done.
+    """
+    import time
+
+    from lmcli.data.token_cache import tokenize_to
+
+    t0 = time.perf_counter()
+    cfg = build(TokenizeConfig, options)
+    folder = tokenize_to(cfg, progress=not quiet)
+    if quiet:
+        return
+    index, seconds = folder.index, time.perf_counter() - t0
+    done = "already tokenized" if folder.cached else f"{index['bytes'] / 1e6 / seconds:.2f} MB/s"
+    print(
+        f"{index['n_tokens']:,} tokens ({index['documents']:,} document(s), {index['bytes']:,} bytes) "
+        f"in {len(index['shards'])} shard(s) of {index['dtype']}: {folder.path} ({done})",
+        file=sys.stderr,
+    )
 
 
 # ----------------------------------------------------------------------------- inputs and models

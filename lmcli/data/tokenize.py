@@ -49,7 +49,7 @@ from lmcli.data.token_shards import (
     token_dtype,
 )
 from lmcli.errors import LmcliError
-from lmcli.safe_io import atomic_write, remove_stale_temps, temp_file
+from lmcli.safe_io import atomic_write, file_mode, remove_stale_temps, temp_file
 from lmcli.tokenizer import CONFIG, PIECE_CHARS, Tokenizer, split_pieces
 
 JOB_CHARS = 1 << 20  # characters of text per job: one batch encode
@@ -194,6 +194,7 @@ class ShardSink:
 
     def _open(self) -> None:
         self.tmp = temp_file(self.folder / f"{shard_name(self.index)}.bin")
+        os.chmod(self.tmp, file_mode())  # as open() would make it, not mkstemp's 0o600
         self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed by commit or abort
         self.n, self.unknown = 0, 0
         self.eos: list[np.ndarray] = []

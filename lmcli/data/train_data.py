@@ -20,15 +20,14 @@ import numpy as np
 
 from lmcli.config import DataConfig, TrainConfig
 from lmcli.data.conversations import ConversationRows
-from lmcli.data.corpus import Corpus, open_corpus
+from lmcli.data.corpus import open_corpus
 from lmcli.data.examples import ExampleSampler, ExampleSet, ExampleSource, collate, tokenize_examples
 from lmcli.data.pairs import AlignedFiles, DatasetPairs, PairCorpus, TableFile
 from lmcli.data.stream import TokenStream
-from lmcli.data.token_cache import default_cache_dir, tokenize_corpus
+from lmcli.data.token_cache import default_cache_dir, tokenize_corpus, tokenizer_for
 from lmcli.data.token_shards import TokenFolder, is_token_folder, open_token_folder
 from lmcli.data.windows import Batch, WindowSampler, eval_starts, require_window, windows_to_batch
 from lmcli.errors import LmcliError
-from lmcli.safe_io import atomic_write
 from lmcli.tasks import make_task
 from lmcli.tokenizer import Tokenizer
 
@@ -116,29 +115,6 @@ TrainData = StreamData | ExampleData
 
 def cache_dir_of(cfg: TrainConfig) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
-
-
-def tokenizer_for(data: DataConfig, corpus: Corpus | ExampleSource, cache_dir: Path) -> Tokenizer:
-    """Load ``--tokenizer PATH``, or train char/byte/BPE on the corpus (trained ones are cached)."""
-    kind, vocab_size = data.tokenizer, data.vocab_size
-    if kind not in ("char", "byte", "bpe"):
-        return Tokenizer.load(kind)
-    if kind == "byte":
-        return Tokenizer.train("byte", iter(()))
-    size = vocab_size if kind == "bpe" else 0
-    cached = cache_dir / f"tokenizer-{corpus.key}-{kind}-{size}.json"
-    if cached.exists():
-        try:
-            return Tokenizer.load(cached)
-        except LmcliError as exc:
-            _stderr(f"warning: {exc}: training it again")
-    tok = Tokenizer.train(kind, corpus.texts(), vocab_size)
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(cached, tok.to_json())
-    except OSError as exc:
-        raise LmcliError(f"cannot write to cache folder {cache_dir}: {exc.strerror}") from None
-    return tok
 
 
 def load_train_data(
