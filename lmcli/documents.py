@@ -30,16 +30,22 @@ def document_positions(document: Tensor) -> Tensor:
 def document_mask(document: Tensor, *, plain: bool) -> Any:
     """Where a query may attend: an earlier key of its own document. A FlexAttention ``BlockMask``
     on a GPU unless ``plain``; else a boolean tensor (B, 1, T, T)."""
-    B, T = document.size()
     if document.is_cuda and not plain:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def same_document(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            return (document[b, q] == document[b, k]) & (q >= k)
-
-        return create_block_mask(same_document, B, None, T, T, device=document.device)
+        return block_mask(document)
+    T = document.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=document.device).tril()  # (T, T)
     return (causal & (document[:, :, None] == document[:, None, :])).unsqueeze(1)  # (B, 1, T, T)
+
+
+def block_mask(document: Tensor) -> Any:
+    """The same as a FlexAttention ``BlockMask`` (on any device: the tests compare the two)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return (document[b, q] == document[b, k]) & (q >= k)
+
+    B, T = document.size()
+    return create_block_mask(same_document, B, None, T, T, device=document.device)
 
 
 @functools.cache

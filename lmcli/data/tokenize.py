@@ -78,17 +78,17 @@ def corpus_items(corpus: Corpus) -> Iterator[Item]:
 
 
 def group_jobs(items: Iterator[Item], job_chars: int, position: int) -> Iterator[tuple[int, list[Item]]]:
-    """Items in jobs of about ``job_chars`` characters, each with the number of items read
-    through it (counting from ``position``)."""
+    """Items in jobs of about ``job_chars`` characters (a document's end stays with the text
+    before it), each with the number of items read through it (counting from ``position``)."""
     job: list[Item] = []
     size = 0
     for item in items:
+        if item is not None and size >= job_chars:
+            yield position, job
+            job, size = [], 0
         job.append(item)
         position += 1
         size += len(item) if item is not None else 0
-        if size >= job_chars:
-            yield position, job
-            job, size = [], 0
     if job:
         yield position, job
 
@@ -137,10 +137,10 @@ class Encoders:
     """Jobs encoded in order: in this process at first, by ``workers`` processes once
     ``pool_after`` characters have been read (never, with one worker)."""
 
-    def __init__(self, tokenizer: Tokenizer, dtype: str, workers: int, pool_after: int = POOL_AFTER) -> None:
+    def __init__(self, tokenizer: Tokenizer, dtype: str, workers: int, pool_after: int | None = None) -> None:
         self.tokenizer, self.dtype = tokenizer, dtype
         self.workers = workers or default_workers()
-        self.pool_after = pool_after
+        self.pool_after = POOL_AFTER if pool_after is None else pool_after
         self.read = 0
 
     def _pool(self) -> ProcessPoolExecutor:
@@ -283,6 +283,8 @@ def kept_shards(folder: Path, dtype: str) -> list[dict[str, Any]]:
             or shard_problem(folder, record, dtype) is not None
         ):
             return records
+        records.append(record)
+    return records
 
 
 def _clear_from(folder: Path, first: int) -> None:
