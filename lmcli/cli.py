@@ -33,6 +33,7 @@ from lmcli.config import (
     ModelConfig,
     SampleConfig,
     ServeConfig,
+    TokenizeConfig,
     TrainConfig,
     field_names,
     from_dict,
@@ -99,6 +100,7 @@ def _root(
     \b
     lmcli train   [CORPUS...]   train a model (built-in corpus when none is given)
     lmcli eval    RUN_DIR       perplexity and bits per byte, or scores on downstream tasks
+    lmcli tokenize CORPUS... -o DIR   tokenize a large corpus into shards, on every core
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2) or a GGUF file
@@ -151,6 +153,37 @@ def train(
         raise typer.Exit(143) from None
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)
+
+
+@app.command(cls=SectionedCommand)
+@config_options(TokenizeConfig, exclude=("val", "val_fraction", "align_documents", "document_mask"))
+def tokenize(
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    *,
+    options: dict[str, Any],
+) -> None:
+    """Tokenize a corpus into a folder of token shards, on every core; `lmcli train DIR` trains on it.
+
+    Reads what `lmcli train` reads (files, folders, globs, .gz/.zst, JSONL/parquet columns,
+    --dataset in streaming mode) in flat memory. Run again after an interruption: finished
+    shards are kept and the rest is done.
+    """
+    import time
+
+    from lmcli.data.token_cache import tokenize_to
+
+    t0 = time.perf_counter()
+    cfg = build(TokenizeConfig, options)
+    folder = tokenize_to(cfg, progress=not quiet)
+    if quiet:
+        return
+    index, seconds = folder.index, time.perf_counter() - t0
+    done = "already tokenized" if folder.cached else f"{index['bytes'] / 1e6 / seconds:.2f} MB/s"
+    print(
+        f"{index['n_tokens']:,} tokens ({index['documents']:,} document(s), {index['bytes']:,} bytes) "
+        f"in {len(index['shards'])} shard(s) of {index['dtype']}: {folder.path} ({done})",
+        file=sys.stderr,
+    )
 
 
 # ----------------------------------------------------------------------------- inputs and models

@@ -47,6 +47,7 @@ Schedule = Literal["auto", "cosine", "wsd", "linear"]
 SELECT_METRICS = ("val_loss", "val_bleu", "val_chrf")  # --select: these, or task:NAME:METRIC
 TASK_SCORES = ("acc", "acc_norm", "exact_match")  # an --eval-task's scores --select may follow
 TOKENIZER_KINDS = ("char", "byte", "bpe")
+TRACKERS = ("tensorboard", "wandb")  # --log-to: lmcli.train.tracking's backends beside metrics.jsonl
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 VOCAB_MULTIPLE_MAX = 1024  # --vocab-multiple: a larger one only wastes rows
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
@@ -446,14 +447,15 @@ class DataConfig(Section):
 
     corpus: tuple[str, ...] = option(
         (),
-        "Text files, folders (recursive), globs or .gz files. None: a built-in corpus.",
+        "Text files, folders (recursive), globs, .gz/.zst files, JSONL/parquet files (a text "
+        "column), or a folder of token shards (lmcli tokenize). None: a built-in corpus.",
         argument=True,
         path=True,
     )
     dataset: str | None = option(
-        None, "Hugging Face dataset NAME[:CONFIG] (or a local data file).", path=True
+        None, "Hugging Face dataset NAME[:CONFIG] (or a local data file), read in streaming mode.", path=True
     )
-    text_column: str = option("text", "Dataset column holding the text.")
+    text_column: str = option("text", "Dataset, JSONL or parquet column holding the text.")
     split: str = option("train", "Dataset split to train on.")
     val: str | None = option(None, "Validation corpus (file, folder or glob) instead of a split.", path=True)
     val_fraction: float = option(0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1)
@@ -467,6 +469,15 @@ class DataConfig(Section):
         default_help="~/.cache/lmcli or $LMCLI_CACHE",
         path=True,
         stored=False,
+    )
+    align_documents: bool = option(
+        False,
+        "Start every training window at a document's start (the <eos> before it), as nanochat does.",
+    )
+    document_mask: bool = option(
+        False,
+        "Keep attention within each document of a window; positions restart at each document "
+        "(FlexAttention on a GPU, a block mask on the CPU).",
     )
 
 
@@ -629,6 +640,11 @@ class TrainConfig:
     )
     seed: int = option(1337, "Random seed (weights, data order, dropout).", ge=0, le=SEED_MAX)
     log_interval: int = option(10, "Log metrics every N steps.", gt=0)
+    log_to: str = option(
+        "",
+        "Also log to: tensorboard, wandb (comma-separated; metrics.jsonl is always written).",
+        default_help="metrics.jsonl only",
+    )
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option("auto", "Autocast dtype (auto: bf16 on CUDA, float32 elsewhere).")
     threads: int | None = threads_option()
@@ -670,6 +686,9 @@ class TrainConfig:
         if self.data.tokenizer == "bpe" and self.data.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.data.vocab_size}")
         self._check_eval_tasks()
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise LmcliError(f"invalid log-to {name!r}: choose from {', '.join(TRACKERS)}")
 
     def _check_eval_tasks(self) -> None:
         """``--eval-task`` files of distinct names; ``--select task:NAME:...`` names one of them."""
@@ -684,6 +703,11 @@ class TrainConfig:
                 f"--select {select}: no --eval-task is named {select.split(':')[1]} (given: {given})"
             )
 
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The tracking backends ``--log-to`` names, besides metrics.jsonl."""
+        return tuple(dict.fromkeys(n.strip().lower() for n in self.log_to.split(",") if n.strip()))
+
     def _check_data(self) -> None:
         """One source of training text and of validation text; a tokenizer lmcli knows."""
         data, pairs = self.data, self.translation
@@ -695,6 +719,11 @@ class TrainConfig:
             raise LmcliError("give --source/--target, or a corpus, or --dataset: only one")
         if data.val is None and pairs.val_source is None and data.val_fraction == 0.0:
             raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
+        if (data.align_documents or data.document_mask) and make_task(self).examples is not None:
+            raise LmcliError(
+                "--align-documents and --document-mask apply to a token stream (--task lm): "
+                f"--task {self.task} trains on whole examples"
+            )
         tokenizer = data.tokenizer
         if tokenizer not in TOKENIZER_KINDS and not (
             tokenizer.endswith(".json") or "/" in tokenizer or Path(tokenizer).exists()
@@ -963,6 +992,24 @@ class AverageConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    """Settings of `lmcli tokenize`: where the shards go and how they are made; what is read and
+    how text becomes tokens are `lmcli train`'s data options (``data``)."""
+
+    out: str | None = option(
+        None, "Folder of token shards to write (or to finish, after an interruption).", short="-o", path=True
+    )
+    workers: int = option(0, "Processes that tokenize (0: one per core).", ge=0, default_help="one per core")
+    shard_tokens: int = option(100_000_000, "Tokens per shard (about: a shard ends with a whole job).", gt=0)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.out:
+            raise LmcliError("give --out DIR: the folder the token shards go to")
 
 
 # ----------------------------------------------------------------------------- dicts and files

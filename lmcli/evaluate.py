@@ -331,12 +331,16 @@ def forward_scored(model: torch.nn.Module, batch: Batch, prefix_lm: bool = False
     whose flat indices the batch brings from the host: the model gathers those rows (no
     boolean-mask selection, so no device-to-host sync and no graph break under torch.compile)
     and the vocabulary projection skips prompt and padding positions. With ``prefix_lm`` each
-    prompt attends to itself both ways (``tasks.Task.prefix_lm``).
+    prompt attends to itself both ways (``tasks.Task.prefix_lm``); a batch that numbers its
+    documents (``--document-mask``) keeps attention within each.
     """
     prefix = batch.prefix_len if prefix_lm else None
     if batch.index is not None:
         targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
         return model(batch.x, prefix_len=prefix, output_index=batch.index), targets
+    if batch.document is not None:
+        logits = model(batch.x, document=batch.document)
+        return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
     logits = model(batch.x, prefix_len=prefix)
     return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
 

@@ -35,7 +35,7 @@ from lmcli.checkpoint import (
     step_checkpoints,
     with_context,
 )
-from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple
+from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple, to_dict
 from lmcli.data.examples import pad_multiple
 from lmcli.data.train_data import ExampleData, TrainData, load_train_data
 from lmcli.device import (
@@ -68,6 +68,7 @@ from lmcli.train.preflight import (
     fmt_count,
     fmt_duration,
     measured_memory,
+    preflight_rows,
 )
 from lmcli.train.run_folder import (
     RunFolder,
@@ -79,6 +80,7 @@ from lmcli.train.run_folder import (
 )
 from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds
 from lmcli.train.state import COUNTERS, RngStates, Stateful, StateRegistry, TrainState, seed_everything
+from lmcli.train.tracking import Trackers, open_trackers, require_backends
 
 
 @dataclass
@@ -140,7 +142,8 @@ class Run:
     averages: list[EMA]  # weight averages (--ema): updated each step, validated, saved as their own folder
     states: StateRegistry  # the above, and the RNGs: trainer_state.pt
     marks: Marks
-    metrics: MetricsLog
+    metrics: MetricsLog  # metrics.jsonl: read back for history and the plot
+    trackers: Trackers  # where records go as they are made: metrics.jsonl and --log-to's backends
     mfu: MfuBasis
     info: Callable[[str], None]  # rank 0's messages; silent on the other ranks
     staging: Staging | None = None  # batches' copies to a GPU, through reused pinned buffers
@@ -183,6 +186,8 @@ def train(
                 opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
             return fit(opened[0], rep)
     except BaseException as exc:
+        if opened:  # the trackers' files closed, W&B's run marked failed
+            opened[0].trackers.finish({"step": opened[0].state.step, "stopped": "error"})
         if held:
             after_failure(held[0], opened[0].state.step if opened else None, exc, rep.info)
         raise
@@ -380,8 +385,7 @@ def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar
     }
     record["mfu"] = run.mfu.of(record["tokens_per_s"], run.dist.world_size)
     marks.log_step, marks.log_time = step, now
-    if run.dist.is_main:
-        run.metrics.append(record)
+    run.trackers.log(step, record)  # rank 0's; no backend on the others
     if bar is not None:
         bar.update(step, record)
 
@@ -452,7 +456,7 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
             scores = greedy_bleu(run.model, tok, run.data.val, samples, prefix_lm=task.prefix_lm)
         record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
     record.update(task_scores(run))  # --eval-task: task:NAME:METRIC
-    run.metrics.append(record)
+    run.trackers.log(state.step, record)
     if "val_bleu" in record:
         record["sentences"] = scores["sentences"]  # for the message, not the metrics file
     return record
@@ -512,7 +516,18 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
         )
     best = state.best_val if math.isfinite(state.best_val) else None
     marks = run.marks
-    return TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)
+    result = TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)
+    run.trackers.finish(
+        {
+            "step": state.step,
+            "train_loss": marks.train_loss,
+            "val_loss": marks.val_loss,
+            "best_val_loss": best,
+            "elapsed": elapsed,
+            "stopped": stopped,
+        }
+    )
+    return result
 
 
 # ----------------------------------------------------------------------------- opening a run
@@ -533,6 +548,7 @@ def open_run(
     configure_backend(device)
     amp = autocast_dtype(device, cfg.dtype)
     info = rep.info if dist_info.is_main else (lambda msg: None)
+    require_backends(cfg.trackers)  # before a run folder exists: one line naming what to install
     run_dir, resumed = locate_run(model_config, cfg, resume, dist_info, held)
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
     eval_tasks = load_eval_tasks(cfg) if dist_info.is_main else []  # a bad file stops the run here
@@ -556,6 +572,11 @@ def open_run(
 
     trained, ddp = wrap_for_training(model, cfg, dist_info, device)
     per_token = training_flops(model, cfg, data)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    in_place = resumed is not None and Path(resume) == run_dir
+    trackers = open_trackers(
+        cfg.trackers, metrics, run_dir, state.step if in_place else None, dist_info.is_main
+    )
     run = Run(
         cfg=cfg,
         model_config=model_config,
@@ -576,7 +597,8 @@ def open_run(
         averages=averages,
         states=states,
         marks=Marks(torch.zeros((), device=device), saved_step=state.step if resumed else -1),
-        metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        metrics=metrics,
+        trackers=trackers,
         mfu=MfuBasis(per_token, *peak_tflops(device, cfg.peak_tflops)),
         info=info,
         staging=Staging(device),
@@ -584,10 +606,11 @@ def open_run(
         eval_tasks=eval_tasks,
     )
     if dist_info.is_main:
-        show_preflight(run, rep)
+        facts = show_preflight(run, rep)
         write_run_config(run_dir, model_config, cfg)
         if resumed:
             carry_history(run)
+        trackers.start({"model": to_dict(model_config), "train": to_dict(cfg)}, facts)
     return run
 
 
@@ -803,8 +826,9 @@ def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
     )
 
 
-def show_preflight(run: Run, rep: Reporter) -> None:
-    """One screen of facts before training: size, data, memory and time estimates."""
+def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
+    """One screen of facts before training: size, data, memory and time estimates (returned, for
+    the trackers)."""
     cfg, model = run.cfg, run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     probe = None if cfg.compile else probe_step_seconds(model, run.sampler, cfg, run.device, run.amp)
@@ -845,6 +869,8 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     basis = run.mfu
     peak = f"{basis.peak_tflops:.3g} TFLOP/s per device, " if basis.peak_tflops else ""
     facts["MFU against"] = f"{peak}{basis.peak_source}; {basis.flops_per_token / 1e6:.3g} MFLOP/token"
+    extra = {label: value for label, value in facts.items() if label != "device"}
+    rows = dict(preflight_rows(pre, facts["device"], extra))
     if rep.preflight is not None:
         rep.preflight(pre, facts)
     else:
@@ -852,3 +878,4 @@ def show_preflight(run: Run, rep: Reporter) -> None:
             f"{fmt_count(pre.params)} parameters, {run.tokens_per_step} tokens/step, "
             f"{run.data.train_tokens} train tokens"
         )
+    return rows
