@@ -10,7 +10,11 @@ replies is drawn with ``--seed`` + ``k``: the same conversation gets the same re
 
 When the prompt plus ``max_new_tokens`` does not fit the model's context, the oldest turns (a
 user message and the replies after it) are left out of the prompt, for this reply and the rest
-of the session; the system prompt and the newest user message always stay. A Ctrl-C
+of the session; the system prompt and the newest user message always stay. How many go is
+found by bisection over the turns (a few renders, however long the conversation), and a
+window of more characters than the context can hold in tokens is known too long without
+being tokenized. A Hugging Face template renders through the session's ``Renderer`` (bounded
+time and memory, ``lmcli.template_render``). A Ctrl-C
 (``KeyboardInterrupt``) during a reply stops it: the text shown so far is kept as the reply
 (what the user saw is what the model sees next), and a reply stopped before any text is
 dropped together with the user's message.
@@ -29,15 +33,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmcli import chat_template
-from lmcli.chat_template import Message
+from lmcli.chat_template import Message, Renderer, RenderTooLong, Template, check_roles
 from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
-from lmcli.safe_io import atomic_write
+from lmcli.safe_io import atomic_write, refuse_special
 from lmcli.tasks import make_task
 from lmcli.tokenizer import Tokenizer
 
-ROLES = ("system", "user", "assistant")
+__all__ = ["ChatSession", "Reply", "check_roles", "read_messages", "run_json", "run_terminal"]
+STDIN_LIMIT = 16 << 20  # bytes of JSON on stdin: far more than any context holds
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # as lmcli serve reports them
 
 
@@ -60,25 +65,37 @@ class ChatSession:
         model: Transformer,
         tokenizer: Tokenizer,
         cfg: SampleConfig,
-        template: str | None = None,
+        template: Template | str | None = None,
         system: str | None = None,
+        draft: Any = None,
     ) -> None:
-        """``template``: the model folder's Hugging Face chat template, or None for lmcli's."""
+        """``template``: the model folder's Hugging Face chat template, or None for lmcli's.
+        ``draft``: a ``speculative.Draft`` that replies are decoded with (the same replies)."""
         if cfg.num_samples != 1:
             raise LmcliError("a chat reply is one sample: num-samples must be 1")
-        self.model, self.tokenizer, self.cfg, self.template = model, tokenizer, cfg, template
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.template = chat_template.as_template(template)
+        self.renderer = Renderer() if self.template is not None else None
+        self.draft = draft
         self.system = system or None
         self.messages: list[Message] = []  # user and assistant messages, oldest first
         self.first = 0  # messages[first:] are in the prompt; older ones were dropped
 
+    def close(self) -> None:
+        """Stop the template's renderer (a session that renders none holds nothing)."""
+        if self.renderer is not None:
+            self.renderer.close()
+
     @classmethod
-    def from_checkpoint(cls, ckpt: Any, cfg: SampleConfig, system: str | None = None) -> ChatSession:
+    def from_checkpoint(
+        cls, ckpt: Any, cfg: SampleConfig, system: str | None = None, draft: Any = None
+    ) -> ChatSession:
         """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
         task = make_task(ckpt.train_config)
         if not task.chat:
             raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
-        template = chat_template.find_template(ckpt.path)
-        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system)
+        template = chat_template.template_of(ckpt)
+        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system, draft)
 
     @property
     def context(self) -> int:
@@ -89,14 +106,20 @@ class ChatSession:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [dict(m) for m in self.messages]
 
-    def window(self) -> list[Message]:
-        """The messages the next prompt renders: the system prompt and the turns not dropped."""
+    def window(self, first: int | None = None) -> list[Message]:
+        """The messages the next prompt renders: the system prompt and the turns not dropped
+        (or those from message ``first`` on)."""
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + self.messages[self.first :]
+        return head + self.messages[self.first if first is None else first :]
 
-    def prompt_ids(self) -> list[int]:
-        """The token ids of the prompt for the next reply (ends where the reply begins)."""
-        return chat_template.encode(self.window(), self.template, self.tokenizer)
+    def prompt_ids(self, first: int | None = None) -> list[int]:
+        """The token ids of the prompt for the next reply (ends where the reply begins), from
+        message ``first`` on (default: the turns not dropped). ``RenderTooLong`` when it has more
+        characters than the context can hold in tokens (it is not tokenized)."""
+        bound = self.context * self.tokenizer.longest_token
+        return chat_template.encode(
+            self.window(first), self.template, self.tokenizer, renderer=self.renderer, max_chars=bound
+        )
 
     def reset(self) -> None:
         """Forget every message (the system prompt stays)."""
@@ -149,7 +172,7 @@ class ChatSession:
                 max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)),
                 seed=self.reply_seed(),
             )
-            g = generate(self.model, self.tokenizer, [ids], cfg, on_text=stream)[0]
+            g = generate(self.model, self.tokenizer, [ids], cfg, on_text=stream, draft=self.draft)[0]
         except KeyboardInterrupt:
             text = "".join(shown)
             if text:
@@ -172,57 +195,69 @@ class ChatSession:
     def _fit(self) -> tuple[list[int], int]:
         """The prompt's ids after dropping the oldest turns until prompt + max_new_tokens fits
         the context, and how many messages were dropped; one line if the newest turn alone
-        leaves no room for a reply."""
-        dropped, first = 0, self.first
-        ids = self.prompt_ids()
+        leaves no room for a reply. The first turn kept is found by bisection (a prompt is no
+        longer for starting later), so a long conversation costs a few renders, not one per turn."""
         last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
-        while len(ids) + self.cfg.max_new_tokens > self.context and self.first < last_user:
-            start = self.first
-            self.first += 1  # drop one turn: a user message and the replies that follow it
-            while self.first < last_user and self.messages[self.first]["role"] != "user":
-                self.first += 1
-            dropped += self.first - start
-            ids = self.prompt_ids()
-        if len(ids) >= self.context:
-            self.first = first  # the turns stay for a message that fits
+        starts = [self.first] + [
+            i for i in range(self.first + 1, last_user + 1) if self.messages[i]["role"] == "user"
+        ]
+        probed: dict[int, list[int] | None] = {}  # start -> ids (None: more than the context holds)
+
+        def ids_from(j: int) -> list[int] | None:
+            if j not in probed:
+                try:
+                    probed[j] = self.prompt_ids(starts[j])
+                except RenderTooLong:
+                    probed[j] = None
+            return probed[j]
+
+        def fits(j: int) -> bool:
+            ids = ids_from(j)
+            return ids is not None and len(ids) + self.cfg.max_new_tokens <= self.context
+
+        lo, hi = 0, len(starts) - 1  # the first start that fits, or the last one
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        ids = ids_from(lo)
+        if ids is None or len(ids) >= self.context:
+            size = "more characters than it can hold" if ids is None else f"{len(ids)} tokens"
             raise LmcliError(
-                f"the prompt is {len(ids)} tokens: no room for a reply in this model's context "
-                f"of {self.context} tokens"
+                f"the prompt is {size}: no room for a reply in this model's context of {self.context} tokens"
             )
+        dropped = starts[lo] - self.first
+        self.first = starts[lo]
         return ids, dropped
 
     def save(self, path: str | Path) -> Path:
-        """Write the conversation as ``{"messages": [...]}``, whole or not at all."""
-        path = Path(path).expanduser()
+        """Write the conversation as ``{"messages": [...]}``, whole or not at all, to a new file
+        or over a regular one (never over a device, a FIFO or a link)."""
+        path = refuse_special(Path(path).expanduser())
         text = json.dumps({"messages": self.conversation()}, ensure_ascii=False, indent=2) + "\n"
         atomic_write(path, text)
         return path
 
 
-def check_roles(messages: list[Message]) -> list[Message]:
-    """``messages`` whose roles are system (first only), user or assistant, ending with the user's."""
-    for i, m in enumerate(messages):
-        if m["role"] not in ROLES:
-            raise LmcliError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}")
-        if m["role"] == "system" and i > 0:
-            raise LmcliError(f"messages[{i}]: a system message may only come first")
-    if messages[-1]["role"] != "user":
-        raise LmcliError("the last message must be the user's: it is the one the reply answers")
-    return messages
-
-
 # ----------------------------------------------------------------------------- scripts
 
 
-def read_messages(stream: IO[str]) -> Any:
-    """``{"messages": [...]}`` or a bare list of messages, read from ``stream``."""
-    data = stream.read()
+def read_messages(stream: IO[str] | IO[bytes]) -> Any:
+    """``{"messages": [...]}`` or a bare list of messages, read from ``stream`` (UTF-8, at most
+    ``STDIN_LIMIT`` bytes)."""
+    raw = getattr(stream, "buffer", stream).read(STDIN_LIMIT + 1)
+    if len(raw) > STDIN_LIMIT:
+        raise LmcliError(f"stdin holds more than {STDIN_LIMIT >> 20} MiB: not a conversation lmcli reads")
+    try:
+        data = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as exc:
+        raise LmcliError(f"stdin is not UTF-8 text: byte {raw[exc.start]:#04x} at {exc.start}") from None
     if not data.strip():
         raise LmcliError('no input: give {"messages": [...]} on stdin')
     try:
         value = json.loads(data)
-    except ValueError as exc:
-        raise LmcliError(f"stdin is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise LmcliError(f"stdin is not valid JSON: {reason}") from None
     if isinstance(value, dict):
         if "messages" not in value:
             raise LmcliError('the JSON object on stdin must have "messages"')

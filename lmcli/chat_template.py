@@ -19,39 +19,73 @@ loss reads: each assistant reply and its end token. Under lmcli's template these
 a reply is the text that rendering it adds to the conversation before it (rendered with the
 generation prompt), its trailing whitespace left out, so the template's own end-of-turn token
 belongs to the reply and the layout between turns does not.
+
+A Hugging Face template is code from the model folder: it renders through a
+``template_render.Renderer`` (a worker process, bounded time, memory and output; a template
+past them is refused in one line naming its folder). A caller that renders often (the server, a
+chat session, SFT data) owns one ``Renderer`` and passes it; without one, each call starts one.
+The messages are checked first: text content only (no lone surrogates), and ``check_roles``
+is the one rule of roles that ``lmcli chat`` and the server share.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from datetime import datetime
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.template_render import (
+    TEMPLATE_LIMIT,
+    Renderer,
+    RendererClosed,
+    RenderTooLong,
+    Template,
+    as_template,
+)
+from lmcli.tokenizer import CONFIG_LIMIT, Tokenizer
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
+ROLES = ("system", "user", "assistant")
+
+__all__ = [
+    "Renderer",
+    "RendererClosed",
+    "RenderTooLong",
+    "Template",
+    "check_messages",
+    "check_roles",
+    "encode",
+]
 
 
-def find_template(folder: str | Path) -> str | None:
+def find_template(folder: str | Path) -> Template | None:
     """The Hugging Face chat template stored in a model folder, or None."""
     folder = Path(folder)
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        if jinja.stat().st_size > 4 * TEMPLATE_LIMIT:
+            raise LmcliError(f"{jinja} is larger than {TEMPLATE_LIMIT >> 20} MiB: not a chat template")
+        return Template(jinja.read_text(encoding="utf-8", errors="replace"), str(folder))
     config = folder / "tokenizer_config.json"
-    if not config.is_file():
+    if not config.is_file() or config.stat().st_size > CONFIG_LIMIT:
         return None
     try:
         template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    return template if isinstance(template, str) and template.strip() else None
+    return Template(template, str(folder)) if isinstance(template, str) and template.strip() else None
+
+
+def template_of(ckpt: Any) -> Template | str | None:
+    """The chat template of a loaded model: its folder's, else its tokenizer's (a GGUF file
+    holds it in its metadata), or None: lmcli's."""
+    return find_template(ckpt.path) or ckpt.tokenizer.chat_template
 
 
 def _special(tokenizer: Tokenizer, token_id: int | None) -> str:
@@ -66,50 +100,16 @@ def _lmcli_parts(messages: list[Message], tokenizer: Tokenizer) -> list[tuple[st
     return parts + [("assistant", False), (_special(tokenizer, sep), True)]
 
 
-def _generation_tag() -> Any:
-    """Hugging Face's ``{% generation %}...{% endgeneration %}`` block, rendered as its body."""
-    from jinja2.ext import Extension
-
-    class Generation(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    return Generation
-
-
-@functools.lru_cache(maxsize=8)
-def _compile(template: str) -> Any:
-    """The template compiled once (a conversation renders it once per reply when fine-tuning) in
-    the environment ``transformers`` renders chat templates in: sandboxed, its helpers."""
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
-def _render_jinja(
-    template: str, messages: list[Message], tokenizer: Tokenizer, add_generation_prompt: bool = True
-) -> str:
-    """The Hugging Face template rendered as ``transformers``' ``apply_chat_template`` does."""
-    import jinja2
-
-    context = {
+def _context(
+    messages: list[Message],
+    tokenizer: Tokenizer,
+    add_generation_prompt: bool,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a Hugging Face template sees, as ``transformers``' ``apply_chat_template`` gives it;
+    ``extra``: more variables (e.g. ``tools``), JSON values."""
+    return {
+        **(extra or {}),
         "messages": messages,
         "add_generation_prompt": add_generation_prompt,
         "bos_token": _special(tokenizer, tokenizer.bos_id),
@@ -117,12 +117,30 @@ def _render_jinja(
         "pad_token": _special(tokenizer, tokenizer.pad_id),
         "unk_token": _special(tokenizer, tokenizer.unk_id),
     }
+
+
+def _render_jinja(
+    template: Template,
+    contexts: list[dict[str, Any]],
+    renderer: Renderer | None,
+    max_chars: int | None = None,
+) -> list[str]:
+    """``template`` rendered with each context, by ``renderer`` (or one started for the call)."""
+    if renderer is not None:
+        return renderer.render(template, contexts, max_chars=max_chars)
+    with Renderer() as own:
+        return own.render(template, contexts, max_chars=max_chars)
+
+
+def check_text(text: str, where: str) -> str:
+    """``text`` if it is text Unicode can encode: a lone surrogate (``"\\ud800"`` in JSON) is
+    refused in one line naming ``where``."""
     try:
-        return _compile(template).render(**context)
-    except jinja2.exceptions.TemplateError as exc:
-        raise LmcliError(f"chat template: {exc}") from None
-    except Exception as exc:  # a template's own bug: a wrong type, a bad attribute, ...
-        raise LmcliError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise LmcliError(f"{where} holds a lone surrogate (U+{ord(bad):04X}): not text") from None
+    return text
 
 
 def check_messages(messages: Any) -> list[Message]:
@@ -145,41 +163,86 @@ def check_messages(messages: Any) -> list[Message]:
             content = ""
         if not isinstance(content, str):
             raise LmcliError(f"messages[{i}].content must be text")
-        out.append({"role": m["role"], "content": content})
+        check_text(m["role"], f"messages[{i}].role")
+        out.append({"role": m["role"], "content": check_text(content, f"messages[{i}].content")})
     return out
 
 
-def render(messages: list[Message], template: str | None, tokenizer: Tokenizer) -> str:
+def check_roles(messages: list[Message]) -> list[Message]:
+    """``messages`` whose roles are system (first only), user or assistant, ending with the
+    user's: the rule of ``lmcli chat`` and of the server's chat completions alike."""
+    for i, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise LmcliError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}")
+        if m["role"] == "system" and i > 0:
+            raise LmcliError(f"messages[{i}]: a system message may only come first")
+    if messages[-1]["role"] != "user":
+        raise LmcliError("the last message must be the user's: it is the one the reply answers")
+    return messages
+
+
+def render(
+    messages: list[Message],
+    template: Template | str | None,
+    tokenizer: Tokenizer,
+    *,
+    renderer: Renderer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
     """The prompt text for ``messages``, ending where the assistant's reply begins."""
     messages = check_messages(messages)
+    template = as_template(template)
     if template is not None:
-        return _render_jinja(template, messages, tokenizer)
+        return _render_jinja(template, [_context(messages, tokenizer, True, extra)], renderer)[0]
     return "".join(piece for piece, _ in _lmcli_parts(messages, tokenizer))
 
 
-def encode(messages: list[Message], template: str | None, tokenizer: Tokenizer) -> list[int]:
+def encode(
+    messages: list[Message],
+    template: Template | str | None,
+    tokenizer: Tokenizer,
+    *,
+    renderer: Renderer | None = None,
+    extra: Mapping[str, Any] | None = None,
+    max_chars: int | None = None,
+) -> list[int]:
     """The prompt's token ids: special-token strings of the template become special ids.
 
     Under lmcli's template only the template's own special tokens do; under a Hugging Face
     template the whole rendered text is parsed for special tokens, as ``transformers`` does.
+    ``max_chars``: a prompt of more characters is refused (``RenderTooLong``) before it is
+    tokenized. Tokenizing releases the GIL (a server's event loop goes on meanwhile).
     """
     messages = check_messages(messages)
+    template = as_template(template)
     if template is None:
+        parts = _lmcli_parts(messages, tokenizer)
+        chars = sum(len(piece) for piece, _ in parts)
+        if max_chars is not None and chars > max_chars:
+            raise RenderTooLong(f"the prompt is {chars:,} characters, more than {max_chars:,}", max_chars)
+        texts = iter(tokenizer.encode_batch([piece for piece, special in parts if not special]))
         ids: list[int] = []
-        for piece, special in _lmcli_parts(messages, tokenizer):
-            ids += [tokenizer.hf.token_to_id(piece)] if special else tokenizer.encode(piece)
+        for piece, special in parts:
+            ids += [tokenizer.hf.token_to_id(piece)] if special else next(texts)
         return ids
-    text = render(messages, template, tokenizer)
-    return _special_parser(tokenizer).encode(text, add_special_tokens=False).ids
+    context = _context(messages, tokenizer, True, extra)
+    text = _render_jinja(template, [context], renderer, max_chars)[0]
+    return special_parser(tokenizer).encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def encode_conversation(
-    messages: list[Message], template: str | None, tokenizer: Tokenizer
+    messages: list[Message],
+    template: Template | str | None,
+    tokenizer: Tokenizer,
+    *,
+    renderer: Renderer | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], list[bool]]:
     """A whole conversation's token ids and, per token, whether the loss reads it: the tokens of
     each assistant reply and its end token; system and user turns and the template's layout are
-    context."""
+    context. ``extra``: more variables for a Hugging Face template (e.g. ``tools``)."""
     messages = check_messages(messages)
+    template = as_template(template)
     if template is None:
         ids: list[int] = []
         scored: list[bool] = []
@@ -188,20 +251,21 @@ def encode_conversation(
             ids += piece_ids
             scored += [reply] * len(piece_ids)
         return ids, scored
-    full = _render_jinja(template, messages, tokenizer, add_generation_prompt=False)
+    replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    contexts = [_context(messages, tokenizer, False, extra)]  # the whole, then per reply: before, up to it
+    for k in replies:
+        before, upto = messages[:k], messages[: k + 1]
+        contexts += [_context(before, tokenizer, True, extra), _context(upto, tokenizer, False, extra)]
+    full, *prefixes = _render_jinja(template, contexts, renderer)
     spans = []  # (start, end) characters of each reply in the full text
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render_jinja(template, messages[:k], tokenizer, add_generation_prompt=True)
-        upto = _render_jinja(template, messages[: k + 1], tokenizer, add_generation_prompt=False)
+    for k, before, upto in zip(replies, prefixes[::2], prefixes[1::2], strict=True):
         if not (full.startswith(upto) and upto.startswith(before)):
             raise LmcliError(
                 f"chat template: rendering the conversation up to message {k} is not a prefix of "
                 "rendering all of it, so the reply's tokens cannot be found"
             )
         spans.append((len(before), len(upto.rstrip())))
-    enc = _special_parser(tokenizer).encode(full, add_special_tokens=False)
+    enc = special_parser(tokenizer).encode(full, add_special_tokens=False)
     scored = [any(a <= start < b for a, b in spans) for start, _ in enc.offsets]
     return list(enc.ids), scored
 
@@ -218,7 +282,7 @@ def _lmcli_conversation(messages: list[Message], tokenizer: Tokenizer) -> list[t
 
 
 @functools.lru_cache(maxsize=4)
-def _special_parser(tokenizer: Tokenizer) -> Any:
+def special_parser(tokenizer: Tokenizer) -> Any:
     """A copy of the tokenizer that reads special-token strings as special tokens."""
     from tokenizers import Tokenizer as HFTokenizer
 

@@ -28,6 +28,7 @@ Hugging Face folder, a LoRA run, the newest run) is opened by ``lmcli.sources``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -48,7 +49,7 @@ from safetensors.torch import load_file, save_file
 
 from lmcli import __version__, lora
 from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_fields, stored_model_config, to_dict
-from lmcli.errors import LmcliError
+from lmcli.errors import LmcliError, check_names
 from lmcli.model import Transformer
 from lmcli.safe_io import temp_dir
 from lmcli.tokenizer import Tokenizer
@@ -68,7 +69,7 @@ _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 DISK_NAMES = {"positions.wpe.weight": "wpe.weight"}
 MODULE_NAMES = {disk: module for module, disk in DISK_NAMES.items()}
 OLD = ".old"  # a checkpoint moved aside while its successor is renamed into place
-_STEP = re.compile(r"step-(\d+)")
+STEP = re.compile(r"step-(\d+)")
 READ_TRIES = 5  # reads of a checkpoint that a writer keeps replacing, before giving up
 
 
@@ -182,6 +183,18 @@ def _commit(tmp: Path, dest: Path) -> None:
     _remove(old)
 
 
+def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors``' ``save_file``, its I/O errors as ``OSError`` (a full disk is ENOSPC, as a
+    Python write would say, not a ``SafetensorError`` naming Rust's error kinds)."""
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        code = re.search(r"(?:code: |os error )(\d+)", str(exc))
+        if code is None:
+            raise OSError(str(exc).splitlines()[0][:200]) from None
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
+
+
 def save_checkpoint(
     dest: Path,
     model: torch.nn.Module,
@@ -222,10 +235,10 @@ def write_files(
         if base is None:
             raise ValueError("a model with adapters is saved with its base reference")
         adapters = lora.adapter_state(unwrap(model), gathered)
-        save_file(adapters, str(folder / ADAPTERS), metadata={"format": "pt"})
+        save_tensors(adapters, folder / ADAPTERS)
         _write_json(folder / BASE, base)
     else:
-        save_file(model_state(model, gathered), str(folder / WEIGHTS), metadata={"format": "pt"})
+        save_tensors(model_state(model, gathered), folder / WEIGHTS)
     _write_json(
         folder / CONFIG,
         {
@@ -281,7 +294,7 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     """A run folder's ``step-N`` checkpoint folders, oldest step first (by number, not by name)."""
     found = []
     for path in Path(run_dir).iterdir():
-        match = _STEP.fullmatch(path.name)
+        match = STEP.fullmatch(path.name)
         if match and path.is_dir() and not path.is_symlink():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
@@ -350,8 +363,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
             raise LmcliError(f"cannot read {what} {path}: larger than {JSON_LIMIT >> 20} MiB")
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise LmcliError(f"cannot read {what} {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise LmcliError(f"cannot read {what} {path}: {reason}") from None
     if not isinstance(data, dict):
         raise LmcliError(f"cannot read {what} {path}: not a JSON object")
     return data
@@ -372,8 +386,8 @@ def verify_checksums(ckpt: Path, meta: dict[str, Any]) -> None:
             raise LmcliError(f"checkpoint file {f} is corrupt (checksum mismatch)")
 
 
-# safetensors dtype names of the tensors lmcli saves (a model is built in float32)
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# safetensors dtype names of the floating-point tensors lmcli reads (a model is built in float32)
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 # what a model computes from its config alone (position tables, a full-context attention bias)
 # may take the weights' size, or this much for small models with long contexts
 COMPUTED_FLOOR = 256 << 20
@@ -416,7 +430,7 @@ def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, 
     mask of one full-context window. From a model built on the meta device (no allocation)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    dtypes = {v: k for k, v in _DTYPES.items()}
+    dtypes = {v: k for k, v in DTYPES.items()}
     expected = {
         DISK_NAMES.get(k, k): (dtypes[v.dtype], tuple(v.shape))
         for k, v in clean_state_dict(model.state_dict()).items()
@@ -429,12 +443,22 @@ def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, 
     return expected, computed
 
 
-def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
+def check_header(
+    cfg: ModelConfig,
+    header: WeightsHeader,
+    *,
+    where: str | None = None,
+    stored_dtypes: bool = False,
+    stored_bytes: int | None = None,
+) -> None:
     """One line when ``cfg`` does not describe the weights in ``header``, found before anything
     as large as the config claims is built: layers and embedding first (the numbers a crafted
     config inflates), then every tensor's name, shape and dtype, the total size, and the size
-    of what the model computes from the config alone (position tables, masks)."""
-    where = f"weights {header.path}"
+    of what the model computes from the config alone (position tables, masks).
+    ``stored_dtypes``: any floating-point dtype is fine (an imported model's, converted when
+    loaded), else the dtype lmcli saves; ``stored_bytes``: the tensors' bytes in the file when the
+    dtypes do not tell (quantized GGUF blocks). ``where``: how messages name the weights."""
+    where = where or f"weights {header.path}"
     layers = {int(m.group(1)) for name in header.tensors if (m := _LAYER.match(name))}
     if cfg.n_layer != len(layers) or layers != set(range(len(layers))):
         raise LmcliError(
@@ -451,20 +475,17 @@ def check_header(cfg: ModelConfig, header: WeightsHeader) -> None:
             f"{where} do not fit the model config ({rows} x n-embd {cfg.n_embd}, the weights hold {got})"
         )
     expected, computed = expected_weights(cfg)
-    missing = sorted(set(expected) - set(header.tensors))
-    unexpected = sorted(set(header.tensors) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"{where} do not fit the model config "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
+    check_names(expected, header.tensors, f"{where} do not fit the model config")
     for name, (dtype, shape) in expected.items():
         got_dtype, got_shape = header.tensors[name]
         if got_shape != shape:
             raise LmcliError(f"{where}: {name} has shape {got_shape}, config expects {shape}")
-        if got_dtype != dtype:
-            raise LmcliError(f"{where}: {name} is {got_dtype}, expected {dtype}")
-    n_bytes = sum(math.prod(s) * _DTYPES[d].itemsize for d, s in expected.values())
+        fits = got_dtype in DTYPES if stored_dtypes else got_dtype == dtype
+        if not fits:
+            wanted = f"one of {', '.join(DTYPES)}" if stored_dtypes else dtype
+            raise LmcliError(f"{where}: {name} is {got_dtype}, expected {wanted}")
+    stored = header.tensors if stored_dtypes else expected
+    n_bytes = stored_bytes or sum(math.prod(s) * DTYPES[d].itemsize for d, s in stored.values())
     if n_bytes > header.file_size:
         raise LmcliError(f"{where}: {n_bytes} bytes of tensors in a file of {header.file_size} bytes")
     if computed > max(n_bytes, COMPUTED_FLOOR):
@@ -492,15 +513,70 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], where: st
     return model
 
 
+def with_context(model: Transformer, block_size: int) -> Transformer:
+    """``model`` with a context of ``block_size`` tokens (shorter than its own): the same weights,
+    learned positions cut to their first ``block_size`` rows, the position tables made anew."""
+    cfg = dataclasses.replace(model.config, block_size=block_size)
+    state = model_state(model)
+    if "wpe.weight" in state:
+        state["wpe.weight"] = state["wpe.weight"][:block_size]
+    return model_from_state(cfg, state).train(model.training)
+
+
 def load_weights(cfg: ModelConfig, path: Path, device: torch.device | str = "cpu") -> Transformer:
     """The model of ``cfg`` with the weights in ``path``: the header is checked against the
     config before anything is built, then the tensors are read once and become the model's."""
     check_header(cfg, read_header(checked_file(path)))
     try:
-        state = load_file(str(path), device=str(device))
+        state = read_tensors(path) if str(device) == "cpu" else load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise LmcliError(f"cannot read weights {path}: {str(exc).splitlines()[0][:200]}") from None
     return model_from_state(cfg, clean_state_dict(state))
+
+
+_READ_DTYPES = {
+    **DTYPES,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (its header already checked by ``safe_open``), read
+    into memory of its own rather than memory-mapped; floating-point ones in ``dtype`` (None: as
+    stored), converted one at a time.
+
+    Why not ``load_file``: its tensors share one mapping of the file, whose pages, once read,
+    stay resident (and counted in the process's memory) until the last tensor is freed. A model
+    whose weights are then packed, laid out or converted for inference (``lmcli.fastpath``,
+    ``lmcli.quant``) would hold them twice: the copies, and the mapped file behind the one
+    weight (the tied embedding) still using it.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        base = 8 + size
+        if any(v["dtype"] not in _READ_DTYPES for k, v in header.items() if k != "__metadata__"):
+            return {k: _as_dtype(v, dtype) for k, v in load_file(str(path)).items()}
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_READ_DTYPES[info["dtype"]])
+            f.seek(base + start)
+            if t.numel() and f.readinto(t.reshape(-1).view(torch.uint8).numpy()) != end - start:
+                raise ValueError(f"{name} is cut short")
+            out[name] = _as_dtype(t, dtype)
+    return out
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
 def load_state(
@@ -512,13 +588,7 @@ def load_state(
     if model.config.tie_embeddings:
         state.setdefault("lm_head.weight", state.get("wte.weight"))
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"weights {where} do not fit the model config "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
+    check_names(expected, state, f"weights {where} do not fit the model config")
     for key, value in state.items():
         if value.shape != expected[key].shape:
             raise LmcliError(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmcli.config import TrainConfig
-from lmcli.errors import LmcliError
+from lmcli.errors import LmcliError, check_names
 from lmcli.model import Transformer
 
 # --lora-targets names -> (sublayer, attribute) of each Block
@@ -85,26 +85,89 @@ def parse_targets(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_adapters(model: Transformer, cfg: TrainConfig) -> Transformer:
-    """Freeze ``model`` and put adapters of ``cfg.lora.lora_rank`` on ``lora_targets`` of every
-    block (drawn from ``cfg.seed``, not from torch's global generator); with
-    ``lora_train_embeddings`` the token embedding (and an untied head) train too."""
-    generator = torch.Generator().manual_seed(cfg.seed)
-    options = cfg.lora
-    model.requires_grad_(False)
-    for name in parse_targets(options.lora_targets):
+def _targets(model: Transformer, cfg: TrainConfig) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(module path, parent, attribute, layer) of every layer ``cfg.lora.lora_targets`` names."""
+    found = []
+    for name in parse_targets(cfg.lora.lora_targets):
         sub, attr = TARGETS[name]
-        for block in model.h:
+        for i, block in enumerate(model.h):
             layer = getattr(getattr(block, sub), attr)
             if not isinstance(layer, nn.Linear) or isinstance(layer, LoRALinear):
                 raise LmcliError(
                     f"lora target {name} names no layer of this model ({sub}.{attr} is absent: "
                     f"mlp {model.config.mlp})"
                 )
-            adapted = LoRALinear(
-                layer, options.lora_rank, options.lora_alpha, options.lora_dropout, generator
+            found.append((f"h.{i}.{sub}.{attr}", getattr(block, sub), attr, layer))
+    return found
+
+
+def adapter_shapes(model: Transformer, cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a LoRA checkpoint of ``cfg`` on ``model`` holds, name -> shape, found without
+    allocating anything (``model`` may be on the meta device); one line for a rank below 1 or
+    above the smallest side of a layer it adapts (a larger one adds nothing and can take any
+    amount of memory)."""
+    r = cfg.lora.lora_rank
+    targets = _targets(model, cfg)
+    if r < 1:
+        raise LmcliError(f"lora-rank {r}: LoRA adapters need a rank of at least 1")
+    path, _, _, small = min(targets, key=lambda t: min(t[3].in_features, t[3].out_features))
+    most = min(small.in_features, small.out_features)
+    if r > most:
+        raise LmcliError(
+            f"lora-rank {r} is larger than the layers it adapts allow ({path}: "
+            f"{small.in_features} -> {small.out_features}, at most {most})"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, _, _, layer in targets:
+        shapes[f"{path}.lora_a"] = (r, layer.in_features)
+        shapes[f"{path}.lora_b"] = (layer.out_features, r)
+    if cfg.lora.lora_train_embeddings:
+        shapes["wte.weight"] = tuple(model.wte.weight.shape)
+        if not model.config.tie_embeddings:
+            shapes["lm_head.weight"] = tuple(model.lm_head.weight.shape)
+    return shapes
+
+
+def check_adapters(
+    model: Transformer, cfg: TrainConfig, tensors: dict[str, tuple[str, tuple[int, ...]]], where: str
+) -> None:
+    """One line when the adapters file's ``tensors`` (name -> (dtype, shape), its header) do not
+    fit ``cfg``'s LoRA settings on ``model``: checked before any adapter is allocated."""
+    rank = cfg.lora.lora_rank
+    ranks = {shape[0] for name, (_, shape) in tensors.items() if name.endswith(".lora_a") and shape}
+    if ranks and ranks != {rank}:
+        name = next(n for n, (_, s) in tensors.items() if n.endswith(".lora_a") and s and s[0] != rank)
+        raise LmcliError(
+            f"adapters {where} have rank {tensors[name][1][0]} ({name} of shape {tensors[name][1]}), "
+            f"the run's config says lora-rank {rank}"
+        )
+    try:
+        expected = adapter_shapes(model, cfg)
+    except LmcliError as exc:
+        raise LmcliError(f"adapters {where}: {exc}") from None
+    check_names(expected, tensors, f"adapters {where} do not fit the run's LoRA settings")
+    for name, shape in expected.items():
+        dtype, got = tensors[name]
+        if got != shape:
+            raise LmcliError(
+                f"adapters {where}: {name} has shape {got}, the run's LoRA settings expect {shape}"
             )
-            setattr(getattr(block, sub), attr, adapted)
+        if dtype not in ("F32", "F16", "BF16", "F64"):
+            raise LmcliError(f"adapters {where}: {name} is {dtype}, not floating-point")
+
+
+def add_adapters(model: Transformer, cfg: TrainConfig) -> Transformer:
+    """Freeze ``model`` and put adapters of ``cfg.lora.lora_rank`` on ``lora_targets`` of every
+    block (drawn from ``cfg.seed``, not from torch's global generator); with
+    ``lora_train_embeddings`` the token embedding (and an untied head) train too. The rank is
+    checked (``adapter_shapes``) before anything is allocated."""
+    adapter_shapes(model, cfg)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    options = cfg.lora
+    model.requires_grad_(False)
+    for _, parent, attr, layer in _targets(model, cfg):
+        adapted = LoRALinear(layer, options.lora_rank, options.lora_alpha, options.lora_dropout, generator)
+        setattr(parent, attr, adapted)
     if options.lora_train_embeddings:
         model.wte.weight.requires_grad_(True)
         model.lm_head.weight.requires_grad_(True)  # the same tensor when tied
@@ -130,13 +193,7 @@ def adapter_state(model: Transformer, gathered: dict[str, Tensor] | None = None)
 def load_adapters(model: Transformer, state: dict[str, Tensor], where: str) -> None:
     """Put a LoRA checkpoint's tensors into a model that ``add_adapters`` prepared."""
     expected = adapter_state(model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise LmcliError(
-            f"adapters {where} do not fit the run's LoRA settings "
-            f"(missing: {', '.join(missing[:3]) or '-'}; unexpected: {', '.join(unexpected[:3]) or '-'})"
-        )
+    check_names(expected, state, f"adapters {where} do not fit the run's LoRA settings")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state.items():

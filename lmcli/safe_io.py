@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -37,7 +39,7 @@ def temp_dir(dest: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
 
 
-def _file_mode() -> int:
+def file_mode() -> int:
     """The mode ``open()`` would give a new file (0o666 less the umask), not mkstemp's 0o600."""
     umask = os.umask(0o022)
     os.umask(umask)
@@ -49,7 +51,7 @@ def atomic_write(dest: Path, data: bytes | str) -> None:
     dest = Path(dest)
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
     try:
-        os.fchmod(fd, _file_mode())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -58,6 +60,62 @@ def atomic_write(dest: Path, data: bytes | str) -> None:
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
+
+
+def refuse_special(path: Path) -> Path:
+    """``path`` if it is new or a regular file; one line if it is anything else (a device such as
+    ``/dev/null``, a FIFO, a folder, a link), which writing by rename would replace."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise LmcliError(f"cannot write {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "a folder"
+            if stat.S_ISDIR(st.st_mode)
+            else ("a device or a FIFO")
+        )
+        raise LmcliError(f"cannot write {path}: it is {kind}, not a regular file (give a new file name)")
+    return path
+
+
+def new_folder(out: str | Path) -> Path:
+    """``out`` if it is a new or an empty folder to write into; one line naming what it is else
+    (a file, a link, a folder with files)."""
+    out = Path(out)
+    if out.is_symlink():
+        raise LmcliError(f"{out} is a symbolic link: choose a new folder name")
+    if out.exists() and not out.is_dir():
+        raise LmcliError(f"{out} is a file, not a folder: choose a new or empty folder")
+    if out.exists() and any(out.iterdir()):
+        raise LmcliError(f"{out} already holds files: choose an empty or new folder")
+    return out
+
+
+def write_error(exc: OSError, written: Path | None = None) -> str:
+    """Why a write failed, for a message: the OS's reason, or for a short write that gives none
+    (numpy's ``N requested and M written``) what explains it: a full disk, or the file-size limit
+    (``ulimit -f``) that ``written`` (the file being written) reached."""
+    if exc.errno is not None:
+        return exc.strerror or str(exc)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if written is not None and limit != resource.RLIM_INFINITY:
+        try:
+            if os.stat(written).st_size >= limit:
+                return f"File too large: the file-size limit (ulimit -f) is {limit:,} bytes ({exc})"
+        except OSError:
+            pass
+    try:
+        st = os.statvfs(written.parent if written is not None else ".")
+        if st.f_bavail * st.f_frsize < 1 << 20:
+            return f"No space left on device ({exc})"
+    except OSError:
+        pass
+    return str(exc)
 
 
 def open_append(path: Path):  # noqa: ANN201 - a text file object

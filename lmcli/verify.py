@@ -1,16 +1,28 @@
-"""`lmcli verify`: a run or checkpoint folder's structure, checked without building a model.
+"""`lmcli verify`: a model's files checked as loading checks them, without building a model.
 
-For every checkpoint (``last``, ``best``, ``step-N``, an interrupted swap's ``*.old``): no
-symbolic links, the files present and regular, ``meta.json`` records a sha256 for each and
-each matches, ``config.json`` holds valid configs, the safetensors header fits the model
-config (names, shapes, dtypes, sizes; ``lmcli.checkpoint.check_header``), the tokenizer loads
-and fits the vocabulary, and ``trainer_state.pt`` loads with ``weights_only`` (no code runs).
+- A run or checkpoint folder, for every checkpoint (``last``, ``best``, ``step-N``, an
+  interrupted swap's ``*.old``): no symbolic links, the files present and regular,
+  ``meta.json`` records a sha256 for each and each matches, ``config.json`` holds valid
+  configs, the safetensors header fits the model config (names, shapes, dtypes, sizes;
+  ``lmcli.checkpoint.check_header``), the tokenizer loads and fits the vocabulary, and
+  ``trainer_state.pt`` loads with ``weights_only`` (no code runs). A LoRA run's checkpoint:
+  its base found unchanged, its weights' header against its config, and the adapters' header
+  against the run's LoRA settings on that base (``lora.check_adapters``: the rank, every
+  adapter's shape).
+- A Hugging Face folder: ``config.json`` (every value, ``HFConfig``), the tokenizer, and every
+  shard's header against the config (``hf.weights.check_weights``).
+- A GGUF file: its header scanned with bounds and its tensors against its metadata
+  (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
+  checked against the vocabulary (``hf.gguf_load.read_gguf_header``).
+
 The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
-the ones that were trained (a checksum recomputed by whoever edited a file matches again).
+the ones that were trained (a checksum recomputed by whoever edited a file matches again), and
+what a chat template does when it runs (rendering is bounded when it happens).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -26,15 +38,22 @@ from lmcli.checkpoint import (
     STATE,
     TOKENIZER,
     WEIGHTS,
+    WeightsHeader,
     check_header,
     checked_file,
     read_header,
     read_json,
+    resolve_checkpoint,
     verify_checksums,
 )
 from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_model_config
 from lmcli.errors import LmcliError
+from lmcli.hf.gguf_load import read_gguf_header
+from lmcli.hf.load import is_hf_folder, read_hf_config, read_tokenizer
+from lmcli.hf.weights import check_weights, read_headers
+from lmcli.lora import check_adapters
 from lmcli.lora_run import checked_base
+from lmcli.model import Transformer
 from lmcli.safe_io import refuse_symlinks
 from lmcli.tokenizer import Tokenizer
 
@@ -44,14 +63,17 @@ REQUIRED_LORA = (ADAPTERS, BASE, CONFIG, TOKENIZER)  # a LoRA run's checkpoint: 
 
 @dataclass
 class CheckpointReport:
-    """What verifying one checkpoint folder found (it passed)."""
+    """What verifying one checkpoint folder (or model file) found (it passed)."""
 
     path: Path
     step: int | None
     params: int
     files: int  # files whose checksum matched
+    what: str = ""  # what was checked, when not an lmcli checkpoint's checksums
 
     def line(self) -> str:
+        if self.what:
+            return f"ok  {self.path}: {self.what}, {self.params:,} parameters"
         step = f"step {self.step}" if self.step is not None else "no step"
         return f"ok  {self.path}: {step}, {self.params:,} parameters, {self.files} checksums match"
 
@@ -67,10 +89,11 @@ def verify_checkpoint(ckpt: Path) -> CheckpointReport:
         checked_file(ckpt / name)
         if name not in recorded:
             raise LmcliError(f"{ckpt / META} records no checksum for {name}")
-    model_config = read_configs(ckpt / CONFIG)
-    if lora:  # the adapters' shapes are checked when they are put on the base
+    model_config, train_config = read_configs(ckpt / CONFIG)
+    if lora:
         header = read_header(ckpt / ADAPTERS)
-        checked_base(ckpt, read_json(ckpt / BASE, "LoRA base reference"))
+        base = checked_base(ckpt, read_json(ckpt / BASE, "LoRA base reference"))
+        check_lora(ckpt, base, model_config, train_config, header)
     else:
         header = read_header(ckpt / WEIGHTS)
         check_header(model_config, header)
@@ -95,13 +118,61 @@ def verify_checkpoint(ckpt: Path) -> CheckpointReport:
     return CheckpointReport(ckpt, step if isinstance(step, int) else None, header.n_params, len(recorded))
 
 
-def read_configs(path: Path) -> ModelConfig:
-    """The model config of a ``config.json``, its train config checked too."""
+def read_configs(path: Path) -> tuple[ModelConfig, TrainConfig]:
+    """The model and train configs of a ``config.json``."""
     cfg = read_json(path, "config")
     if not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise LmcliError(f"{path} has no model config")
-    from_dict(TrainConfig, cfg.get("train", {}), source=str(path))
-    return stored_model_config(cfg["model"], source=str(path))
+    train = from_dict(TrainConfig, cfg.get("train", {}), source=str(path))
+    return stored_model_config(cfg["model"], source=str(path)), train
+
+
+def base_config(base: Path) -> ModelConfig:
+    """The model config of a LoRA run's base, its weights' header checked against it."""
+    if is_hf_folder(base):
+        _, family, cfg, _ = read_hf_config(base)
+        check_weights(family, cfg, read_headers(base), base)
+        return cfg
+    ckpt = resolve_checkpoint(base)
+    cfg, _ = read_configs(ckpt / CONFIG)
+    check_header(cfg, read_header(checked_file(ckpt / WEIGHTS)))
+    return cfg
+
+
+def check_lora(
+    ckpt: Path, base: Path, model_config: ModelConfig, train_config: TrainConfig, header: WeightsHeader
+) -> None:
+    """A LoRA checkpoint's adapters against its LoRA settings on its base (shapes only)."""
+    if base_config(base) != model_config:
+        raise LmcliError(f"the base model {base} does not fit LoRA run {ckpt}'s model config")
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    check_adapters(model, train_config, header.tensors, str(ckpt / ADAPTERS))
+
+
+def verify_hf(path: Path) -> CheckpointReport:
+    """A Hugging Face folder: its config, tokenizer and every shard's header against the config."""
+    hf, family, cfg, _ = read_hf_config(path)
+    tok = read_tokenizer(path, hf)
+    if tok.vocab_size > cfg.vocab_size:
+        raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    header = read_headers(path)
+    check_weights(family, cfg, header, path)
+    what = f"Hugging Face {family.name} folder, weights fit config.json, tokenizer of {tok.vocab_size} tokens"
+    return CheckpointReport(path, None, header.n_params, 0, what)
+
+
+def verify_gguf(path: Path) -> CheckpointReport:
+    """A GGUF file: its header and its tensors against its metadata."""
+    header = read_gguf_header(path)
+    params = sum(math.prod(t.shape) for t in header.tensors.values())
+    kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
+    vocab = header.tokenizer.vocab_size
+    what = (
+        f"GGUF {header.family.gguf_arch} file ({kinds}), tensors fit its metadata, "
+        f"tokenizer of {vocab} tokens"
+    )
+    return CheckpointReport(path, None, params, 0, what)
 
 
 def checkpoints_of(path: Path) -> list[Path]:
@@ -119,12 +190,19 @@ def checkpoints_of(path: Path) -> list[Path]:
 
 
 def verify_run(path: str | Path) -> list[CheckpointReport]:
-    """Check a run folder (its ``config.json`` and every checkpoint) or one checkpoint folder."""
+    """Check a run folder (its ``config.json`` and every checkpoint), one checkpoint folder, a
+    Hugging Face folder or a GGUF file."""
     path = Path(path)
     if not os.path.lexists(path):
         raise LmcliError(f"no such run or checkpoint folder: {path}")
+    if path.is_file() and not path.is_symlink():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return [verify_gguf(path)]
     if not path.is_dir() or path.is_symlink():
-        raise LmcliError(f"{path} is not a folder")
+        raise LmcliError(f"{path} is not a folder (nor a GGUF file)")
+    if is_hf_folder(path):
+        return [verify_hf(path)]
     refuse_symlinks(path)
     if os.path.lexists(path / CONFIG) and not os.path.lexists(path / META):  # a run's config
         read_configs(path / CONFIG)

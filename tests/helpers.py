@@ -8,9 +8,17 @@ downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
+import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +158,154 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 def read_metrics(run: Path) -> list[dict]:
     """A run folder's metrics.jsonl, one dict a line."""
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- servers in a process
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    """The resident memory of process ``pid`` in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+class ServedProcess:
+    """``lmcli serve RUN ARGS`` in its own process on a free loopback port (``nofile``: its
+    open-file limit, as ``ulimit -n``), its stderr in a file; stopped (SIGTERM, then SIGKILL)
+    when the block ends."""
+
+    def __init__(self, run: Path, *args: str, nofile: int | None = None, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve-{self.port}.log"
+        cmd = [sys.executable, "-m", "lmcli", "serve", str(run), "--port", str(self.port), "--device", "cpu"]
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([*cmd, *args], stderr=log, env=env, preexec_fn=limit)
+
+    def __enter__(self) -> ServedProcess:
+        import httpx2 as httpx
+
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                httpx.get(self.url + "/health", timeout=1)
+                return self
+            except httpx.TransportError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.__exit__()
+                    raise AssertionError(f"the server did not start: {self.stderr()[-2000:]}") from None
+                time.sleep(0.1)
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+# ----------------------------------------------------------------------------- crafted run folders
+
+MiB = 1 << 20
+
+
+def rechecksum(file: Path) -> None:
+    """Record ``file``'s new sha256 in its checkpoint's meta.json (as whoever edits it can)."""
+    meta_path = file.parent / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sha256"][file.name] = hashlib.sha256(file.read_bytes()).hexdigest()
+    meta_path.write_text(json.dumps(meta))
+
+
+def craft(run: Path, model: dict | None = None, train: dict | None = None, *, meta: bool = True) -> Path:
+    """Change the configs of every checkpoint of ``run`` (and of the run itself); recompute the
+    config's checksum in ``meta.json``, or (``meta=False``) delete ``meta.json``."""
+    for config in [run / "config.json", *run.glob("*/config.json")]:
+        if not config.exists():
+            continue
+        cfg = json.loads(config.read_text())
+        cfg["model"].update(model or {})
+        cfg["train"].update(train or {})
+        config.write_text(json.dumps(cfg))
+        meta_path = config.parent / "meta.json"
+        if meta_path.exists() and meta:
+            rechecksum(config)
+        elif meta_path.exists():
+            meta_path.unlink()
+    return run
+
+
+# Runs lmcli commands (or ["load", PATH]: load_checkpoint alone) in one fresh process, each under
+# a memory limit, and reports for each the exit code, stderr, seconds, and how far the peak RSS
+# (VmHWM, reset between commands) rose above the RSS before the command.
+DRIVER = textwrap.dedent(
+    """
+    import contextlib, io, json, resource, sys, time
+    import torch, lmcli.cli, lmcli.generate.sampling, lmcli.sources
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    limit = status("VmSize") + 1536 * 2**20  # an allocation of the crafted size fails at once
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if len(sys.argv) > 2:  # a file-size limit: a write past it fails as on a full disk
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+    out = []
+    for argv in json.loads(sys.argv[1]):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before, err, start = status("VmRSS"), io.StringIO(), time.perf_counter()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                if argv[0] == "load":  # the loader alone
+                    model = lmcli.sources.load_checkpoint(argv[1]).model
+                else:
+                    lmcli.cli.main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code or 0
+        seconds = time.perf_counter() - start
+        out.append({"code": code, "err": err.getvalue(), "seconds": seconds,
+                    "peak": status("VmHWM") - before})
+    print(json.dumps(out))
+    """
+)
+
+
+def run_measured(commands: list[list[str]], timeout: float = 180, file_size: int | None = None) -> list[dict]:
+    """Each lmcli command's exit code, stderr, seconds and peak RSS, all in one fresh process
+    (``DRIVER``); ``file_size``: a limit on the size of the files it writes (``ulimit -f``)."""
+    limit = [str(file_size)] if file_size is not None else []
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(commands), *limit],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])

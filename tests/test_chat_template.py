@@ -34,7 +34,7 @@ def test_hf_template_renders_as_transformers_does(tmp_path: Path) -> None:
     config = {"chat_template": TEMPLATE, "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     template = chat_template.find_template(folder)
-    assert template == TEMPLATE
+    assert template.text == TEMPLATE and template.where == str(folder)
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **config)
     flat = [{**m, "content": "and the dog?"} if isinstance(m["content"], list) else m for m in MESSAGES]
     expected = hf.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
@@ -64,3 +64,13 @@ def test_template_errors_are_one_line(tmp_path: Path) -> None:
     bad = "{{ raise_exception('only user messages') }}"
     with pytest.raises(LmcliError, match="chat template: only user messages"):
         chat_template.render([{"role": "user", "content": "x"}], bad, tiny_tokenizer())
+
+
+def test_extra_context_variables_reach_the_template() -> None:
+    """``extra`` (a later tool-calling feature's ``tools``) is in the template's context."""
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[-1]['content'] }}"
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    text = chat_template.render(
+        [{"role": "user", "content": "hi"}], template, tiny_tokenizer(), extra={"tools": tools}
+    )
+    assert text == "[get_weather]hi"

@@ -11,15 +11,18 @@ reads.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lmcli.chat_template import Message, check_messages, encode_conversation
-from lmcli.data.corpus import READ_ERRORS, load_hf_dataset, open_text, read_error
+from lmcli.chat_template import Message, Renderer, Template, check_messages, check_text, encode_conversation
+from lmcli.data.corpus import load_hf_dataset
 from lmcli.data.examples import Encoded, Skipped, truncate
+from lmcli.data.readers import READ_ERRORS, read_error
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
@@ -45,6 +48,7 @@ def conversation(row: Any, where: str) -> list[Message]:
         for m in messages:
             if not isinstance(m["content"], str):
                 raise LmcliError(f"{where}: {m['role']!r} must be text")
+            check_text(m["content"], f"{where}: {m['role']!r}")
     else:
         raise LmcliError(
             f'{where}: expected "prompt" and "response", or "messages" (found: {", ".join(row) or "nothing"})'
@@ -110,16 +114,12 @@ class ConversationRows:
                 yield f"{self.description} row {n}", row
             return
         assert self.path is not None
-        try:
-            with open_text(self.path) as f:
-                text = f.read()
-        except READ_ERRORS as exc:
-            raise LmcliError(read_error(self.path, exc)) from None
+        text = read_text(self.path)
         if text.lstrip().startswith("["):  # one JSON list of rows
             try:
                 rows = json.loads(text)
-            except ValueError as exc:
-                raise LmcliError(f"{self.path}: not valid JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:
+                raise LmcliError(f"{self.path}: not valid JSON: {str(exc)[:200]}") from None
             for n, row in enumerate(rows):
                 yield f"{self.path} row {n}", row
             return
@@ -127,9 +127,10 @@ class ConversationRows:
             if not line.strip():
                 continue
             try:
-                yield f"{self.path}:{number}", json.loads(line)
-            except ValueError:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
                 raise LmcliError(f"{self.path}:{number}: not a JSON object") from None
+            yield f"{self.path}:{number}", row
 
     def conversations(self) -> Iterator[list[Message]]:
         for where, row in self.rows():
@@ -142,8 +143,28 @@ class ConversationRows:
             yield from (m["content"] for m in messages)
 
     def encoded(self, tok: Tokenizer, max_len: int) -> Iterator[Encoded | Skipped]:
-        """Each conversation rendered with the tokenizer's chat template (or lmcli's), the loss on
-        the replies; cut to ``max_len`` tokens ("beyond" when no reply starts within them)."""
-        for messages in self.conversations():
-            ids, scored = encode_conversation(messages, tok.chat_template, tok)
-            yield truncate(ids, scored, max_len)
+        """Each conversation rendered with the tokenizer's chat template (or lmcli's, through a
+        bounded ``Renderer``), the loss on the replies; cut to ``max_len`` tokens ("beyond" when no
+        reply starts within them)."""
+        template = Template(tok.chat_template, tok.origin or "the tokenizer") if tok.chat_template else None
+        with Renderer() as renderer:
+            for messages in self.conversations():
+                ids, scored = encode_conversation(messages, template, tok, renderer=renderer)
+                yield truncate(ids, scored, max_len)
+
+
+def read_text(path: Path) -> str:
+    """A file's text (``.gz`` too); invalid UTF-8 is replaced by U+FFFD, with a warning."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except READ_ERRORS as exc:
+        raise LmcliError(read_error(path, exc)) from None
+    text = data.decode("utf-8", errors="replace")
+    replaced = text.count("\ufffd") - data.count(b"\xef\xbf\xbd")  # not U+FFFD that was in the file
+    if replaced:
+        print(
+            f"warning: replaced {replaced} invalid UTF-8 sequence(s) in {path} with U+FFFD", file=sys.stderr
+        )
+    return text

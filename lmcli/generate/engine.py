@@ -155,7 +155,7 @@ class Emitted:
     logprob: float  # the token's log-prob (after the penalty and processors, at temperature 1)
     text: str  # the text it lets show ('' while it may begin a stop string or ends in a character)
     top: list[tuple[int, float]] = field(default_factory=list)  # the row's top_logprobs best tokens
-    finish_reason: str | None = None  # "eos", "stop" or "length" once the row has ended
+    finish_reason: str | None = None  # "eos", "stop", "length" once ended ("error": an isolated failure)
 
 
 def row_rules(logits: Tensor, rows: list[Row]) -> Tensor:
@@ -198,9 +198,12 @@ class Engine:
         *,
         prefix_lm: bool = False,
         cache: KVCache | None = None,
+        isolate: bool = False,
     ) -> None:
-        """``prefix_lm``: prompts attend to themselves both ways (a translation source)."""
-        self.model, self.tokenizer, self.prefix_lm = model, tokenizer, prefix_lm
+        """``prefix_lm``: prompts attend to themselves both ways (a translation source).
+        ``isolate``: a failure in one row's rules ends that row only (a server's rows belong to
+        different requests); else it is raised."""
+        self.model, self.tokenizer, self.prefix_lm, self.isolate = model, tokenizer, prefix_lm, isolate
         self.device = next(model.parameters()).device
         self.cache = cache
         self.rows: list[Row | None] = []  # one per cache row; None: a hole
@@ -285,9 +288,35 @@ class Engine:
         return out
 
     def _choose_group(self, idx: list[int]) -> list[Emitted]:
-        """Rows ``idx``, whose settings are equal: their tokens, log-probs and what they did."""
+        """Rows ``idx``, whose settings are equal: their tokens, log-probs and what they did. With
+        ``isolate``, a failure ends only the rows it belongs to (``finish_reason`` "error"): a
+        group that fails is chosen for again row by row, and a row whose own rules fail ends."""
         assert self.logits is not None
         rows: list[Row] = [self.rows[i] for i in idx]
+        try:
+            tokens, chosen, best = self._pick(idx, rows)
+        except Exception as exc:
+            if not self.isolate:
+                raise
+            if len(idx) == 1:
+                return [self._failed(idx[0], rows[0], exc)]
+            return [e for i in idx for e in self._choose_group([i])]
+        out = []
+        for i, r, tok, lp, top in zip(idx, rows, tokens.tolist(), chosen.tolist(), best, strict=True):
+            try:
+                text = r.record(tok, lp, self.tokenizer)
+            except Exception as exc:
+                if not self.isolate:
+                    raise
+                out.append(self._failed(i, r, exc))
+                continue
+            out.append(Emitted(i, r, tok, lp, text, top, r.finish_reason))
+        if len(idx) == len(self.rows):
+            self._fed = tokens
+        return out
+
+    def _pick(self, idx: list[int], rows: list[Row]) -> tuple[Tensor, Tensor, list[list[tuple[int, float]]]]:
+        """The rows' tokens (G,), their log-probs (G,) and each row's ``top_logprobs`` best."""
         cfg = rows[0].cfg
         whole = len(idx) == len(self.rows)
         logits = row_rules(self.logits if whole else self.logits[idx], rows)  # (G, V)
@@ -305,18 +334,19 @@ class Engine:
         )
         k = max(r.top_logprobs for r in rows)
         top = logprobs.topk(k, dim=-1) if k else None
-        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-        out = []
-        for g, (i, r, tok, lp) in enumerate(zip(idx, rows, tokens.tolist(), chosen.tolist(), strict=True)):
-            best: list[tuple[int, float]] = []
-            if top is not None and r.top_logprobs:
-                n = r.top_logprobs
-                best = list(zip(top.indices[g, :n].tolist(), top.values[g, :n].tolist(), strict=True))
-            text = r.record(tok, lp, self.tokenizer)
-            out.append(Emitted(i, r, tok, lp, text, best, r.finish_reason))
-        if whole:
-            self._fed = tokens
-        return out
+        best: list[list[tuple[int, float]]] = []
+        for g, r in enumerate(rows):
+            n = r.top_logprobs if top is not None else 0
+            best.append(
+                list(zip(top.indices[g, :n].tolist(), top.values[g, :n].tolist(), strict=True)) if n else []
+            )
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), best
+
+    def _failed(self, i: int, row: Row, exc: Exception) -> Emitted:
+        """Row ``i`` ends with an error (``isolate``): the message says what failed."""
+        row.finish_reason = "error"
+        row.text = f"{type(exc).__name__}: {exc}"
+        return Emitted(i, row, -1, float("nan"), "", [], "error")
 
     def forward(self) -> None:
         """One cached step of the model: every row's last token in, the next logits out; when the

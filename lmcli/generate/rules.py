@@ -32,7 +32,8 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= top_p  # the first token is always kept
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False  # the most likely token stays, also when p underflows to 0
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if min_p > 0.0:

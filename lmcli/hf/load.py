@@ -7,13 +7,14 @@ and builds the model around them. ``transformers`` is not needed (only the tests
 The special tokens of an imported model come from its folder: ``tokenizer_config.json`` first
 (``bos_token``, ``eos_token``, ``pad_token``, and its ``chat_template``), then the token ids of
 ``generation_config.json`` and ``config.json``; they travel with the tokenizer from then on.
+Whether a text starts with ``<bos>``: the config's ``add_bos_token`` when it says, else what
+``tokenizer.json``'s post-processor does (what ``transformers`` adds by default).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,14 +25,22 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from lmcli.checkpoint import JSON_LIMIT
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.hf.families import FamilyAdapter, HFConfig, from_hf_config
-from lmcli.hf.weights import as_dtype, build_model, is_pytorch_bin, read_weights, weight_files
+from lmcli.hf.weights import (
+    LAYER,
+    as_dtype,
+    build_model,
+    check_weights,
+    is_pytorch_bin,
+    read_headers,
+    read_weights,
+    weight_files,
+)
 from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer, read_config
-
-_BLOCK = re.compile(r"(?:^|\.)(\d+)\.")  # a block's index in a tensor's name (h.3., layers.3.)
+from lmcli.tokenizer import Tokenizer, read_config, read_flags
 
 
 def _stderr(msg: str) -> None:
@@ -41,22 +50,26 @@ def _stderr(msg: str) -> None:
 def is_hf_folder(path: str | Path) -> bool:
     """A Hugging Face model folder (config.json with a model_type), not an lmcli checkpoint."""
     path = Path(path)
-    if not (path / "config.json").is_file() or (path / "meta.json").exists():
+    config = path / "config.json"
+    if not config.is_file() or (path / "meta.json").exists() or config.stat().st_size > JSON_LIMIT:
         return False
     try:
-        return "model_type" in json.loads((path / "config.json").read_text())
-    except ValueError:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
         return False
+    return isinstance(data, dict) and "model_type" in data
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file; {} when it does not exist."""
+    """A JSON object file (at most ``JSON_LIMIT`` bytes); {} when it does not exist."""
     if not path.is_file():
         return {}
     try:
+        if path.stat().st_size > JSON_LIMIT:
+            raise LmcliError(f"cannot read {path}: larger than {JSON_LIMIT >> 20} MiB")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise LmcliError(f"cannot read {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise LmcliError(f"{path} does not hold a JSON object")
     return data
@@ -88,10 +101,32 @@ def read_tokenizer(path: Path, hf: HFConfig | None = None) -> Tokenizer:
             i = i[0] if isinstance(i, list) and i else i  # several end tokens: the first is lmcli's eos
             if role not in specials and isinstance(i, int) and tok.id_to_token(i) is not None:
                 specials[role] = tok.id_to_token(i)
+    add_bos, add_eos = read_flags(path / "tokenizer_config.json")
     try:
-        return Tokenizer(tok, specials, template)
+        out = Tokenizer(tok, specials, template, add_eos=bool(add_eos))
     except LmcliError as exc:
         raise LmcliError(f"{path}: {exc}") from None
+    out.add_bos = add_bos if add_bos is not None else adds_bos(out)
+    return out
+
+
+def adds_bos(tok: Tokenizer) -> bool:
+    """Whether the tokenizer's own post-processor puts ``<bos>`` before a text."""
+    probe = tok.hf.encode("a", add_special_tokens=True).ids
+    return bool(probe) and probe[0] == tok.bos_id and tok.bos_id not in tok.encode("a")
+
+
+def read_hf_config(path: Path) -> tuple[HFConfig, FamilyAdapter, ModelConfig, list[str]]:
+    """A folder's ``config.json``: the config, its family, lmcli's ModelConfig of it (every value
+    checked, ``HFConfig``) and notices; one line naming the file for what does not fit."""
+    hf = HFConfig(read_json(path / "config.json"), str(path / "config.json"))
+    family = from_hf_config(hf)
+    try:
+        cfg, notices = family.config_from_hf(hf)
+    except LmcliError as exc:
+        message = str(exc)
+        raise LmcliError(message if message.startswith(hf.where) else f"{hf.where}: {message}") from None
+    return hf, family, cfg, notices
 
 
 @dataclass
@@ -106,16 +141,16 @@ class HFFolder:
 
 
 def open_hf_folder(path: str | Path) -> HFFolder:
-    """A local Hugging Face model folder's config and tokenizer (its weights are not read)."""
+    """A local Hugging Face model folder's config and tokenizer, its weights' headers checked
+    against the config (the weights are not read)."""
     path = Path(path)
     if not path.is_dir():
         raise LmcliError(f"no such Hugging Face model folder: {path}")
-    hf = HFConfig(read_json(path / "config.json"), str(path / "config.json"))
-    family = from_hf_config(hf)
-    cfg, notices = family.config_from_hf(hf)
+    hf, family, cfg, notices = read_hf_config(path)
     tok = read_tokenizer(path, hf)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    check_weights(family, cfg, read_headers(path), path)  # before anything of the config's size
     return HFFolder(path, family, cfg, tok, notices)
 
 
@@ -135,7 +170,7 @@ def read_blocks(folder: HFFolder, dtype: torch.dtype) -> Iterator[dict[str, Tens
         where = {key: f for f in handles.values() for key in f.keys()}  # noqa: SIM118
         whole = read_weights(folder.path, dtype) if not files else {}
         for key in [*where, *whole]:
-            found = _BLOCK.search(key)
+            found = LAYER.search(key)
             groups.setdefault(int(found.group(1)) if found else None, []).append(key)
         for _, keys in sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0)):
             state = {k: as_dtype(whole[k] if k in whole else where[k].get_tensor(k), dtype) for k in keys}

@@ -8,6 +8,13 @@ still answers (500, one line), it never drops the connection.
 The scheduler runs in its own thread and calls a request's ``deliver`` with each step's events;
 ``deliver`` moves them onto the event loop (``call_soon_threadsafe``) into the request's queue,
 which the handler reads: all at once (a JSON response) or as server-sent events.
+
+The event loop only moves bytes: a request's JSON is parsed, its chat template rendered (by the
+``Renderer``'s worker processes) and its prompt tokenized in a thread of ``Api.pool``, so a
+large or hostile request never holds ``/health`` or another request. A POST must say its body
+is JSON (``Content-Type: application/json``): a web page can send a form or plain text to any
+address without asking, but not JSON. The bodies being read hold at most ``body_budget``
+bytes together; beyond it a request gets 503 ``overloaded``.
 """
 
 from __future__ import annotations
@@ -16,17 +23,20 @@ import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lmcli.chat_template import Renderer
 from lmcli.config import ServeConfig
 from lmcli.serve import protocol
 from lmcli.serve.protocol import ApiError, Choices, Model
@@ -35,6 +45,9 @@ from lmcli.serve.scheduler import Done, Event, Failed, QueueFull, Scheduler, Upd
 OPEN_PATHS = ("/", "/health")  # the page is static and holds nothing; its API calls need the key
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 DRAIN_FACTOR = 16  # an oversized body is read (and dropped) up to this many times the limit
+BODY_BUDGET = 64 << 20  # bytes of request bodies held at once (or 8 bodies of --max-body, if more)
+PARSERS = 4  # threads that parse, render and tokenize requests
+JSON_TYPES = ("application/json",)
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -93,6 +106,18 @@ class Api:
     def __init__(self, model: Model, scheduler: Scheduler, cfg: ServeConfig) -> None:
         self.model, self.scheduler, self.cfg = model, scheduler, cfg
         self.page = resources.files("lmcli.serve").joinpath("page.html").read_text(encoding="utf-8")
+        self.renderer = Renderer(workers=2) if model.template is not None else None
+        self.pool = ThreadPoolExecutor(PARSERS, thread_name_prefix="lmcli-parse")
+        self.body_budget = max(BODY_BUDGET, 8 * cfg.max_body)
+        self.buffered = 0  # bytes of the bodies being read now
+        self.closing = False
+
+    def close(self) -> None:
+        """The server stops: no more templates are rendered (a render in progress ends)."""
+        self.closing = True
+        if self.renderer is not None:
+            self.renderer.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def index(self, request: HttpRequest) -> Response:
         return HTMLResponse(self.page, headers={"Cache-Control": "no-store"})
@@ -116,39 +141,67 @@ class Api:
     async def chat(self, request: HttpRequest) -> Response:
         return await self._generate("chat", request)
 
-    async def _body(self, request: HttpRequest) -> Any:
-        """The JSON body, within ``max_body`` bytes (413 beyond, after reading it away)."""
+    async def _body(self, request: HttpRequest) -> bytes:
+        """The body: JSON by its content type (415 else), within ``max_body`` bytes (413 beyond,
+        after reading it away) and the server's ``body_budget`` (503 beyond)."""
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media not in JSON_TYPES and not media.endswith("+json"):
+            raise ApiError(
+                415,
+                "send the body as JSON, with Content-Type: application/json",
+                code="unsupported_media_type",
+            )
         limit = self.cfg.max_body
         declared = request.headers.get("content-length")
         too_big = declared is not None and declared.isdigit() and int(declared) > limit
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                too_big = True
-            if size > limit * DRAIN_FACTOR:
-                break
-            if not too_big:
-                chunks.append(chunk)
+        chunks, size, held = [], 0, 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    too_big = True
+                if size > limit * DRAIN_FACTOR:
+                    break
+                if not too_big:
+                    if self.buffered + len(chunk) > self.body_budget:
+                        raise ApiError(
+                            503,
+                            "the server holds too many request bodies; retry shortly",
+                            type="server_error",
+                            code="overloaded",
+                            headers={"Retry-After": "1"},
+                        )
+                    chunks.append(chunk)
+                    held += len(chunk)
+                    self.buffered += len(chunk)
+        finally:
+            self.buffered -= held
         if too_big:
             raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+        return b"".join(chunks)
+
+    def _parse(self, kind: str, data: bytes) -> protocol.Request:
+        """The request in ``data`` (JSON) parsed, rendered and tokenized: the work of a thread."""
         try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise ApiError(400, f"the body is not valid JSON: {reason}", code="invalid_json") from None
+        return protocol.parse(
+            kind,
+            body,
+            self.model,
+            max_tokens=self.cfg.max_tokens,
+            max_batch=self.cfg.max_batch,
+            timeout=self.cfg.timeout,
+            renderer=self.renderer,
+        )
 
     async def _generate(self, kind: str, request: HttpRequest) -> Response:
         try:
-            body = await self._body(request)
-            req = protocol.parse(
-                kind,
-                body,
-                self.model,
-                max_tokens=self.cfg.max_tokens,
-                max_batch=self.cfg.max_batch,
-                timeout=self.cfg.timeout,
-            )
+            data = await self._body(request)
             loop = asyncio.get_running_loop()
+            req = await loop.run_in_executor(self.pool, self._parse, kind, data)
             queue: asyncio.Queue[list[Event]] = asyncio.Queue()
 
             def deliver(events: list[Event]) -> None:
@@ -166,6 +219,10 @@ class Api:
                 ) from None
         except ApiError as err:
             return error_response(err)
+        except ClientDisconnect:
+            return Response(status_code=499)  # the client left (or was closed: too slow)
+        except RuntimeError:  # the parse pool shut down: the server is stopping
+            return error_response(ApiError(503, "the server is shutting down", type="server_error"))
         choices = Choices(req, self.model.tokenizer)
         if req.stream:
             return StreamingResponse(
@@ -307,6 +364,8 @@ def create_app(model: Model, scheduler: Scheduler, cfg: ServeConfig) -> Starlett
         )
     if cfg.api_key:
         middleware.append(Middleware(ApiKey, key=cfg.api_key))
-    return Starlette(
+    app = Starlette(
         routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_found}
     )
+    app.state.api = api  # the server closes it when it stops
+    return app

@@ -6,6 +6,13 @@ Parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``to
 an integer 0-5; chat: true, with ``top_logprobs``), ``echo`` (completions). The sampling values
 are checked by ``SampleConfig``, the same declarations ``lmcli sample`` checks its flags with.
 Unknown parameters are ignored.
+
+Everything is checked against the model before a request is admitted, so that a request's error
+stays its own: ``n`` within the batch, ``top_logprobs`` within the vocabulary, text that Unicode
+can encode, the messages' roles (``chat_template.check_roles``, as ``lmcli chat``). A prompt of
+more characters than the context can hold in tokens (``Model.max_chars``) is refused before it is
+tokenized; the chat template renders through the server's ``Renderer`` (bounded time and
+size). ``parse`` does all this work: the server calls it in a thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcli import chat_template
-from lmcli.config import SampleConfig
+from lmcli.chat_template import Renderer, RendererClosed, RenderTooLong, Template, check_text
+from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.serve.scheduler import Job, TokenLogprob, Update
 from lmcli.tasks import TextPrompt
@@ -65,10 +73,15 @@ class Model:
     name: str
     tokenizer: Tokenizer
     block_size: int
-    template: str | None  # a Hugging Face chat template, or None: lmcli's
+    template: Template | None  # a Hugging Face chat template, or None: lmcli's
     created: int
     form: TextPrompt = TextPrompt()  # how a prompt text is read (the task's, as `lmcli sample` reads it)
     no_chat: str | None = None  # why chat completions do not apply (a translation model), or None
+
+    @property
+    def max_chars(self) -> int:
+        """Characters a prompt may have: more cannot fit the context (``Tokenizer.longest_token``)."""
+        return self.block_size * self.tokenizer.longest_token
 
 
 @dataclass
@@ -117,13 +130,25 @@ def _sample_config(body: dict[str, Any], n: int, max_tokens: int, seed: int) -> 
                 raise ApiError(400, "stop must be text or a list of text", param="stop")
             if len(value) > MAX_STOPS:
                 raise ApiError(400, f"stop takes at most {MAX_STOPS} strings", param="stop")
-            value = tuple(value)
-        try:
-            SampleConfig(**{field: value})
-        except LmcliError as exc:
-            raise ApiError(400, f"invalid {api}: {exc}", param=api) from None
+            value = tuple(_text(s, "stop") for s in value)
+        _checked(api, **{field: value})
         given[field] = value
-    return SampleConfig(**given)
+    return _checked("request", **given)
+
+
+def _checked(param: str, **fields: Any) -> SampleConfig:
+    """``SampleConfig(**fields)``, its one-line error as a 400 naming ``param``."""
+    try:
+        return SampleConfig(**fields)
+    except LmcliError as exc:
+        raise ApiError(400, f"invalid {param}: {exc}", param=param) from None
+
+
+def _text(text: str, param: str) -> str:
+    try:
+        return check_text(text, param)
+    except LmcliError as exc:
+        raise ApiError(400, str(exc), param=param) from None
 
 
 def _common(
@@ -131,8 +156,6 @@ def _common(
 ) -> tuple[int, int, int]:
     """n, max_tokens and seed; max_tokens must fit the context after the longest prompt."""
     n = _param(body, "n", int, 1)
-    if n < 1:
-        raise ApiError(400, f"n must be at least 1, got {n}", param="n")
     room = model.block_size - prompt_len
     if room < 1:
         raise ApiError(
@@ -162,13 +185,16 @@ def _common(
     seed = _param(body, "seed", int, None)
     if seed is None:
         seed = secrets.randbits(31)
-    if not -(2**63) <= seed < 2**63:
-        raise ApiError(400, "seed must fit in 64 bits", param="seed")
+    if not 0 <= seed <= SEED_MAX:
+        raise ApiError(400, f"seed must be in [0, {SEED_MAX}], got {seed}", param="seed")
     return n, max_tokens, seed
 
 
 def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[str]]:
-    """A completion's prompts (text, texts, token ids, or lists of ids) as ids with ``<bos>``."""
+    """A completion's prompts (text, texts, token ids, or lists of ids) as ids; a text in the
+    model's prompt form (``<bos>`` first where its tokenizer puts it), ids as given. A text
+    longer than ``model.max_chars`` cannot fit: refused (a translation source is cut to it, as
+    it would be cut to half the context) before it is tokenized."""
     prompt = body.get("prompt")
     tok = model.tokenizer
     if isinstance(prompt, str):
@@ -177,48 +203,100 @@ def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[
         raise ApiError(400, "prompt must be text, a list of texts, or token ids", param="prompt")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt = [prompt]
-    ids, texts = [], []
+    texts: list[str] = []
+    ids: list[list[int] | None] = []
     for p in prompt:
         if isinstance(p, str):
-            ids.append(model.form.frame(tok.encode(p), tok, model.block_size)[0])
+            _text(p, "prompt")
+            if len(p) > model.max_chars and model.form.shows_text:
+                raise ApiError(
+                    400,
+                    f"the prompt has {len(p):,} characters: more than this model's context of "
+                    f"{model.block_size} tokens can hold",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
             texts.append(p)
+            ids.append(None)  # tokenized below, all at once
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if len(p) > model.block_size:
+                raise ApiError(
+                    400,
+                    f"the prompt has {len(p)} tokens; this model's context is {model.block_size} tokens",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
             if not all(0 <= t < tok.vocab_size for t in p):
                 raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
             ids.append(list(p))
             texts.append(tok.decode(p))
         else:
             raise ApiError(400, "prompt must be text, a list of texts, or token ids", param="prompt")
-    return ids, texts
+    plain = [t[: model.max_chars] for t, i in zip(texts, ids, strict=True) if i is None]
+    encoded = iter(tok.encode_batch(plain))  # releases the GIL: the event loop goes on
+    framed = [model.form.frame(next(encoded), tok, model.block_size)[0] if i is None else i for i in ids]
+    return framed, texts
 
 
-def parse(kind: str, body: Any, model: Model, *, max_tokens: int, max_batch: int, timeout: float) -> Request:
-    """A request body (parsed JSON) as a ``Request``, or an ``ApiError``."""
+def _chat_prompt(body: dict[str, Any], model: Model, renderer: Renderer | None) -> list[int]:
+    """The chat messages' prompt: checked (the roles as ``lmcli chat`` checks them), rendered
+    within the renderer's bounds, refused before tokenizing when longer than the context holds."""
+    if model.no_chat is not None:
+        raise ApiError(400, model.no_chat)
+    try:
+        messages = chat_template.check_roles(chat_template.check_messages(body.get("messages")))
+        return chat_template.encode(
+            messages, model.template, model.tokenizer, renderer=renderer, max_chars=model.max_chars
+        )
+    except RenderTooLong as exc:
+        message = f"{exc}: more than this model's context of {model.block_size} tokens can hold"
+        raise ApiError(400, message, param="messages", code="context_length_exceeded") from None
+    except RendererClosed as exc:
+        raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+    except LmcliError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+
+
+def parse(
+    kind: str,
+    body: Any,
+    model: Model,
+    *,
+    max_tokens: int,
+    max_batch: int,
+    timeout: float,
+    renderer: Renderer | None = None,
+) -> Request:
+    """A request body (parsed JSON) as a ``Request``, or an ``ApiError``; checked against the
+    model before it is admitted (see the module docstring)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     stream = _param(body, "stream", bool, False)
     options = _param(body, "stream_options", dict, {})
     include_usage = bool(options.get("include_usage")) if stream else False
+    n = _param(body, "n", int, 1)
+    if not 1 <= n <= max_batch:
+        raise ApiError(400, f"n must be between 1 and {max_batch} (this server's rows), got {n}", param="n")
+    vocab = model.tokenizer.vocab_size
     echo: list[str] = []
     if kind == "chat":
-        if model.no_chat is not None:
-            raise ApiError(400, model.no_chat)
-        try:
-            prompts = [chat_template.encode(body.get("messages"), model.template, model.tokenizer)]
-        except LmcliError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+        prompts = [_chat_prompt(body, model, renderer)]
         default = None
         top: int | None = None
         if _param(body, "logprobs", bool, False):
             top = _param(body, "top_logprobs", int, 0)
-            if not 0 <= top <= 20:
-                raise ApiError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
+            if not 0 <= top <= min(20, vocab):
+                raise ApiError(
+                    400, f"top_logprobs must be between 0 and {min(20, vocab)}", param="top_logprobs"
+                )
     else:
         prompts, texts = _prompts(body, model)
         default = COMPLETION_DEFAULT_MAX_TOKENS
         top = _param(body, "logprobs", int, None)
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+        if top is not None and not 0 <= top <= min(MAX_LOGPROBS, vocab):
+            raise ApiError(
+                400, f"logprobs must be between 0 and {min(MAX_LOGPROBS, vocab)}", param="logprobs"
+            )
         if _param(body, "echo", bool, False):
             echo = texts
     n, new, seed = _common(body, max(len(p) for p in prompts), model, max_tokens, default)

@@ -121,7 +121,7 @@ class Choice(Row):
         self.handle, self.index = handle, prompt * job.cfg.num_samples + j
 
 
-def _malloc_trim() -> Callable[[], None]:
+def malloc_trim() -> Callable[[], None]:
     """glibc's ``malloc_trim(0)`` (returns freed heap pages to the system), or a no-op."""
     name = ctypes.util.find_library("c")
     try:
@@ -151,12 +151,13 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.threads = threads or max(1, torch.get_num_threads() - 1)
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.engine = Engine(model, tokenizer, prefix_lm=prefix_lm, cache=empty_cache(model))
+        # isolate: a failure in one row's rules fails its request, not the others in the batch
+        self.engine = Engine(model, tokenizer, prefix_lm=prefix_lm, cache=empty_cache(model), isolate=True)
         self.queue: collections.deque[Handle] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = False
         self._thread: threading.Thread | None = None
-        self._trim = _malloc_trim()
+        self._trim = malloc_trim()
 
     # ------------------------------------------------------------------ the web side
 
@@ -288,11 +289,18 @@ class Scheduler:
         if not joining:
             return
         engine = self.engine
-        prefilled = [  # (cache, logits, rows) of every prompt, each prefilled alone
-            (*engine.prefill([ids]), [Choice(h, p, j) for j in range(h.job.cfg.num_samples)])
-            for h in joining
-            for p, ids in enumerate(h.job.prompts)
-        ]
+        prefilled = []  # (cache, logits, rows) of every prompt, each prefilled alone
+        for h in joining:
+            try:
+                prefilled += [
+                    (*engine.prefill([ids]), [Choice(h, p, j) for j in range(h.job.cfg.num_samples)])
+                    for p, ids in enumerate(h.job.prompts)
+                ]
+            except Exception as exc:  # this request's prompt fails, not the batch
+                h.ended = True
+                self._send(h, [Failed("internal", f"internal error: {type(exc).__name__}: {exc}")])
+        if not prefilled:
+            return
         holes = [i for i, r in enumerate(engine.rows) if r is None]
         needed = sum(len(rows) for _, _, rows in prefilled)
         assert engine.cache is not None
@@ -310,6 +318,12 @@ class Scheduler:
         for e in emitted:
             row: Choice = e.row  # the scheduler's rows are its choices
             h = row.handle
+            if h.ended:  # failed at this step already
+                continue
+            if e.finish_reason == "error":  # its own failure (the engine isolates it): its request ends
+                self._end_failed(h, f"internal error: {row.text}")
+                out.pop(h, None)
+                continue
             h.completion_tokens += 1
             entry = []
             if h.job.top_logprobs is not None and e.finish_reason != "eos":  # <eos> is no text
@@ -326,6 +340,14 @@ class Scheduler:
                 h.ended = True
                 events.append(Done(sum(len(p) for p in h.job.prompts), h.completion_tokens))
             self._send(h, events)
+
+    def _end_failed(self, h: Handle, message: str) -> None:
+        """Request ``h`` failed alone: its rows become holes, it gets its error."""
+        for i, r in enumerate(self.engine.rows):
+            if r is not None and r.handle is h:
+                self.engine.drop(i)
+        h.ended = True
+        self._send(h, [Failed("internal", message)])
 
     def _compact(self) -> None:
         """Drop the holes (and shift the rows left as far as they allow)."""

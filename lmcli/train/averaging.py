@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-from lmcli.checkpoint import model_from_state, model_state, save_checkpoint, step_checkpoints
+from lmcli.checkpoint import (
+    STEP,
+    Checkpoint,
+    model_from_state,
+    model_state,
+    save_checkpoint,
+    step_checkpoints,
+)
 from lmcli.errors import LmcliError
 from lmcli.model import Transformer
 from lmcli.sources import load_checkpoint
@@ -67,6 +74,16 @@ class EMA:
         self.averaged.load_state_dict(state)
 
 
+def finite_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights; one line when one holds a NaN or an infinity (an average of it
+    would be NaN too, silently)."""
+    state = model_state(ckpt.model)
+    for name, v in state.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise LmcliError(f"{ckpt.path} holds NaN or infinite weights ({name}): cannot average it")
+    return state
+
+
 def average_checkpoints(run_dir: str | Path, last: int, out: str | Path | None = None) -> Path:
     """Average the parameters of ``run_dir``'s ``last`` newest ``step-N`` checkpoints (saved with
     ``--keep-last`` and ``--save-interval``) into a new checkpoint folder; returns its path.
@@ -77,6 +94,9 @@ def average_checkpoints(run_dir: str | Path, last: int, out: str | Path | None =
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise LmcliError(f"no such run folder: {run_dir}")
+    linked = sorted(p for p in run_dir.iterdir() if STEP.fullmatch(p.name) and p.is_symlink())
+    if linked:
+        raise LmcliError(f"{linked[0]} is a symbolic link: a run folder must not contain links")
     found = step_checkpoints(run_dir)
     if last < 1:
         raise LmcliError(f"--last must be at least 1, got {last}")
@@ -90,13 +110,15 @@ def average_checkpoints(run_dir: str | Path, last: int, out: str | Path | None =
     if dest.exists():
         raise LmcliError(f"{dest} already exists: choose another --out")
     first = load_checkpoint(chosen[0])
-    sums = {k: v.double().clone() for k, v in model_state(first.model).items()}
+    sums = {k: v.double().clone() for k, v in finite_state(first).items()}
     ckpt = first
     for path in chosen[1:]:
         ckpt = load_checkpoint(path)
         if ckpt.model_config != first.model_config:
             raise LmcliError(f"{path} has another model config than {chosen[0]}: cannot average them")
-        for k, v in model_state(ckpt.model).items():
+        if ckpt.tokenizer.fingerprint != first.tokenizer.fingerprint:
+            raise LmcliError(f"{path} has another tokenizer than {chosen[0]}: cannot average them")
+        for k, v in finite_state(ckpt).items():
             sums[k] += v.double()
     reference = model_state(first.model)
     state = {k: (v / last).to(reference[k].dtype) for k, v in sums.items()}

@@ -36,20 +36,29 @@ from lmcli.checkpoint import (
     read_json,
     step_checkpoints,
 )
-from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple
+from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple, to_dict
 from lmcli.data.examples import pad_multiple
 from lmcli.data.train_data import ExampleData, TrainData, load_train_data
-from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
+from lmcli.device import (
+    Staging,
+    autocast,
+    autocast_dtype,
+    configure_backend,
+    deterministic_algorithms,
+    set_threads,
+    usable_cpus,
+)
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
-from lmcli.errors import LmcliError
-from lmcli.hf.load import is_hf_folder, load_hf_folder, open_hf_folder
+from lmcli.downstream.run import describe_scores, load_eval_tasks, task_scores
+from lmcli.errors import LmcliError, Terminated
 from lmcli.lora_run import base_reference
 from lmcli.model import Transformer
 from lmcli.safe_io import refuse_symlinks
 from lmcli.sources import load_checkpoint
 from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
-from lmcli.train.metrics import MetricsLog, plot_loss_curve
+from lmcli.train.init_from import open_init
+from lmcli.train.metrics import MetricsLog, plot_loss_curve, plot_task_scores
 from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params, peak_tflops
 from lmcli.train.optim import group_lr, lr_at, make_optimizer
 from lmcli.train.parallel import (
@@ -58,7 +67,6 @@ from lmcli.train.parallel import (
     check_launch,
     choose_parallel,
     clip_grad_norm,
-    fill_from_hf,
     make_parallel,
     per_process_memory,
 )
@@ -69,6 +77,7 @@ from lmcli.train.preflight import (
     fmt_count,
     fmt_duration,
     measured_memory,
+    preflight_rows,
 )
 from lmcli.train.run_folder import (
     RunFolder,
@@ -81,6 +90,7 @@ from lmcli.train.run_folder import (
 from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds
 from lmcli.train.sharded import open_sharded
 from lmcli.train.state import COUNTERS, RngStates, Stateful, StateRegistry, TrainState, seed_everything
+from lmcli.train.tracking import Trackers, open_trackers, require_backends
 
 
 @dataclass
@@ -142,11 +152,13 @@ class Run:
     averages: list[EMA]  # weight averages (--ema): updated each step, validated, saved as their own folder
     states: StateRegistry  # the above, and the RNGs: trainer_state.pt
     marks: Marks
-    metrics: MetricsLog
+    metrics: MetricsLog  # metrics.jsonl: read back for history and the plot
+    trackers: Trackers  # where records go as they are made: metrics.jsonl and --log-to's backends
     mfu: MfuBasis
     info: Callable[[str], None]  # rank 0's messages; silent on the other ranks
     staging: Staging | None = None  # batches' copies to a GPU, through reused pinned buffers
     base: dict[str, Any] | None = None  # a LoRA run's base reference (lora_run.base_reference)
+    eval_tasks: list[Any] | None = None  # --eval-task files, scored at each validation (lmcli.downstream)
 
     @property
     def global_batch(self) -> int:
@@ -174,15 +186,19 @@ def train(
     The run folder is locked for the whole call; if the call fails before a first checkpoint,
     a folder it created is removed; an interruption says which checkpoint was kept."""
     rep = reporter or Reporter()
+    set_threads(cfg.threads)
     check_launch(cfg)
     dist_info, device = init_distributed(cfg.device, group=cfg.parallelism.parallel == "fsdp")
     held: list[RunFolder] = []  # rank 0's locked run folder
     opened: list[Run] = []
     try:
         with deterministic_algorithms(cfg.deterministic):
-            opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
+            with terminate_as_interrupt():  # until fit's own handling: a SIGTERM cleans up as Ctrl-C
+                opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
             return fit(opened[0], rep)
     except BaseException as exc:
+        if opened:  # the trackers' files closed, W&B's run marked failed
+            opened[0].trackers.finish({"step": opened[0].state.step, "stopped": "error"})
         if held:
             after_failure(held[0], opened[0].state.step if opened else None, exc, rep.info)
         raise
@@ -270,6 +286,24 @@ class Clock:
 
 
 SIGNALS = ("SIGINT", "SIGTERM")
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Any:
+    """SIGTERM raises ``Terminated`` (a ``KeyboardInterrupt``) in the block: opening a run (its
+    data read, SFT conversations rendered) stops as on Ctrl-C, and the folder it made goes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 class StopSignal:
@@ -361,8 +395,7 @@ def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar
     }
     record["mfu"] = run.mfu.of(record["tokens_per_s"], run.dist.world_size)
     marks.log_step, marks.log_time = step, now
-    if run.dist.is_main:
-        run.metrics.append(record)
+    run.trackers.log(step, record)  # rank 0's; no backend on the others
     if bar is not None:
         bar.update(step, record)
 
@@ -397,6 +430,7 @@ def validate(run: Run) -> bool:
         if "val_bleu" in record:
             bleu, chrf = record["val_bleu"], record["val_chrf"]
             scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
+        scores += describe_scores(record)
         run.info(
             f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
             f"(ppl {math.exp(min(loss, 50)):.2f}){scores}" + (" *best*" if improved else "")
@@ -431,7 +465,8 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
             samples, tok = cfg.validation.bleu_samples, run.data.tokenizer
             scores = greedy_bleu(run.model, tok, run.data.val, samples, prefix_lm=task.prefix_lm)
         record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
-    run.metrics.append(record)
+    record.update(task_scores(run))  # --eval-task: task:NAME:METRIC
+    run.trackers.log(state.step, record)
     if "val_bleu" in record:
         record["sentences"] = scores["sentences"]  # for the message, not the metrics file
     return record
@@ -475,6 +510,7 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
     state = run.state
     if run.dist.is_main:
         note = plot_loss_curve(run.metrics.read(), run.run_dir / "loss.png")
+        plot_task_scores(run.metrics.read(), run.run_dir / "tasks.png")
         if note:
             run.info(f"note: {note}")
         if stopped in SIGNALS:
@@ -493,7 +529,18 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
         )
     best = state.best_val if math.isfinite(state.best_val) else None
     marks = run.marks
-    return TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)
+    result = TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)
+    run.trackers.finish(
+        {
+            "step": state.step,
+            "train_loss": marks.train_loss,
+            "val_loss": marks.val_loss,
+            "best_val_loss": best,
+            "elapsed": elapsed,
+            "stopped": stopped,
+        }
+    )
+    return result
 
 
 # ----------------------------------------------------------------------------- opening a run
@@ -514,28 +561,21 @@ def open_run(
     configure_backend(device)
     amp = autocast_dtype(device, cfg.dtype)
     info = rep.info if dist_info.is_main else (lambda msg: None)
+    require_backends(cfg.trackers)  # before a run folder exists: one line naming what to install
     run_dir, resumed = locate_run(model_config, cfg, resume, dist_info, held)
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
+    eval_tasks = load_eval_tasks(cfg) if dist_info.is_main else []  # a bad file stops the run here
 
     init = None
     if cfg.init_from and not resumed:
-        init = open_init(cfg.init_from, info)
+        init = open_init(cfg.init_from, info, model_config.block_size)
         model_config = init.config
     base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora.lora_rank else None
     tokenizer = resumed.tokenizer if resumed else init.tokenizer if init else None
     data = open_data(cfg, model_config, tokenizer, progress, dist_info, device, info)
     model_config = run_model_config(model_config, cfg, data, resumed, init, device)
-    parallel = make_parallel(
-        choose_parallel(cfg, dist_info, *replica_memory(model_config, cfg, amp, device)),
-        cfg,
-        dist_info,
-        device,
-        amp,
-    )
-    model, fill = build_model(model_config, cfg, resumed, init, meta=parallel.sharded)
+    parallel, model, trained, averages = place_model(model_config, cfg, resumed, init, dist_info, device, amp)
     sampler = data.sampler(cfg.optim.batch_size, cfg.seed)
-    averages = [EMA(model, cfg.optim.ema)] if cfg.optim.ema else []
-    trained = parallel.wrap(model, averages, fill)  # on the device, replicated or sharded
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
     optimizer, scaler, state, states = training_state(model, cfg, amp, dist_info, device, averages)
     if resumed is not None:
@@ -543,7 +583,12 @@ def open_run(
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
 
-    per_token = flops_per_token(model_config, matmul_params(model), round(data.tokens_per_example()))
+    per_token = training_flops(model, cfg, data)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    in_place = resumed is not None and Path(resume) == run_dir
+    trackers = open_trackers(
+        cfg.trackers, metrics, run_dir, state.step if in_place else None, dist_info.is_main
+    )
     run = Run(
         cfg=cfg,
         model_config=model_config,
@@ -564,18 +609,40 @@ def open_run(
         averages=averages,
         states=states,
         marks=Marks(torch.zeros((), device=device), saved_step=state.step if resumed else -1),
-        metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        metrics=metrics,
+        trackers=trackers,
         mfu=MfuBasis(per_token, *peak_tflops(device, cfg.peak_tflops)),
         info=info,
         staging=Staging(device),
         base=base,
+        eval_tasks=eval_tasks,
     )
     if dist_info.is_main:
-        show_preflight(run, rep)
+        facts = show_preflight(run, rep)
         write_run_config(run_dir, model_config, cfg)
         if resumed:
             carry_history(run)
+        trackers.start({"model": to_dict(model_config), "train": to_dict(cfg)}, facts)
     return run
+
+
+def place_model(
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    resumed: Any,
+    init: Any,
+    dist_info: Dist,
+    device: torch.device,
+    amp: torch.dtype | None,
+) -> tuple[Single, Transformer, torch.nn.Module, list[EMA]]:
+    """How the processes share the model (``--parallel``, chosen here), the model, what runs
+    it (on the device, replicated or sharded, compiled) and its weight averages (``--ema``)."""
+    chosen = choose_parallel(cfg, dist_info, *replica_memory(model_config, cfg, amp, device))
+    parallel = make_parallel(chosen, cfg, dist_info, device, amp)
+    model, fill = build_model(model_config, cfg, resumed, init, meta=parallel.sharded)
+    averages = [EMA(model, cfg.optim.ema)] if cfg.optim.ema else []
+    trained = parallel.wrap(model, averages, fill)
+    return parallel, model, trained, averages
 
 
 def open_data(
@@ -731,35 +798,10 @@ def skeleton(model_config: ModelConfig, cfg: TrainConfig) -> Transformer:
     return lora.add_adapters(model, cfg) if cfg.lora.lora_rank else model
 
 
-@dataclass
-class Init:
-    """What ``--init-from`` names, opened: its model config and tokenizer; ``load(meta)`` gives
-    the model, whole, or (``meta``, a Hugging Face folder) on the meta device with what reads
-    each process's rows of its weights, one block at a time."""
-
-    config: ModelConfig
-    tokenizer: Any
-    load: Callable[[bool], tuple[Transformer, Fill | None]]
-
-
-def open_init(path: str, info: Callable[[str], None]) -> Init:
-    """The model ``--init-from`` names: a Hugging Face folder or an lmcli run or checkpoint
-    folder (a LoRA run's adapters merged), in float32 as every model trains."""
-    if is_hf_folder(path) or not Path(path).is_dir():
-        folder = open_hf_folder(path)
-
-        def load(meta: bool) -> tuple[Transformer, Fill | None]:
-            if not meta:
-                return load_hf_folder(path, torch.float32, info)[0], None
-            for note in folder.notices:
-                info(f"warning: {folder.path}: {note}")
-            with torch.device("meta"):
-                model = Transformer(folder.config)
-            return model, lambda placed: fill_from_hf(placed, folder)
-
-        return Init(folder.config, folder.tokenizer, load)
-    ckpt = load_checkpoint(path)
-    return Init(ckpt.model_config, ckpt.tokenizer, lambda meta: (ckpt.model.float(), None))
+def training_flops(model: Transformer, cfg: TrainConfig, data: TrainData) -> float:
+    """Training FLOPs per token (``train/mfu.py``); a LoRA run's frozen weights get no gradient."""
+    trained = matmul_params(model, trained_only=True) if cfg.lora.lora_rank else None
+    return flops_per_token(model.config, matmul_params(model), round(data.tokens_per_example()), trained)
 
 
 def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> int | None:
@@ -783,18 +825,31 @@ def replica_memory(
 
 
 def estimated_memory(
-    model: Transformer, cfg: TrainConfig, amp: torch.dtype | None, device: torch.device, shards: int
+    model: Transformer,
+    cfg: TrainConfig,
+    amp: torch.dtype | None,
+    device: torch.device,
+    shards: int,
+    context: int | None = None,
 ) -> int:
     """The analytic estimate of a process's bytes (no T×T scores where SDPA's flash kernels run),
-    with parameters, gradients and optimizer state split over ``shards`` processes and the
-    activations ``--activation-checkpointing`` keeps."""
+    with parameters, gradients and optimizer state split over ``shards`` processes, the
+    activations ``--activation-checkpointing`` keeps, sequences of ``context`` tokens (None: the
+    block size)."""
     flash = device.type == "cuda" and not model.positions.biases_scores and not make_task(cfg).prefix_lm
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    params = model.num_parameters()
+    params, batch = model.num_parameters(), cfg.optim.batch_size
     recompute = cfg.parallelism.activation_checkpointing
-    batch = cfg.optim.batch_size
     return estimate_memory(
-        model.config, params, batch, amp is not None, flash, trainable, shards=shards, recompute=recompute
+        model.config,
+        params,
+        batch,
+        amp is not None,
+        flash,
+        trainable,
+        context,
+        shards=shards,
+        recompute=recompute,
     )
 
 
@@ -804,11 +859,13 @@ def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
     if probed and run.device.type == "cuda":
         return measured_memory(torch.cuda.max_memory_allocated(run.device), trainable)
     shards = run.dist.world_size if run.parallel.sharded else 1
-    return estimated_memory(run.model, run.cfg, run.amp, run.device, shards)
+    longest = run.data.longest_example() if isinstance(run.data, ExampleData) else None
+    return estimated_memory(run.model, run.cfg, run.amp, run.device, shards, longest)
 
 
-def show_preflight(run: Run, rep: Reporter) -> None:
-    """One screen of facts before training: size, data, memory and time estimates."""
+def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
+    """One screen of facts before training: size, data, memory and time estimates (returned, for
+    the trackers)."""
     cfg, model = run.cfg, run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     alone = not (cfg.compile or run.parallel.sharded)  # a sharded model steps with every rank
@@ -829,6 +886,7 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     amp = f"{str(run.amp).removeprefix('torch.')} autocast" if run.amp else "float32"
     facts = {
         "device": f"{run.device}, {amp}",
+        "CPU threads": f"{torch.get_num_threads()} (--threads; {usable_cpus()} CPUs usable)",
         "run folder": str(run.run_dir),
         "corpus": str(run.data.info.get("corpus", ""))
         + (" (token cache reused)" if run.data.info.get("cached") else ""),
@@ -852,6 +910,8 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     basis = run.mfu
     peak = f"{basis.peak_tflops:.3g} TFLOP/s per device, " if basis.peak_tflops else ""
     facts["MFU against"] = f"{peak}{basis.peak_source}; {basis.flops_per_token / 1e6:.3g} MFLOP/token"
+    extra = {label: value for label, value in facts.items() if label != "device"}
+    rows = dict(preflight_rows(pre, facts["device"], extra))
     if rep.preflight is not None:
         rep.preflight(pre, facts)
     else:
@@ -859,3 +919,4 @@ def show_preflight(run: Run, rep: Reporter) -> None:
             f"{fmt_count(pre.params)} parameters, {run.tokens_per_step} tokens/step, "
             f"{run.data.train_tokens} train tokens"
         )
+    return rows

@@ -290,7 +290,12 @@ def fill_from_hf(model: Transformer, folder: Any) -> None:
 
     where = f"in {folder.path}"
     blocks = read_blocks(folder, torch.float32)
-    named = ((MODULE_NAMES.get(k, k), v) for block in blocks for k, v in block.items())
+    rows = model.config.block_size  # learned positions cut to the run's context (lmcli.train.init_from)
+    named = (
+        (MODULE_NAMES.get(k, k), v[:rows] if k == "wpe.weight" else v)
+        for block in blocks
+        for k, v in block.items()
+    )
     filled = load_into(model, named, where)
     adapters = lora.ADAPTER_KEYS  # drawn, not read
     missing = [n for n, _ in model.named_parameters() if n not in filled and not n.endswith(adapters)]

@@ -47,13 +47,15 @@ def estimate_memory(
     autocast: bool,
     flash: bool = False,
     trainable: int | None = None,
+    context: int | None = None,
     *,
     shards: int = 1,
     recompute: str = "none",
 ) -> int:
     """Bytes of one process for weights, gradients, AdamW moments and activations of one
     micro-batch (rough); gradients and moments for the ``trainable`` parameters alone (LoRA;
-    None: all of them).
+    None: all of them); ``context``: the longest sequence a batch holds (None: the block size;
+    SFT and translation examples are often far shorter than an imported model's context).
 
     With ``shards`` processes sharing the parameters (FSDP), each holds 1/shards of the
     weights, gradients and moments, plus the unsharded parameters in use: the root's
@@ -68,7 +70,7 @@ def estimate_memory(
     layers and attention kernel (2·B·T·(5C + 2·kv + ffn, twice ffn when gated) at 16 bits) plus
     one block's recomputed ops.
     """
-    B, T, C, H = batch_size, cfg.block_size, cfg.n_embd, cfg.n_head
+    B, T, C, H = batch_size, context or cfg.block_size, cfg.n_embd, cfg.n_head
     trained = params if trainable is None else trainable
     state = (params * 4 + trained * 4 * 3) // shards  # fp32 weights; grads and two Adam moments
     if shards > 1:
@@ -122,6 +124,13 @@ def fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def fmt_rate(per_second: float) -> str:
+    """A rate as people read it: 7.5, 38, 1.2k, 25.0k (a slow CPU run is not "0.0k")."""
+    if per_second >= 1000:
+        return f"{per_second / 1000:.1f}k"
+    return f"{per_second:.1f}" if per_second < 10 else f"{per_second:.0f}"
 
 
 def fmt_count(n: float) -> str:

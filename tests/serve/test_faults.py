@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,21 +16,10 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
+from helpers import free_port, rss_mb
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+JSON = {"Content-Type": "application/json"}
 
 
 def _wait_idle(url: str, timeout: float = 10) -> dict:
@@ -46,7 +34,7 @@ def _wait_idle(url: str, timeout: float = 10) -> dict:
 
 @pytest.fixture(scope="module")
 def proc(served_run: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -101,9 +89,9 @@ def _faults(url: str) -> None:
         assert next(lines).startswith("data: ")
     _wait_idle(url, timeout=3)
     # malformed JSON, a huge body, max_tokens beyond the context
-    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", ', timeout=30)
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", ', headers=JSON, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = httpx.post(url + "/v1/completions", content=b"x" * (4 << 20), timeout=30)
+    r = httpx.post(url + "/v1/completions", content=b"x" * (4 << 20), headers=JSON, timeout=30)
     assert r.status_code == 413 and "error" in r.json()
     r = _complete(url, max_tokens=10_000)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -127,10 +115,10 @@ def test_faults_leave_the_server_up_and_memory_at_baseline(proc) -> None:
     p, url = proc
     _faults(url)  # once to warm up: every batch size's step plan, the allocator's pools
     _wait_idle(url)
-    baseline = _rss_mb(p.pid)
+    baseline = rss_mb(p.pid)
     _faults(url)
     idle = _wait_idle(url)
-    after = _rss_mb(p.pid)
+    after = rss_mb(p.pid)
     assert idle["kv_cache_bytes"] == 0
     assert after - baseline < 15, f"RSS {baseline:.0f} MB -> {after:.0f} MB"
     r = _complete(url)

@@ -11,87 +11,23 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run, run_cli, tiny_model
-
-from lmcli.sources import load_checkpoint
-
-MiB = 1 << 20
-
-
-def craft(run: Path, model: dict | None = None, train: dict | None = None, *, meta: bool = True) -> Path:
-    """Change the configs of every checkpoint of ``run`` (and of the run itself); recompute the
-    config's checksum in ``meta.json``, or (``meta=False``) delete ``meta.json``."""
-    for config in [run / "config.json", *run.glob("*/config.json")]:
-        if not config.exists():
-            continue
-        cfg = json.loads(config.read_text())
-        cfg["model"].update(model or {})
-        cfg["train"].update(train or {})
-        config.write_text(json.dumps(cfg))
-        meta_path = config.parent / "meta.json"
-        if meta_path.exists() and meta:
-            m = json.loads(meta_path.read_text())
-            m["sha256"]["config.json"] = hashlib.sha256(config.read_bytes()).hexdigest()
-            meta_path.write_text(json.dumps(m))
-        elif meta_path.exists():
-            meta_path.unlink()
-    return run
-
-
-# Runs lmcli commands (or ["load", PATH]: load_checkpoint alone) in one fresh process, each under
-# a memory limit, and reports for each the exit code, stderr, seconds, and how far the peak RSS
-# (VmHWM, reset between commands) rose above the RSS before the command.
-DRIVER = textwrap.dedent(
-    """
-    import contextlib, io, json, resource, sys, time
-    import torch, lmcli.cli, lmcli.generate.sampling, lmcli.sources
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-
-    limit = status("VmSize") + 1536 * 2**20  # an allocation of the crafted size fails at once
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    out = []
-    for argv in json.loads(sys.argv[1]):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        before, err, start = status("VmRSS"), io.StringIO(), time.perf_counter()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                if argv[0] == "load":  # the loader alone
-                    model = lmcli.sources.load_checkpoint(argv[1]).model
-                else:
-                    lmcli.cli.main(argv)
-                code = 0
-            except SystemExit as exc:
-                code = exc.code or 0
-        seconds = time.perf_counter() - start
-        out.append({"code": code, "err": err.getvalue(), "seconds": seconds,
-                    "peak": status("VmHWM") - before})
-    print(json.dumps(out))
-    """
+from helpers import (
+    FAST_TRAIN_ARGS,
+    TINY_TEXT,
+    MiB,
+    assert_one_line_error,
+    craft,
+    make_run,
+    run_cli,
+    run_measured,
+    tiny_model,
 )
 
-
-def run_measured(commands: list[list[str]], timeout: float = 180) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(commands)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+from lmcli.sources import load_checkpoint
 
 
 @pytest.mark.slow
@@ -163,7 +99,7 @@ def test_resume_never_writes_to_a_stored_cache_dir(tmp_path: Path, capsys, monke
     code, _, err = run_cli(["train", "--resume", "run", "--max-steps", "4"], capsys)
     assert code == 0, err
     assert not elsewhere.exists() and not other_out.exists()
-    assert any(Path(os.environ["LMCLI_CACHE"]).glob("tokens-*.bin"))
+    assert any(Path(os.environ["LMCLI_CACHE"]).glob("tokens-*/shard-*.bin"))
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["cache_dir"] is None
 
 

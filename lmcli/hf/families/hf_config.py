@@ -1,39 +1,222 @@
-"""A Hugging Face ``config.json`` as the family adapters read it.
+"""A Hugging Face ``config.json`` as the family adapters read it, every value checked on the way.
 
 Every value an adapter takes from a config goes through ``HFConfig``: ``require`` for a field the
 family cannot do without (one line naming it when absent), ``get`` for one with a default,
-``section`` for a nested table (``rope_scaling``, ``rope_parameters``). This is the one place
-where each field's type and range is to be checked before use.
+``section`` for a nested table (``rope_scaling``, ``rope_parameters``). Each field read has a
+``Rule`` in ``SCHEMA`` (``ROPE_SCHEMA`` for the rope tables): its type and its range, checked
+before the value is used, so a config from anywhere (a string for a number, a zero head count, a
+context of 10^12) is one line naming the file, the field and what it must be. A field read
+without a rule is a bug (``KeyError``). GGUF metadata is read through the same rules, as the
+``config.json`` fields it stands for (``hf.gguf_check.config_from_gguf``).
+
+The ranges bound what a config alone can make lmcli do; whether the weights agree with the
+config is checked after (``hf.weights.check_weights``), before anything is built.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lmcli.errors import LmcliError
 
+MAX_VOCAB = 1 << 24  # vocabularies hold up to a few hundred thousand tokens
+MAX_WIDTH = 1 << 16  # hidden sizes: up to ~25,000 in the largest models
+MAX_FFN = 1 << 20
+MAX_LAYERS = 1 << 12
+MAX_HEADS = 1 << 12
+MAX_CONTEXT = 1 << 26  # 67M positions; the tables it sizes are checked against the weights
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field may hold: ``kind`` int, number, bool, text, table (a JSON object), names (a
+    list of text), ids (a token id or a list of them) or any (checked by its reader); numbers
+    within [lo, hi] (``above``: lo excluded)."""
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    above: bool = False
+
+    def check(self, value: Any, name: str, where: str) -> Any:
+        """``value`` if it follows the rule; one line naming ``where`` and ``name`` if not."""
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "number": isinstance(value, int | float) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "text": isinstance(value, str),
+            "table": isinstance(value, dict),
+            "names": isinstance(value, list) and all(isinstance(v, str) for v in value),
+            "ids": _ids(value),
+            "any": True,
+        }[self.kind]
+        if not ok:
+            raise LmcliError(f"{where}: {name} must be {_KINDS[self.kind]}, got {_short(value)}")
+        for v in value if isinstance(value, list) and self.kind == "ids" else [value]:
+            if self.kind in ("int", "number", "ids") and not self._in_range(v):
+                low = "(" if self.above else "["
+                raise LmcliError(
+                    f"{where}: {name} must be in {low}{_num(self.lo)}, {_num(self.hi)}], got {_short(v)}"
+                )
+        return value
+
+    def _in_range(self, v: float) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.above else v < self.lo):
+            return False
+        return self.hi is None or v <= self.hi
+
+
+_KINDS = {
+    "int": "an integer",
+    "number": "a number",
+    "bool": "true or false",
+    "text": "text",
+    "table": "a table (a JSON object)",
+    "names": "a list of names",
+    "ids": "a token id or a list of them",
+    "any": "any value",
+}
+
+
+def _ids(value: Any) -> bool:
+    items = value if isinstance(value, list) else [value]
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in items)
+
+
+def _num(x: float | None) -> str:
+    """A bound as it reads best: 67108864, not 6.71089e+07."""
+    return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+COUNT = Rule("number", 0, 1e6, above=True)  # a positive scale factor
+SCHEMA: dict[str, Rule] = {
+    "model_type": Rule("text"),
+    "architectures": Rule("names"),
+    "vocab_size": Rule("int", 1, MAX_VOCAB),
+    "hidden_size": Rule("int", 1, MAX_WIDTH),
+    "n_embd": Rule("int", 1, MAX_WIDTH),
+    "intermediate_size": Rule("int", 1, MAX_FFN),
+    "n_inner": Rule("int", 1, MAX_FFN),
+    "num_hidden_layers": Rule("int", 1, MAX_LAYERS),
+    "n_layer": Rule("int", 1, MAX_LAYERS),
+    "num_attention_heads": Rule("int", 1, MAX_HEADS),
+    "n_head": Rule("int", 1, MAX_HEADS),
+    "num_key_value_heads": Rule("int", 1, MAX_HEADS),
+    "head_dim": Rule("int", 1, MAX_WIDTH),
+    "max_position_embeddings": Rule("int", 1, MAX_CONTEXT),
+    "n_positions": Rule("int", 1, MAX_CONTEXT),
+    "sliding_window": Rule("int", 1, MAX_CONTEXT),
+    "use_sliding_window": Rule("bool"),
+    "rms_norm_eps": Rule("number", 0, 1, above=True),
+    "layer_norm_epsilon": Rule("number", 0, 1, above=True),
+    "rope_theta": Rule("number", 0, 1e15, above=True),
+    "tie_word_embeddings": Rule("bool"),
+    "hidden_act": Rule("text"),
+    "activation_function": Rule("text"),
+    "attention_bias": Rule("bool"),
+    "mlp_bias": Rule("bool"),
+    "rope_scaling": Rule("table"),
+    "rope_parameters": Rule("table"),
+    "bos_token_id": Rule("ids", 0, MAX_VOCAB),
+    "eos_token_id": Rule("ids", 0, MAX_VOCAB),
+    "pad_token_id": Rule("ids", 0, MAX_VOCAB),
+}
+ROPE_SCHEMA: dict[str, Rule] = {
+    "rope_type": Rule("text"),
+    "type": Rule("text"),
+    "rope_theta": SCHEMA["rope_theta"],
+    "factor": COUNT,
+    "original_max_position_embeddings": Rule("int", 1, MAX_CONTEXT),
+    "low_freq_factor": COUNT,
+    "high_freq_factor": COUNT,
+    "beta_fast": COUNT,
+    "beta_slow": COUNT,
+    "truncate": Rule("bool"),
+}
+
+# GGUF metadata keys ("{arch}." + key) and the config.json field each stands for
+GGUF_FIELDS = {
+    "vocab_size": "vocab_size",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.value_length": "head_dim",
+    "rope.dimension_count": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.layer_norm_epsilon": "layer_norm_epsilon",
+    "rope.freq_base": "rope_theta",
+}
+GGUF_ROPE = {"rope.scaling.type": "type", "rope.scaling.factor": "factor"}
+
+
+class GgufSchema(Mapping[str, Rule]):
+    """The rules of a GGUF file's metadata, read through ``HFConfig`` as ``config.json`` is: an
+    architecture's key (``llama.block_count``) has the rule of the field it stands for
+    (``GGUF_FIELDS``); ``general.*`` and ``tokenizer.*`` keys are checked by their readers (the
+    tokenizer's rebuild); any other key is a bug (``KeyError``)."""
+
+    def __getitem__(self, key: str) -> Rule:
+        group, _, rest = key.partition(".")
+        if group in ("general", "tokenizer"):
+            return Rule("any")
+        if rest in GGUF_FIELDS:
+            return SCHEMA[GGUF_FIELDS[rest]]
+        if rest in GGUF_ROPE:
+            return ROPE_SCHEMA[GGUF_ROPE[rest]]
+        raise KeyError(key)
+
+    def __iter__(self) -> Any:
+        return iter(())  # the keys depend on the architecture: looked up, never listed
+
+    def __len__(self) -> int:
+        return 0
+
 
 class HFConfig:
-    """The fields of one ``config.json`` (or of a table inside it); ``where`` names the file."""
+    """The fields of one ``config.json`` (or of a table inside it); ``where`` names the file,
+    ``schema`` holds the rule of every field read, ``prefix`` names a table's fields."""
 
-    def __init__(self, data: Mapping[str, Any], where: str) -> None:
+    def __init__(
+        self,
+        data: Mapping[str, Any],
+        where: str,
+        schema: Mapping[str, Rule] = SCHEMA,
+        prefix: str = "",
+    ) -> None:
         self.data = data
         self.where = where
+        self.schema, self.prefix = schema, prefix
 
     def get(self, key: str, default: Any = None) -> Any:
-        """The value of ``key``, or ``default`` when the config does not name it."""
-        return self.data.get(key, default)
+        """The value of ``key``, checked; ``default`` when the config does not name it (or null)."""
+        value = self.data.get(key)
+        if value is None:
+            return default
+        return self.schema[key].check(value, self.prefix + key, self.where)
 
     def require(self, key: str) -> Any:
-        """The value of ``key``; one line naming it when the config lacks it."""
-        if key not in self.data:
-            raise LmcliError(f"{self.where} has no {key}")
-        return self.data[key]
+        """The value of ``key``, checked; one line naming it when the config lacks it."""
+        if self.data.get(key) is None:
+            raise LmcliError(f"{self.where} has no {self.prefix + key}")
+        return self.get(key)
 
     def section(self, key: str) -> HFConfig:
-        """The table ``key`` (empty when absent or null), read the same way."""
-        return HFConfig(dict(self.data.get(key) or {}), self.where)
+        """The table ``key`` (empty when absent or null), its fields read by ``ROPE_SCHEMA``."""
+        return HFConfig(self.get(key) or {}, self.where, ROPE_SCHEMA, f"{key}.")
 
     def named(self) -> set[str]:
         """The keys whose value is not null."""
