@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lmcli.generate.kv_cache import KVCache
+from lmcli.generate.kv_cache import GROW, KVCache
 from lmcli.model import Transformer
 
 BLOCK = 16  # tokens per node: the unit of matching and of eviction
@@ -154,7 +154,7 @@ class PrefixCache:
         blocks are then cached."""
         path = self.match(ids[:-1])  # one token at least is prefilled: its logits start the reply
         cache = KVCache.for_model(model, 1)
-        cache.reserve(len(ids))
+        cache.reserve(len(ids) + GROW)  # room for the first steps: a lone row's batch keeps it
         for i, node in enumerate(path):
             assert node.kv is not None
             cols = slice(i * self.block, (i + 1) * self.block)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
-from helpers import make_run
+from helpers import assert_one_line_error, make_run, run_cli
 
 from lmcli.checkpoint import Checkpoint
-from lmcli.config import ServeConfig
+from lmcli.config import ServeConfig, parse_size
 from lmcli.serve.server import running
 from lmcli.sources import load_model
 
@@ -109,11 +109,8 @@ def test_concurrent_requests_share_a_system_prompt(servers: dict[str, str]) -> N
     assert sum(n >= shared for _, n in cached) >= 7
 
 
-def test_cache_memory_takes_sizes(tmp_path: Path) -> None:
-    from lmcli.config import parse_size
-    from lmcli.errors import LmcliError
-
+def test_cache_memory_takes_sizes(tmp_path: Path, capsys) -> None:
     assert ServeConfig(cache_memory="512MiB").cache_memory == 512 << 20
     assert parse_size("2GiB") == 2 << 30 and parse_size("300MB") == 300_000_000 and parse_size("0") == 0
-    with pytest.raises(LmcliError, match="invalid size"):
-        parse_size("lots")
+    code, _, err = run_cli(["serve", str(tmp_path), "--cache-memory", "lots"], capsys)
+    assert_one_line_error(code, err, "invalid size 'lots': use e.g. 512MiB, 2GiB or a number of bytes")
