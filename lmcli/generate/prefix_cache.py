@@ -67,9 +67,10 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ matching and adding
 
-    def match(self, ids: list[int]) -> list[Node]:
-        """The nodes of the longest cached prefix of ``ids`` in whole blocks, root first (the
-        root excluded); they count as used."""
+    def match(self, ids: list[int]) -> list[Tensor]:
+        """The keys and values of the blocks of the longest cached prefix of ``ids`` (whole
+        blocks), first block first, each ``(2, n_layer, n_kv_head, BLOCK, head_dim)``; the
+        blocks count as used."""
         with self._lock:
             path, node = [], self.root
             for b in range(0, len(ids) - self.block + 1, self.block):
@@ -79,7 +80,7 @@ class PrefixCache:
                 path.append(child)
                 node = child
             self._touch(path)
-            return path
+            return [n.kv for n in path if n.kv is not None]
 
     def add(self, ids: list[int], k: Tensor, v: Tensor) -> None:
         """Keep the keys and values ``k, v`` (n_layer, n_kv_head, len(ids), head_dim) of ``ids``
@@ -127,7 +128,8 @@ class PrefixCache:
         node.kv = None
 
     def clear(self) -> None:
-        """Forget every block (their memory is freed once no prefill holds it)."""
+        """Forget every block: their memory is freed at once (a prefill that matched them
+        holds its own references until it ends)."""
         with self._lock:
             for node in list(self._lru):
                 node.kv = None
@@ -152,15 +154,14 @@ class PrefixCache:
         """``ids`` through a new one-row cache, starting from its longest cached prefix: the
         cache, the next-token logits (1, V), and how many tokens were reused; the prompt's
         blocks are then cached."""
-        path = self.match(ids[:-1])  # one token at least is prefilled: its logits start the reply
+        blocks = self.match(ids[:-1])  # one token at least is prefilled: its logits start the reply
         cache = KVCache.for_model(model, 1)
         cache.reserve(len(ids) + GROW)  # room for the first steps: a lone row's batch keeps it
-        for i, node in enumerate(path):
-            assert node.kv is not None
+        for i, kv in enumerate(blocks):
             cols = slice(i * self.block, (i + 1) * self.block)
-            cache.k[:, 0, :, cols] = node.kv[0]
-            cache.v[:, 0, :, cols] = node.kv[1]
-        reused = len(path) * self.block
+            cache.k[:, 0, :, cols] = kv[0]
+            cache.v[:, 0, :, cols] = kv[1]
+        reused = len(blocks) * self.block
         cache.length = reused
         self.hits, self.misses = self.hits + (reused > 0), self.misses + (reused == 0)
         self.cached_tokens += reused

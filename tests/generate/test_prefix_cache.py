@@ -3,6 +3,7 @@ full prefill, seeded replies are the same with and without it, and it stays with
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
@@ -48,16 +49,20 @@ def test_prefill_on_cached_prefix_equals_full_prefill(arch: dict) -> None:
     assert_float32_close(cache.v[..., :n, :], full_cache.v[..., :n, :], model.config)
 
 
-def test_a_prompt_keeps_one_token_to_prefill() -> None:
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_prompt_keeps_one_token_to_prefill(fast: bool) -> None:
+    """A prompt cached whole still prefills its last token (its logits start the reply): its
+    last block again when it ends a block, or the one token alone (the fast path's step)."""
     model = tiny_model(block_size=96)
     prefixes = PrefixCache(1 << 30)
-    ids = ids_of(2 * BLOCK, 2)
-    with torch.no_grad():
-        prefixes.prefill(model, ids)
-        _, logits, reused = prefixes.prefill(model, ids)  # cached whole: its last block is prefilled again
-        _, full = prefill(model, [ids], pad_id=0)
-    assert reused == BLOCK
-    assert_float32_close(logits, full, model.config)
+    whole, one_more = ids_of(2 * BLOCK, 2), ids_of(2 * BLOCK + 1, 2)
+    with torch.no_grad(), fastpath.inference(model) if fast else contextlib.nullcontext():
+        prefixes.prefill(model, whole)
+        for ids, expected in ((whole, BLOCK), (one_more, 2 * BLOCK)):
+            _, logits, reused = prefixes.prefill(model, ids)
+            _, full = prefill(model, [ids], pad_id=0)
+            assert reused == expected
+            assert_float32_close(logits, full, model.config)
 
 
 def converse(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import pytest
@@ -30,14 +31,14 @@ def long_context(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 
 @pytest.fixture(scope="module")
-def servers(long_context: Checkpoint) -> Iterator[dict[str, str]]:
+def servers(long_context: Checkpoint) -> Iterator[dict[str, Any]]:
     """The model served twice: with the prefix cache (the default) and without (0 bytes)."""
     base = dict(port=0, max_batch=8, max_queue=16, grace=2)
     with (
-        running(long_context, ServeConfig(**base)) as (cached, _),
+        running(long_context, ServeConfig(**base)) as (cached, scheduler),
         running(long_context, ServeConfig(**base, cache_memory=0)) as (plain, _),
     ):
-        yield {"cached": cached, "plain": plain}
+        yield {"cached": cached, "plain": plain, "scheduler": scheduler}
 
 
 def client(url: str) -> openai.OpenAI:
@@ -72,7 +73,7 @@ def converse(url: str) -> tuple[list[str], list[int], list[int]]:
     return replies, cached, prompt
 
 
-def test_a_conversation_reuses_its_history_and_answers_the_same(servers: dict[str, str]) -> None:
+def test_a_conversation_reuses_its_history_and_answers_the_same(servers: dict[str, Any]) -> None:
     replies, cached, prompt = converse(servers["cached"])
     plain, none, plain_prompt = converse(servers["plain"])
     assert replies == plain and prompt == plain_prompt
@@ -86,9 +87,12 @@ def test_a_conversation_reuses_its_history_and_answers_the_same(servers: dict[st
     assert health["prefix_cache_cached_tokens"] >= sum(cached)
     assert 0 < health["prefix_cache_bytes"] <= health["prefix_cache_max_bytes"]
     assert "prefix_cache_hits" not in httpx.get(servers["plain"] + "/health").json()
+    servers["scheduler"].clear_prefixes()
+    health = httpx.get(servers["cached"] + "/health").json()
+    assert health["prefix_cache_bytes"] == health["prefix_cache_blocks"] == 0
 
 
-def test_concurrent_requests_share_a_system_prompt(servers: dict[str, str]) -> None:
+def test_concurrent_requests_share_a_system_prompt(servers: dict[str, Any]) -> None:
     system = "a bird sang in the tree. the sun rose over the hill. " * 6  # ~320 tokens
 
     def ask(url: str, i: int) -> tuple[str, int]:
