@@ -36,6 +36,7 @@ from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.device import autocast
 from lmcli.generate.engine import Emitted, Engine, Row, RowProcessor
+from lmcli.generate.kv_cache import KVCache
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.model import Transformer
 from lmcli.serve.batch_cache import empty_cache
@@ -309,10 +310,12 @@ class Scheduler:
         prefilled = []  # (cache, logits, rows) of every prompt, each prefilled alone
         for h in joining:
             try:
+                mine = []
                 for p, ids in enumerate(h.job.prompts):
-                    cache, logits, cached = engine.prefill([ids])
+                    cache, logits, cached = self._prefill(ids)
                     h.cached_tokens += cached
-                    prefilled.append((cache, logits, [Choice(h, p, j) for j in range(h.job.cfg.num_samples)]))
+                    mine.append((cache, logits, [Choice(h, p, j) for j in range(h.job.cfg.num_samples)]))
+                prefilled += mine
             except Exception as exc:  # this request's prompt fails, not the batch
                 h.ended = True
                 self._send(h, [Failed("internal", f"internal error: {type(exc).__name__}: {exc}")])
@@ -327,6 +330,17 @@ class Scheduler:
                     engine.fill(holes.pop(0), row, cache, logits)
             return
         engine.relayout([i for i, r in enumerate(engine.rows) if r is not None], prefilled)
+
+    def _prefill(self, ids: list[int]) -> tuple[KVCache, torch.Tensor, int]:
+        """``Engine.prefill`` of one prompt; out of memory with a prefix cache that holds
+        blocks, the cache is emptied (memory pressure evicts it) and the prompt tried again."""
+        try:
+            return self.engine.prefill([ids])
+        except (torch.OutOfMemoryError, MemoryError):
+            if self.prefixes is None or not self.prefixes.bytes:
+                raise
+        self.clear_prefixes()
+        return self.engine.prefill([ids])
 
     def _deliver(self, emitted: list[Emitted]) -> None:
         """Each request's events of this step: its choices' new text (and log-probs), the end of

@@ -68,13 +68,13 @@ def test_a_prompt_keeps_one_token_to_prefill(fast: bool) -> None:
 def converse(
     model, tok, cfg: SampleConfig, prefixes: PrefixCache | None
 ) -> tuple[list, list[int], list[int]]:
-    """Five turns: each prompt is the prompt before, its reply and a new message. The replies,
-    each turn's tokens from the cache, and each prompt's length."""
+    """Five turns: each prompt is the prompt before, its reply and a new message. The replies
+    (their tokens and log-probs), each turn's tokens from the cache, and each prompt's length."""
     prompt, replies, reused, lengths = tok.encode("the cat sat"), [], [], []
     for turn in range(5):
         before = prefixes.cached_tokens if prefixes is not None else 0
         g = generate(model, tok, [prompt], cfg, prefixes=prefixes)[0]
-        replies.append(g.ids)
+        replies.append((g.ids, g.logprobs))
         reused.append(prefixes.cached_tokens - before if prefixes is not None else 0)
         lengths.append(len(prompt))
         prompt = prompt + g.ids + tok.encode(f" and turn {turn} of the dog.")
@@ -91,7 +91,9 @@ def test_conversation_replies_equal_with_and_without_the_cache(temperature: floa
     with fastpath.inference(model):
         plain, _, _ = converse(model, tok, cfg, None)
         cached, reused, lengths = converse(model, tok, cfg, PrefixCache(1 << 30))
-    assert cached == plain
+    assert [ids for ids, _ in cached] == [ids for ids, _ in plain]
+    for (_, got), (_, want) in zip(cached, plain, strict=True):  # the logits too, not only the draws
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4)
     # each later turn reused the prompt before it and part of its reply (20 tokens, 19 of them
     # fed to the model; whole blocks only)
     assert all(reused[t] > lengths[t - 1] for t in range(1, 5))

@@ -45,9 +45,9 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def converse(url: str) -> tuple[list[str], list[int], list[int]]:
-    """A ten-turn conversation, each turn streamed with usage: the replies, each turn's cached
-    tokens and prompt tokens."""
+def converse(url: str) -> tuple[list[tuple[str, list[float]]], list[int], list[int]]:
+    """A ten-turn conversation, each turn streamed with usage and log-probs: the replies (text,
+    log-probs), each turn's cached tokens and prompt tokens."""
     c = client(url)
     messages: list[dict] = [{"role": "system", "content": "the cat sat on the mat. " * 4}]
     replies, cached, prompt = [], [], []
@@ -61,12 +61,14 @@ def converse(url: str) -> tuple[list[str], list[int], list[int]]:
             seed=turn,
             stream=True,
             stream_options={"include_usage": True},
+            logprobs=True,
         )
-        text, usage = "", None
+        text, usage, logprobs = "", None, []
         for chunk in stream:
             text += "".join(ch.delta.content or "" for ch in chunk.choices)
+            logprobs += [t.logprob for ch in chunk.choices if ch.logprobs for t in ch.logprobs.content or []]
             usage = chunk.usage or usage
-        replies.append(text)
+        replies.append((text, logprobs))
         cached.append(usage.prompt_tokens_details.cached_tokens)
         prompt.append(usage.prompt_tokens)
         messages.append({"role": "assistant", "content": text})
@@ -76,7 +78,9 @@ def converse(url: str) -> tuple[list[str], list[int], list[int]]:
 def test_a_conversation_reuses_its_history_and_answers_the_same(servers: dict[str, Any]) -> None:
     replies, cached, prompt = converse(servers["cached"])
     plain, none, plain_prompt = converse(servers["plain"])
-    assert replies == plain and prompt == plain_prompt
+    assert [text for text, _ in replies] == [text for text, _ in plain] and prompt == plain_prompt
+    for (_, got), (_, want) in zip(replies, plain, strict=True):  # the logits too, not only the draws
+        assert len(got) > 0 and got == pytest.approx(want, abs=1e-4)
     assert none == [0] * TURNS
     assert cached[0] == 0
     # each later turn reuses at least the prompt before it, less a block and the end of its turn
