@@ -71,13 +71,16 @@ class ChatSession:
         cfg: SampleConfig,
         template: Template | str | None = None,
         system: str | None = None,
+        draft: Any = None,
     ) -> None:
-        """``template``: the model folder's Hugging Face chat template, or None for lmcli's."""
+        """``template``: the model folder's Hugging Face chat template, or None for lmcli's.
+        ``draft``: a ``speculative.Draft`` that replies are decoded with (the same replies)."""
         if cfg.num_samples != 1:
             raise LmcliError("a chat reply is one sample: num-samples must be 1")
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.template = chat_template.as_template(template)
         self.renderer = Renderer() if self.template is not None else None
+        self.draft = draft
         self.system = system or None
         self.messages: list[Message] = []  # user and assistant messages, oldest first
         self.first = 0  # messages[first:] are in the prompt; older ones were dropped
@@ -89,12 +92,15 @@ class ChatSession:
             self.renderer.close()
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Any, cfg: SampleConfig, system: str | None = None) -> ChatSession:
+    def from_checkpoint(
+        cls, ckpt: Any, cfg: SampleConfig, system: str | None = None, draft: Any = None
+    ) -> ChatSession:
         """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
         task = make_task(ckpt.train_config)
         if not task.chat:
             raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
-        return cls(ckpt.model, ckpt.tokenizer, cfg, chat_template.find_template(ckpt.path), system)
+        template = chat_template.template_of(ckpt)
+        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system, draft)
 
     @property
     def context(self) -> int:
@@ -171,7 +177,15 @@ class ChatSession:
                 max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)),
                 seed=self.reply_seed(),
             )
-            g = generate(self.model, self.tokenizer, [ids], cfg, on_text=stream, prefixes=self._prefixes())[0]
+            g = generate(
+                self.model,
+                self.tokenizer,
+                [ids],
+                cfg,
+                on_text=stream,
+                draft=self.draft,
+                prefixes=self._prefixes(),
+            )[0]
         except KeyboardInterrupt:
             text = "".join(shown)
             if text:
