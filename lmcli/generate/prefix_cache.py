@@ -80,7 +80,7 @@ class PrefixCache:
                 path.append(child)
                 node = child
             self._touch(path)
-            return [n.kv for n in path if n.kv is not None]
+            return [n.kv for n in path]  # type: ignore[misc]  # a node in the tree holds its block
 
     def add(self, ids: list[int], k: Tensor, v: Tensor) -> None:
         """Keep the keys and values ``k, v`` (n_layer, n_kv_head, len(ids), head_dim) of ``ids``
