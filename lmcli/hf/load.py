@@ -27,6 +27,7 @@ from lmcli.errors import LmcliError
 from lmcli.hf.families import FamilyAdapter, HFConfig, from_hf_config
 from lmcli.hf.weights import build_model, check_weights, read_headers, read_weights
 from lmcli.model import Transformer
+from lmcli.safe_io import read_json_object
 from lmcli.tokenizer import Tokenizer, read_config, read_flags
 
 
@@ -49,17 +50,7 @@ def is_hf_folder(path: str | Path) -> bool:
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object file (at most ``JSON_LIMIT`` bytes); {} when it does not exist."""
-    if not path.is_file():
-        return {}
-    try:
-        if path.stat().st_size > JSON_LIMIT:
-            raise LmcliError(f"cannot read {path}: larger than {JSON_LIMIT >> 20} MiB")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
-    if not isinstance(data, dict):
-        raise LmcliError(f"{path} does not hold a JSON object")
-    return data
+    return read_json_object(path, JSON_LIMIT)
 
 
 def read_tokenizer(path: Path, hf: HFConfig | None = None) -> Tokenizer:
