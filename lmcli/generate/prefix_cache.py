@@ -84,7 +84,8 @@ class PrefixCache:
 
     def add(self, ids: list[int], k: Tensor, v: Tensor) -> None:
         """Keep the keys and values ``k, v`` (n_layer, n_kv_head, len(ids), head_dim) of ``ids``
-        (every whole block; those cached already are kept as they are)."""
+        (every whole block; those cached already are kept as they are; no more once the bound
+        or the device's memory is reached)."""
         with self._lock:
             path, node = [], self.root
             for b in range(0, len(ids) - self.block + 1, self.block):
@@ -94,7 +95,10 @@ class PrefixCache:
                     size = 2 * k[:, :, : self.block].numel() * k.element_size()
                     if not self._make_room(size, keep=path):
                         break
-                    kv = torch.stack([k[:, :, b : b + self.block], v[:, :, b : b + self.block]])
+                    try:
+                        kv = torch.stack([k[:, :, b : b + self.block], v[:, :, b : b + self.block]])
+                    except (torch.OutOfMemoryError, MemoryError):  # memory ran out: cache no more
+                        break
                     child = Node(key, kv, node)
                     node.children[key] = child
                     self._lru[child] = None
