@@ -123,6 +123,28 @@ def parse_duration(value: str | float | int) -> float:
     return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
 
 
+def parse_size(value: str | int) -> int:
+    """Bytes from 1048576, '512MiB', '2GiB', '300MB' or '64KiB' (0: none)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+    }
+    match = (
+        re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", value.strip().lower()) if isinstance(value, str) else None
+    )
+    if match is None or match.group(2) not in units:
+        raise LmcliError(f"invalid size {value!r}: use e.g. 512MiB, 2GiB or a number of bytes")
+    return int(float(match.group(1)) * units[match.group(2)])
+
+
 def parse_select(value: str) -> str:
     """A ``--select`` value: a validation metric, or ``task:NAME:METRIC``, the score METRIC of the
     ``--eval-task`` named NAME (whether NAME is one is ``TrainConfig``'s check)."""
@@ -960,6 +982,14 @@ class ServeConfig:
         "On SIGTERM/Ctrl-C: time to finish in-flight requests before cancelling them.",
         ge=0,
         parse=parse_duration,
+    )
+    cache_memory: int = option(
+        256 << 20,
+        "Memory of the prefix cache (keys/values of earlier prompts and replies, reused by "
+        "requests that begin alike; least recently used evicted): 512MiB, 2GiB; 0: no cache.",
+        ge=0,
+        parse=parse_size,
+        default_help="256MiB",
     )
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from lmcli.config import SampleConfig
 from lmcli.generate.decoding import TEXT, Prompt, make_prompt
 from lmcli.generate.engine import Engine, Row
 from lmcli.generate.kv_cache import check_fits
+from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.speculative import Draft, Speculator, fits
 from lmcli.model import Transformer
 from lmcli.tasks import TextPrompt
@@ -74,6 +75,7 @@ def generate(
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
     samples: range | None = None,
+    prefixes: PrefixCache | None = None,
     draft: Draft | None = None,
 ) -> list[Generated]:
     """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch
@@ -83,7 +85,8 @@ def generate(
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
     ``prompt * num_samples + sample``; text that might begin a stop string comes once it cannot).
     ``<eos>`` is never chosen before ``cfg.min_new_tokens``. ``prefix_lm``: the prompts attend
-    to themselves both ways (a translation source, ``tasks.SourcePrompt``).
+    to themselves both ways (a translation source, ``tasks.SourcePrompt``). ``prefixes``: a
+    prefix cache a single prompt starts from and the finished rows go to (``lmcli chat``).
     """
     samples = range(cfg.num_samples) if samples is None else samples
     out = [Generated(p, j) for p in range(len(prompts)) for j in samples]
@@ -93,7 +96,7 @@ def generate(
         return _drafted(model, tokenizer, prompts, cfg, out, draft, on_text)
     check_fits(model, len(out), f"{len(prompts)} prompt(s) x {len(samples)} sample(s)")
     rows = [Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None) for g in out]
-    engine = Engine(model, tokenizer, prefix_lm=prefix_lm)
+    engine = Engine(model, tokenizer, prefix_lm=prefix_lm, prefixes=prefixes)
     speed = Speed(prefill_tokens=sum(map(len, prompts)))
     with fastpath.inference(model):
         start = time.perf_counter()

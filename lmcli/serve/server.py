@@ -26,6 +26,7 @@ import uvicorn
 from lmcli.checkpoint import Checkpoint
 from lmcli.config import ServeConfig
 from lmcli.errors import LmcliError
+from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.serve.app import create_app
 from lmcli.serve.guard import ACCEPT_BURST, SWEEP_SECONDS, EventLog, Guard, guarded_protocol
 from lmcli.serve.protocol import Model
@@ -123,6 +124,7 @@ def _setup(
         max_queue=cfg.max_queue,
         threads=threads,
         prefix_lm=make_task(ckpt.train_config).prefix_lm,
+        prefixes=PrefixCache(cfg.cache_memory) if cfg.cache_memory else None,
     )
     app = create_app(model, scheduler, cfg)
     sock = bind(cfg.host, cfg.port)
