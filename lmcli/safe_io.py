@@ -144,14 +144,19 @@ def refuse_symlinks(folder: Path) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid runs (perhaps under another user)."""
+    """Whether a process with this pid runs (perhaps under another user). A zombie does not: it
+    has died and holds no file and no lock, waiting only to be reaped (its parent killed too, it
+    may wait a while)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux: the state after the command name, 'Z' for a zombie
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_temps(folder: Path) -> int:

@@ -44,6 +44,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 from lmcli.cli import main as lmcli_main
+from lmcli.safe_io import pid_alive
 
 pytestmark = pytest.mark.slow  # torchrun starts two interpreters per run
 
@@ -401,7 +402,7 @@ def test_sigkill_of_a_sharded_run_then_resume_in_one_process(tmp_path: Path) -> 
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(30)
-        while any(alive(pid) for pid in workers) and time.time() < deadline:  # their locks go with them
+        while any(pid_alive(pid) for pid in workers) and time.time() < deadline:  # their locks go with them
             time.sleep(0.02)
     step = saved_step(killed)
     assert 12 <= step < steps, "killed mid-run, after a validation and a few checkpoints"
@@ -426,12 +427,3 @@ def descendants(pid: int) -> list[int]:
             for child in (task / "children").read_text().split():
                 found += [int(child), *descendants(int(child))]
     return found
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie does not: it holds no file, no lock)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return False
-    return fields[0] != "Z"

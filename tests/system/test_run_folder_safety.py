@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -402,8 +403,9 @@ def test_save_interval_still_keeps_best_up_to_date(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_stale_temporary_files_of_dead_writers_are_removed_at_the_next_start(tmp_path: Path, capsys) -> None:
     run = cli_run(tmp_path, "run", capsys, "--max-steps", "4")
-    dead = subprocess.Popen(["true"])
-    dead.wait()
+    dead = subprocess.Popen(["true"])  # not reaped: a zombie, as killed workers whose parent died too
+    while Path(f"/proc/{dead.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
     stale = [
         f".last.{dead.pid}.k2j4h1.lmtmp",
         f".config.json.{dead.pid}.x8w2.lmtmp",
@@ -419,6 +421,7 @@ def test_stale_temporary_files_of_dead_writers_are_removed_at_the_next_start(tmp
     assert code == 0, err
     assert not [name for name in stale if os.path.lexists(run / name)]
     assert alive.exists()
+    dead.wait()
 
 
 # ----------------------------------------------------------------------------- item 14
