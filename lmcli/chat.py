@@ -36,6 +36,7 @@ from lmcli import chat_template
 from lmcli.chat_template import Message, Renderer, RenderTooLong, Template, check_roles
 from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
+from lmcli.generate.engine import RowProcessor
 from lmcli.model import Transformer
 from lmcli.safe_io import atomic_write, refuse_special
 from lmcli.tasks import make_task
@@ -67,11 +68,13 @@ class ChatSession:
         cfg: SampleConfig,
         template: Template | str | None = None,
         system: str | None = None,
+        processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
     ) -> None:
-        """``template``: the model folder's Hugging Face chat template, or None for lmcli's."""
+        """``template``: the model folder's Hugging Face chat template, or None for lmcli's.
+        ``processors()``: each reply's own processors (a grammar's mask: ``--json-schema``)."""
         if cfg.num_samples != 1:
             raise LmcliError("a chat reply is one sample: num-samples must be 1")
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model, self.tokenizer, self.cfg, self.processors = model, tokenizer, cfg, processors
         self.template = chat_template.as_template(template)
         self.renderer = Renderer() if self.template is not None else None
         self.system = system or None
@@ -84,12 +87,19 @@ class ChatSession:
             self.renderer.close()
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Any, cfg: SampleConfig, system: str | None = None) -> ChatSession:
+    def from_checkpoint(
+        cls,
+        ckpt: Any,
+        cfg: SampleConfig,
+        system: str | None = None,
+        processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
+    ) -> ChatSession:
         """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
         task = make_task(ckpt.train_config)
         if not task.chat:
             raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
-        return cls(ckpt.model, ckpt.tokenizer, cfg, chat_template.find_template(ckpt.path), system)
+        template = chat_template.find_template(ckpt.path)
+        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system, processors)
 
     @property
     def context(self) -> int:
@@ -166,7 +176,8 @@ class ChatSession:
                 max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)),
                 seed=self.reply_seed(),
             )
-            g = generate(self.model, self.tokenizer, [ids], cfg, on_text=stream)[0]
+            rules = {"on_text": stream, "processors": self.processors}
+            g = generate(self.model, self.tokenizer, [ids], cfg, **rules)[0]
         except KeyboardInterrupt:
             text = "".join(shown)
             if text:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from lmcli.config import (
     AverageConfig,
     BeamConfig,
     ChatConfig,
+    ConstraintConfig,
     DeviceConfig,
     EvalConfig,
     ExportConfig,
@@ -205,7 +206,7 @@ def _warn_inputs(unknown: int, cut: int) -> None:
 
 
 @app.command()
-@config_options(SampleConfig, DeviceConfig)
+@config_options(SampleConfig, ConstraintConfig, DeviceConfig)
 def sample(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
@@ -224,6 +225,7 @@ def sample(
 
     cfg = build(SampleConfig, options)
     with _loaded(run_dir, options) as ckpt:
+        processors = _constraint(build(ConstraintConfig, options), ckpt.tokenizer)
         task = make_task(ckpt.train_config)
         form = task.prompt  # how this model reads a prompt
         texts = _read_lines(prompt_file, prompt)
@@ -236,7 +238,10 @@ def sample(
             typer.echo(texts[0], nl=False)
         on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
         unknown = cut = 0
-        for g, p in iter_samples(ckpt.model, ckpt.tokenizer, texts, cfg, form=form, on_text=on_text):
+        samples = iter_samples(
+            ckpt.model, ckpt.tokenizer, texts, cfg, form=form, on_text=on_text, processors=processors
+        )
+        for g, p in samples:
             # printed as each batch finishes: memory flat in the number of prompts
             if g.sample_index == 0:
                 unknown, cut = unknown + p.unknown, cut + p.truncated
@@ -245,6 +250,19 @@ def sample(
         _warn_inputs(unknown, cut)
         if stream:
             typer.echo("")
+
+
+def _constraint(cfg: ConstraintConfig, tokenizer: Any) -> Callable[[], tuple[Any, ...]]:
+    """Each row's processors for the options' constraint (none without one); the constraint is
+    compiled here, so a bad one fails before any decoding."""
+    from lmcli.generate.constrain import Grammars, read_constraint
+
+    constraint = read_constraint(cfg.json_schema, cfg.regex, cfg.grammar)
+    if constraint is None:
+        return tuple
+    grammars = Grammars(tokenizer, cache=1)
+    grammars.compile(constraint)
+    return lambda: (grammars.processor(constraint),)
 
 
 def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, shows_text: bool) -> None:
@@ -511,7 +529,7 @@ def serve(
 
 
 @app.command()
-@config_options(ChatConfig, SampleConfig, DeviceConfig, exclude=("num_samples",))
+@config_options(ChatConfig, SampleConfig, ConstraintConfig, DeviceConfig, exclude=("num_samples",))
 def chat(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     json_io: bool = typer.Option(
@@ -532,7 +550,8 @@ def chat(
     cfg = build(SampleConfig, options)
     chat_cfg = build(ChatConfig, options)
     with _loaded(run_dir, options) as ckpt:
-        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system)
+        processors = _constraint(build(ConstraintConfig, options), ckpt.tokenizer)
+        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system, processors=processors)
         try:
             if json_io or not sys.stdin.isatty():
                 result = run_json(session, sys.stdin)

@@ -17,7 +17,7 @@ import torch
 from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.generate.decoding import TEXT, Prompt, make_prompt
-from lmcli.generate.engine import Engine, Row
+from lmcli.generate.engine import Engine, Row, RowProcessor
 from lmcli.generate.kv_cache import check_fits
 from lmcli.model import Transformer
 from lmcli.tasks import TextPrompt
@@ -46,6 +46,7 @@ def generate(
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
     samples: range | None = None,
+    processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
 ) -> list[Generated]:
     """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch
     (or only the samples numbered ``samples``, e.g. ``range(64, 128)``).
@@ -53,14 +54,18 @@ def generate(
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
     ``prompt * num_samples + sample``; text that might begin a stop string comes once it cannot).
     ``<eos>`` is never chosen before ``cfg.min_new_tokens``. ``prefix_lm``: the prompts attend
-    to themselves both ways (a translation source, ``tasks.SourcePrompt``).
+    to themselves both ways (a translation source, ``tasks.SourcePrompt``). ``processors()``
+    gives each row its own processors (``engine.RowProcessor``: a grammar's mask).
     """
     samples = range(cfg.num_samples) if samples is None else samples
     out = [Generated(p, j) for p in range(len(prompts)) for j in samples]
     if cfg.max_new_tokens == 0 or not out:
         return out
     check_fits(model, len(out), f"{len(prompts)} prompt(s) x {len(samples)} sample(s)")
-    rows = [Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None) for g in out]
+    rows = [
+        Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None, processors=processors())
+        for g in out
+    ]
     engine = Engine(model, tokenizer, prefix_lm=prefix_lm)
     with fastpath.inference(model):
         engine.start(prompts, rows, cfg.max_new_tokens)
@@ -99,13 +104,14 @@ def iter_samples(
     form: TextPrompt = TEXT,
     on_text: Callable[[int, str], None] | None = None,
     rows: int = BATCH_ROWS,
+    processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
 ) -> Iterator[tuple[Generated, Prompt]]:
     """Encode prompt texts in the model's prompt ``form`` (its task's: ``<bos> text``, or
     ``<bos> source <sep>`` for a translation model) and sample ``cfg.num_samples`` continuations
     of each, ``rows`` (prompt, sample) rows at a time; yields each sample with its prompt, in
     order (prompt-major), as its block finishes. Memory stays bounded however many prompts and
     samples are asked for; the same seed gives the same text whatever the blocks (each sample
-    draws from its own generator)."""
+    draws from its own generator). ``processors``: as ``generate``'s."""
     with fastpath.inference(model):  # one scope for every block
         for block, samples in row_blocks(len(texts), cfg.num_samples, rows):
             prompts = [make_prompt(texts[i], tokenizer, model.config.block_size, form) for i in block]
@@ -118,7 +124,14 @@ def iter_samples(
 
             ids = [p.ids for p in prompts]
             out = generate(
-                model, tokenizer, ids, cfg, prefix_lm=form.prefix_lm, on_text=row_text, samples=samples
+                model,
+                tokenizer,
+                ids,
+                cfg,
+                prefix_lm=form.prefix_lm,
+                on_text=row_text,
+                samples=samples,
+                processors=processors,
             )
             for g in out:
                 prompt = prompts[g.prompt_index]
