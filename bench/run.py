@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, Row, cpu_name, table
 
-SUITES = ("train", "eval", "eval_memory", "sample", "beam", "tokenize", "load", "serve", "lora")
+SUITES = ("train", "eval", "eval_memory", "sample", "beam", "tokenize", "load", "serve", "lora", "structured")
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -105,7 +106,7 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, cache: int = GRAMMAR_CACHE) -> None:
         self.tokenizer, self.cache = tokenizer, cache
         self._ll: Any = None  # llguidance's view of the vocabulary, built at the first compile
-        self._specials: Tensor | None = None  # (S,) special tokens but <eos>: never text
+        self._keep: Tensor | None = None  # (words,) int32: every token's bit but the specials' (<eos> kept)
         self._compiled: collections.OrderedDict[Constraint, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -114,8 +115,11 @@ class Grammars:
             import llguidance
 
             tokens, specials = self.tokenizer.token_bytes()
-            eos = self.tokenizer.eos_id
-            self._specials = torch.tensor([i for i in specials if i != eos], dtype=torch.long)
+            keep = np.full((len(tokens) + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+            for i in specials:
+                if i != self.tokenizer.eos_id:  # special tokens are never text
+                    keep[i // 32] &= ~np.uint32(1 << (i % 32))
+            self._keep = torch.from_numpy(keep.view(np.int32))
             self._ll = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, tokens, specials)),
                 n_vocab=len(tokens),
@@ -154,8 +158,8 @@ class Grammars:
     def processor(self, constraint: Constraint) -> GrammarMask:
         """A fresh mask for one row (its own copy of the compiled grammar)."""
         matcher = self.compile(constraint).deep_copy()
-        assert self._specials is not None
-        return GrammarMask(matcher, self.tokenizer.vocab_size, self.tokenizer.eos_id, self._specials)
+        assert self._keep is not None
+        return GrammarMask(matcher, self._keep, self.tokenizer.eos_id)
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -185,11 +189,11 @@ def _first_line(text: Any) -> str:
 class GrammarMask:
     """One row's grammar as a ``RowProcessor``: the tokens it allows next, and the token taken."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_id: int, specials: Tensor) -> None:
-        """``vocab_size``: the tokenizer's (the model's logits may be wider: the rest is masked);
-        ``specials``: the special tokens but ``<eos>``, never allowed."""
-        self.matcher, self.eos_id, self.specials = matcher, eos_id, specials
-        self.words = (vocab_size + 31) // 32  # the mask's 32-bit words
+    def __init__(self, matcher: Any, keep: Tensor, eos_id: int) -> None:
+        """``keep`` (words,): the bits of the tokenizer's tokens a grammar may allow (not the
+        special tokens but ``<eos>``); the model's logits may be wider: the rest is masked."""
+        self.matcher, self.keep, self.eos_id = matcher, keep, eos_id
+        self.words = keep.numel()  # the mask's 32-bit words
 
     @classmethod
     def apply(cls, logits: Tensor, processors: list[GrammarMask]) -> Tensor:
@@ -204,14 +208,15 @@ class GrammarMask:
             p.matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), 4 * p.words)
             if p.matcher.is_error():
                 raise ConstraintError(f"grammar: {_first_line(p.matcher.get_error())}")
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(G, words * 32)[:, :V].bool()  # (G, V)
-        allowed[:, processors[0].specials] = False  # the rows of one engine share a tokenizer
-        if not allowed.any(dim=-1).all():
+        keep = processors[0].keep  # the rows of one engine share a tokenizer
+        bits[:, : keep.numel()] &= keep
+        if not bits.any(dim=1).all():
             raise ConstraintError(
                 "the constraint allows no token of the vocabulary next: it needs text none spells"
             )
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        # bit i of word w is token 32 w + i: little-endian bytes, each unpacked low bit first
+        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, count=V, bitorder="little")  # (G, V)
+        return logits.masked_fill(torch.from_numpy(allowed).to(logits.device) == 0, float("-inf"))
 
     def accept(self, token: int) -> None:
         """The row took ``token``: the grammar moves on (a token it did not allow is an error)."""

@@ -133,8 +133,7 @@ def system_text(functions: tuple[dict[str, Any], ...] | list[dict[str, Any]]) ->
     """How lmcli's own template shows the tools: at the end of the system message."""
     lines = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
     return (
-        "# Tools\n\nYou may call one or more functions. The functions, one JSON object a line:\n"
-        f"<tools>\n{lines}\n</tools>\n\nTo call a function, reply with "
+        f"# Tools\n<tools>\n{lines}\n</tools>\nTo call a function, reply "
         f'{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}'
     )
 

@@ -1,0 +1,114 @@
+"""A tiny model fine-tuned with `lmcli train --task sft` on tool-call conversations (the tools in
+the system message as `lmcli serve` shows them under lmcli's template, the calls as its replies)
+calls the right tool with the right arguments through the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+from helpers import run_cli
+
+openai = pytest.importorskip("openai")
+
+from lmcli.config import ServeConfig  # noqa: E402
+from lmcli.serve.server import running  # noqa: E402
+from lmcli.serve.tools import call_text, system_text  # noqa: E402
+from lmcli.sources import load_model  # noqa: E402
+
+LETTERS = "abcdefgh"
+SCHEMAS = {
+    "weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "pattern": "^[a-h]{4}$"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "clock": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "pattern": "^[a-h]{4}$"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+ASKS = {"weather": "rain in", "clock": "time in"}
+
+
+def cities(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(LETTERS) for _ in range(4)) for _ in range(n)]
+
+
+def rows(names: list[str]) -> list[dict]:
+    """Conversations: the tools in the system message, a question, the call that answers it."""
+    out = []
+    for i, city in enumerate(names):
+        tool = "weather" if i % 2 == 0 else "clock"
+        out.append(
+            {
+                "messages": [
+                    {"role": "system", "content": system_text(TOOLS)},
+                    {"role": "user", "content": f"{ASKS[tool]} {city}"},
+                    {"role": "assistant", "content": call_text(tool, {"city": city})},
+                ]
+            }
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_a_fine_tuned_model_calls_tools_the_openai_client_parses(tmp_path: Path, capsys) -> None:
+    train = cities(1200, 0)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(train)))
+    code, _, err = run_cli(
+        [
+            *(
+                "train",
+                "--task",
+                "sft",
+                str(data),
+                "-o",
+                str(tmp_path / "run"),
+                "--cache-dir",
+                str(tmp_path / "c"),
+            ),
+            *("--tokenizer", "bpe", "--vocab-size", "400"),
+            *("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "256"),
+            *("--batch-size", "32", "--lr", "3e-3", "--warmup-steps", "20", "--max-steps", "250"),
+            *("--eval-interval", "250", "--eval-batches", "1", "--val-fraction", "0.02", "-q"),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    held_out = [c for c in dict.fromkeys(cities(40, 99)) if c not in set(train)][:10]
+    right = 0
+    with running(load_model(tmp_path / "run"), ServeConfig(port=0, max_batch=4, grace=2)) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for i, city in enumerate(held_out):
+            tool = "weather" if i % 2 == 0 else "clock"
+            for choice in ("required", "auto"):
+                r = client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": f"{ASKS[tool]} {city}"}],
+                    tools=TOOLS,
+                    tool_choice=choice,
+                    temperature=0,
+                    max_tokens=40,
+                )
+                message = r.choices[0].message
+                if choice == "required":  # constrained: always a valid call
+                    assert r.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1
+                call = (message.tool_calls or [None])[0]
+                if call is None:
+                    continue
+                arguments = json.loads(call.function.arguments)
+                if choice == "required":  # auto: the model's own, which it may get wrong
+                    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+                right += (call.function.name, arguments) == (tool, {"city": city})
+    print(f"right: {right}/{2 * len(held_out)}")
+    assert right >= 0.8 * 2 * len(held_out), f"{right}/{2 * len(held_out)}"
