@@ -65,7 +65,7 @@ def run() -> list[Row]:
             speed["free"],
             "no schema",
             0.7,
-            note=f"the mask costs {mask_us:.0f} us per token and row ({counts['schema']} tokens with the schema)",
+            note=f"the mask costs {mask_us:.0f} us per token and row ({counts['schema']} tokens with it)",
             extra={"seconds": times, "tokens": counts, "mask_us_per_token": mask_us},
         )
     ]
