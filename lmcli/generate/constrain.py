@@ -226,6 +226,11 @@ class GrammarMask:
             raise ConstraintError(f"grammar: {_first_line(self.matcher.get_error())}")
 
     @property
+    def ends(self) -> bool:
+        """Nothing but ``<eos>`` may follow (the engine lets the row end despite ``min_new_tokens``)."""
+        return self.matcher.is_stopped()
+
+    @property
     def complete(self) -> bool:
         """The text so far satisfies the grammar."""
         return self.matcher.is_accepting()

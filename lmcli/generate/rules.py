@@ -80,16 +80,16 @@ def choose(
 
     Log-probs are the logits' own (temperature 1, before filtering), so they mean the same
     whatever the settings. Temperature 0 is greedy. ``banned`` is a token id never chosen (e.g.
-    ``<eos>`` before a minimum length): in every row, or in the rows ``banned_rows`` (R,) only;
-    a row that allows no other token (a complete grammar) keeps it.
+    ``<eos>`` before a minimum length): in every row, or in the rows ``banned_rows`` (R,) only.
     """
     logits = logits.float()
     logprobs = F.log_softmax(logits, dim=-1)
     if banned is not None:
-        rows = banned_rows if banned_rows is not None else torch.arange(logits.size(0), device=logits.device)
-        others = torch.isfinite(logits[rows]).sum(-1) > torch.isfinite(logits[rows, banned]).long()
         logits = logits.clone()
-        logits[rows[others], banned] = float("-inf")  # a row with nothing else allowed keeps it
+        if banned_rows is None:
+            logits[:, banned] = float("-inf")
+        else:
+            logits[banned_rows, banned] = float("-inf")
     if temperature == 0:
         return logits.argmax(dim=-1), logprobs
     return draw(sampling_probs(logits, temperature, top_k, top_p, min_p), generators), logprobs
