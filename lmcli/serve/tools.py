@@ -131,7 +131,7 @@ def constraint(tools: Tools) -> Constraint | None:
 
 def system_text(functions: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> str:
     """How lmcli's own template shows the tools: at the end of the system message."""
-    lines = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+    lines = "\n".join(json.dumps(f["function"], ensure_ascii=False) for f in functions)
     return (
         f"# Tools\n<tools>\n{lines}\n</tools>\nTo call a function, reply "
         f'{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}'
