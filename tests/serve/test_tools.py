@@ -262,3 +262,37 @@ def test_qwen_template_renders_tools_as_transformers_does(runs) -> None:
         )
         assert ours == expected
     assert "<tool_call>" in expected and '"name": "get_weather"' in expected and "<tool_response>" in expected
+
+
+LLAMA = """{%- for message in messages %}{{ message.role }}: {{ message.content }}
+{% endfor %}{%- if tools %}Respond with a JSON for a function call: {"name": function name, "parameters": dictionary of argument name and its value}. Use tools: {{ tools | tojson }}{% endif %}"""
+
+
+def test_llama_json_calls() -> None:
+    """A template that writes calls as bare JSON with "parameters" (Llama 3.1/3.2): its calls
+    are read so, and a required call is constrained so."""
+    from lmcli.generate.constrain import Grammars
+    from lmcli.template_render import Template
+
+    spec = tools.parse_tools({"tools": TOOLS, "tool_choice": "required"}, Template(LLAMA, "test"))
+    assert spec.format == "json"
+    content, calls = tools.parse_reply(' {"name": "get_time", "parameters": {"zone": "utc"}}', "json")
+    assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    assert tools.parse_reply("It is sunny.", "json") == ("It is sunny.", [])
+    tok = Tokenizer.train("bpe", [TEXT], vocab_size=300)
+    mask = Grammars(tok).processor(tools.constraint(spec))
+    for t in tok.encode(tools.call_text("get_time", {"zone": "cet"}, "json")):
+        mask.accept(t)
+    assert mask.ends
+
+
+def test_a_streamed_reply_reads_as_the_whole_reply() -> None:
+    text = 'Let me see. <tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call> <tool_call>{bad}</tool_call>'
+    whole_content, whole_calls = tools.parse_reply(text, "hermes")
+    stream = tools.CallStream("hermes")
+    pieces = [stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)] + [stream.finish()]
+    content = "".join(c for c, _ in pieces).strip()
+    calls = [call for _, cs in pieces for call in cs]
+    assert content == whole_content == "Let me see.  <tool_call>{bad}</tool_call>"
+    assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+    assert len(calls) == 1
