@@ -14,7 +14,10 @@ from pathlib import Path
 
 from bench.common import RESULTS, Row, cpu_name, table
 
-SUITES = ("train", "eval", "eval_memory", "sample", "beam", "tokenize", "load", "serve", "lora", "structured")
+SUITES = (
+    *("train", "eval", "eval_memory", "sample", "speculative"),
+    *("beam", "tokenize", "load", "serve", "lora", "cpu_decode", "tasks", "structured"),
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 

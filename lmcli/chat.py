@@ -68,15 +68,18 @@ class ChatSession:
         cfg: SampleConfig,
         template: Template | str | None = None,
         system: str | None = None,
+        draft: Any = None,
         processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
     ) -> None:
         """``template``: the model folder's Hugging Face chat template, or None for lmcli's.
+        ``draft``: a ``speculative.Draft`` that replies are decoded with (the same replies).
         ``processors()``: each reply's own processors (a grammar's mask: ``--json-schema``)."""
         if cfg.num_samples != 1:
             raise LmcliError("a chat reply is one sample: num-samples must be 1")
         self.model, self.tokenizer, self.cfg, self.processors = model, tokenizer, cfg, processors
         self.template = chat_template.as_template(template)
         self.renderer = Renderer() if self.template is not None else None
+        self.draft = draft
         self.system = system or None
         self.messages: list[Message] = []  # user and assistant messages, oldest first
         self.first = 0  # messages[first:] are in the prompt; older ones were dropped
@@ -92,14 +95,15 @@ class ChatSession:
         ckpt: Any,
         cfg: SampleConfig,
         system: str | None = None,
+        draft: Any = None,
         processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
     ) -> ChatSession:
         """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
         task = make_task(ckpt.train_config)
         if not task.chat:
             raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
-        template = chat_template.find_template(ckpt.path)
-        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system, processors)
+        template = chat_template.template_of(ckpt)
+        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system, draft, processors)
 
     @property
     def context(self) -> int:
@@ -176,7 +180,7 @@ class ChatSession:
                 max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)),
                 seed=self.reply_seed(),
             )
-            rules = {"on_text": stream, "processors": self.processors}
+            rules = {"on_text": stream, "draft": self.draft, "processors": self.processors}
             g = generate(self.model, self.tokenizer, [ids], cfg, **rules)[0]
         except KeyboardInterrupt:
             text = "".join(shown)

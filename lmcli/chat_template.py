@@ -82,6 +82,12 @@ def find_template(folder: str | Path) -> Template | None:
     return Template(template, str(folder)) if isinstance(template, str) and template.strip() else None
 
 
+def template_of(ckpt: Any) -> Template | str | None:
+    """The chat template of a loaded model: its folder's, else its tokenizer's (a GGUF file
+    holds it in its metadata), or None: lmcli's."""
+    return find_template(ckpt.path) or ckpt.tokenizer.chat_template
+
+
 def _special(tokenizer: Tokenizer, token_id: int | None) -> str:
     return (tokenizer.hf.id_to_token(token_id) or "") if token_id is not None else ""
 
@@ -248,7 +254,7 @@ def encode(
         return ids
     context = _context(messages, tokenizer, True, extra)
     text = _render_jinja(template, [context], renderer, max_chars)[0]
-    return _special_parser(tokenizer).encode_batch([text], add_special_tokens=False)[0].ids
+    return special_parser(tokenizer).encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def encode_conversation(
@@ -286,7 +292,7 @@ def encode_conversation(
                 "rendering all of it, so the reply's tokens cannot be found"
             )
         spans.append((len(before), len(upto.rstrip())))
-    enc = _special_parser(tokenizer).encode(full, add_special_tokens=False)
+    enc = special_parser(tokenizer).encode(full, add_special_tokens=False)
     scored = [any(a <= start < b for a, b in spans) for start, _ in enc.offsets]
     return list(enc.ids), scored
 
@@ -303,7 +309,7 @@ def _lmcli_conversation(messages: list[Message], tokenizer: Tokenizer) -> list[t
 
 
 @functools.lru_cache(maxsize=4)
-def _special_parser(tokenizer: Tokenizer) -> Any:
+def special_parser(tokenizer: Tokenizer) -> Any:
     """A copy of the tokenizer that reads special-token strings as special tokens."""
     from tokenizers import Tokenizer as HFTokenizer
 

@@ -24,6 +24,7 @@ Hugging Face folder, a LoRA run, the newest run) is opened by ``lmcli.sources``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -474,15 +475,70 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], where: st
     return model
 
 
+def with_context(model: Transformer, block_size: int) -> Transformer:
+    """``model`` with a context of ``block_size`` tokens (shorter than its own): the same weights,
+    learned positions cut to their first ``block_size`` rows, the position tables made anew."""
+    cfg = dataclasses.replace(model.config, block_size=block_size)
+    state = model_state(model)
+    if "wpe.weight" in state:
+        state["wpe.weight"] = state["wpe.weight"][:block_size]
+    return model_from_state(cfg, state).train(model.training)
+
+
 def load_weights(cfg: ModelConfig, path: Path, device: torch.device | str = "cpu") -> Transformer:
     """The model of ``cfg`` with the weights in ``path``: the header is checked against the
     config before anything is built, then the tensors are read once and become the model's."""
     check_header(cfg, read_header(checked_file(path)))
     try:
-        state = load_file(str(path), device=str(device))
+        state = read_tensors(path) if str(device) == "cpu" else load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise LmcliError(f"cannot read weights {path}: {str(exc).splitlines()[0][:200]}") from None
     return model_from_state(cfg, clean_state_dict(state))
+
+
+_READ_DTYPES = {
+    **DTYPES,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (its header already checked by ``safe_open``), read
+    into memory of its own rather than memory-mapped; floating-point ones in ``dtype`` (None: as
+    stored), converted one at a time.
+
+    Why not ``load_file``: its tensors share one mapping of the file, whose pages, once read,
+    stay resident (and counted in the process's memory) until the last tensor is freed. A model
+    whose weights are then packed, laid out or converted for inference (``lmcli.fastpath``,
+    ``lmcli.quant``) would hold them twice: the copies, and the mapped file behind the one
+    weight (the tied embedding) still using it.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        base = 8 + size
+        if any(v["dtype"] not in _READ_DTYPES for k, v in header.items() if k != "__metadata__"):
+            return {k: _as_dtype(v, dtype) for k, v in load_file(str(path)).items()}
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_READ_DTYPES[info["dtype"]])
+            f.seek(base + start)
+            if t.numel() and f.readinto(t.reshape(-1).view(torch.uint8).numpy()) != end - start:
+                raise ValueError(f"{name} is cut short")
+            out[name] = _as_dtype(t, dtype)
+    return out
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
 def load_state(

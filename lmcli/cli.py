@@ -27,11 +27,14 @@ from lmcli.config import (
     ChatConfig,
     ConstraintConfig,
     DeviceConfig,
+    DownstreamConfig,
+    DraftConfig,
     EvalConfig,
     ExportConfig,
     ModelConfig,
     SampleConfig,
     ServeConfig,
+    TokenizeConfig,
     TrainConfig,
     field_names,
     from_dict,
@@ -60,7 +63,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-RUN_DIR_HELP = "Run or checkpoint folder. [default: newest in checkpoints/]"
+RUN_DIR_HELP = "Run or checkpoint folder, Hugging Face folder or GGUF file. [default: newest in checkpoints/]"
 
 
 class SectionedCommand(TyperCommand):
@@ -97,7 +100,8 @@ def _root(
 
     \b
     lmcli train   [CORPUS...]   train a model (built-in corpus when none is given)
-    lmcli eval    RUN_DIR       perplexity and bits per byte on held-out text
+    lmcli eval    RUN_DIR       perplexity and bits per byte, or scores on downstream tasks
+    lmcli tokenize CORPUS... -o DIR   tokenize a large corpus into shards, on every core
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2) or a GGUF file
@@ -152,6 +156,37 @@ def train(
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)
 
 
+@app.command(cls=SectionedCommand)
+@config_options(TokenizeConfig, exclude=("val", "val_fraction", "align_documents", "document_mask"))
+def tokenize(
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    *,
+    options: dict[str, Any],
+) -> None:
+    """Tokenize a corpus into a folder of token shards, on every core; `lmcli train DIR` trains on it.
+
+    Reads what `lmcli train` reads (files, folders, globs, .gz/.zst, JSONL/parquet columns,
+    --dataset in streaming mode) in flat memory. Run again after an interruption: finished
+    shards are kept and the rest is done.
+    """
+    import time
+
+    from lmcli.data.token_cache import tokenize_to
+
+    t0 = time.perf_counter()
+    cfg = build(TokenizeConfig, options)
+    folder = tokenize_to(cfg, progress=not quiet)
+    if quiet:
+        return
+    index, seconds = folder.index, time.perf_counter() - t0
+    done = "already tokenized" if folder.cached else f"{index['bytes'] / 1e6 / seconds:.2f} MB/s"
+    print(
+        f"{index['n_tokens']:,} tokens ({index['documents']:,} document(s), {index['bytes']:,} bytes) "
+        f"in {len(index['shards'])} shard(s) of {index['dtype']}: {folder.path} ({done})",
+        file=sys.stderr,
+    )
+
+
 # ----------------------------------------------------------------------------- inputs and models
 
 
@@ -170,12 +205,17 @@ def _read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None
 
 
 def _load(run_dir: Path | None, options: dict[str, Any]) -> Any:
-    """The checkpoint to decode or evaluate with, on the device the options ask for."""
-    from lmcli.device import pick_device
+    """The checkpoint to decode or evaluate with, on the device the options ask for, with the
+    CPU threads they ask for and its linear layers quantized as asked (``--quantize``)."""
+    from lmcli.device import pick_device, set_threads
+    from lmcli.quant import quantize
     from lmcli.sources import DTYPES, load_model
 
     cfg = build(DeviceConfig, options)
-    return load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    set_threads(cfg.threads)
+    ckpt = load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    quantize(ckpt.model, cfg.quantize, cfg.group_size)
+    return ckpt
 
 
 @contextlib.contextmanager
@@ -189,6 +229,21 @@ def _loaded(run_dir: Path | None, options: dict[str, Any]) -> Iterator[Any]:
     amp = inference_dtype(param.device, build(DeviceConfig, options).dtype, param.dtype)
     with precision(param.device, amp):
         yield ckpt
+
+
+def _load_draft(options: dict[str, Any], ckpt: Any) -> Any:
+    """``--draft``'s model (on the model's device and dtype), its tokenizer checked against the
+    model's; None without ``--draft``."""
+    cfg = build(DraftConfig, options)
+    if cfg.draft is None:
+        return None
+    from lmcli.generate.speculative import Draft, check_draft
+    from lmcli.sources import load_model
+
+    param = next(ckpt.model.parameters())
+    draft = load_model(cfg.draft, param.device, param.dtype)
+    check_draft(ckpt.tokenizer, draft.tokenizer, cfg.draft)
+    return Draft(draft.model, draft.tokenizer, cfg.draft_tokens)
 
 
 def _warn_prompts(prompts: list[Any]) -> None:
@@ -206,7 +261,7 @@ def _warn_inputs(unknown: int, cut: int) -> None:
 
 
 @app.command()
-@config_options(SampleConfig, ConstraintConfig, DeviceConfig)
+@config_options(SampleConfig, ConstraintConfig, DraftConfig, DeviceConfig)
 def sample(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
@@ -215,6 +270,12 @@ def sample(
     ),
     json_out: bool = typer.Option(
         False, "--json", help="JSONL: prompt, text, per-token log-probs, settings."
+    ),
+    chat: bool = typer.Option(
+        False,
+        "--chat",
+        help="Each prompt is a user's message in the model's chat template; prints the reply "
+        "(an instruct model answers a question so).",
     ),
     *,
     options: dict[str, Any],
@@ -227,7 +288,8 @@ def sample(
     with _loaded(run_dir, options) as ckpt:
         processors = _constraint(build(ConstraintConfig, options), ckpt.tokenizer)
         task = make_task(ckpt.train_config)
-        form = task.prompt  # how this model reads a prompt
+        form = _chat_form(ckpt, task) if chat else task.prompt  # how this model reads a prompt
+        draft = _load_draft(options, ckpt)
         texts = _read_lines(prompt_file, prompt)
         if texts is None:
             if not form.decodes(""):
@@ -237,19 +299,25 @@ def sample(
         if stream and form.shows_text:
             typer.echo(texts[0], nl=False)
         on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
-        unknown = cut = 0
-        samples = iter_samples(
-            ckpt.model, ckpt.tokenizer, texts, cfg, form=form, on_text=on_text, processors=processors
-        )
+        unknown = cut = ended = 0
+        rules = {"form": form, "on_text": on_text, "draft": draft, "processors": processors}
+        samples = iter_samples(ckpt.model, ckpt.tokenizer, texts, cfg, **rules)
         for g, p in samples:
             # printed as each batch finishes: memory flat in the number of prompts
             if g.sample_index == 0:
                 unknown, cut = unknown + p.unknown, cut + p.truncated
+            ended += g.finish_reason == "eos" and not g.ids
             if not stream:
-                _print_sample(g, texts, cfg, json_out, form.shows_text)
+                _print_sample(g, texts, cfg, json_out, form.shows_text, draft)
         _warn_inputs(unknown, cut)
         if stream:
             typer.echo("")
+        if ended:
+            hint = "" if chat else "; an instruct model answers a question with --chat (its chat template)"
+            print(
+                f"warning: {ended} sample(s) ended at once: the model's first token was its end{hint}",
+                file=sys.stderr,
+            )
 
 
 def _constraint(cfg: ConstraintConfig, tokenizer: Any) -> Callable[[], tuple[Any, ...]]:
@@ -265,7 +333,19 @@ def _constraint(cfg: ConstraintConfig, tokenizer: Any) -> Callable[[], tuple[Any
     return lambda: (grammars.processor(constraint),)
 
 
-def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, shows_text: bool) -> None:
+def _chat_form(ckpt: Any, task: Any) -> Any:
+    """``sample --chat``: prompts in the model's chat template (its own, else lmcli's)."""
+    from lmcli.chat_template import template_of
+    from lmcli.generate.decoding import ChatPrompt
+
+    if not task.chat:
+        raise LmcliError(task.refusal("--chat does not apply"))
+    return ChatPrompt(template_of(ckpt))
+
+
+def _print_sample(
+    g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, shows_text: bool, draft: Any = None
+) -> None:
     if json_out:
         record = {
             "prompt": texts[g.prompt_index],
@@ -275,8 +355,11 @@ def _print_sample(g: Any, texts: list[str], cfg: SampleConfig, json_out: bool, s
             "tokens": g.ids,
             "logprobs": [round(x, 6) for x in g.logprobs],
             "finish_reason": g.finish_reason,
+            **g.speed.report(),
             "settings": to_dict(cfg),
         }
+        if draft is not None:
+            record["draft"] = {"tokens": draft.tokens, "proposed": g.drafted, "accepted": g.accepted}
         typer.echo(json.dumps(record, ensure_ascii=False))
     else:
         typer.echo(f"--- prompt {g.prompt_index}, sample {g.sample_index} ({g.finish_reason}) ---")
@@ -358,7 +441,7 @@ def _print_hypotheses(results: list[Any], cfg: BeamConfig, json_out: bool, to_st
 
 
 @app.command("eval")
-@config_options(EvalConfig, DeviceConfig)
+@config_options(EvalConfig, DownstreamConfig, DeviceConfig)
 def eval_command(
     run_dir: Path = typer.Argument(..., help="Run or checkpoint folder (or a Hugging Face folder)."),
     paths: list[str] | None = typer.Argument(
@@ -369,10 +452,15 @@ def eval_command(
     *,
     options: dict[str, Any],
 ) -> None:
-    """Perplexity and bits per byte of a model on held-out text."""
+    """Perplexity and bits per byte of a model on held-out text; with --task or --harness, its
+    scores on downstream tasks (multiple choice, cloze, generation)."""
     from lmcli.evaluate import evaluate_run
 
     cfg = build(EvalConfig, options)
+    tasks = build(DownstreamConfig, options)
+    if tasks.wanted:
+        _eval_tasks(run_dir, paths or [], cfg, tasks, json_out, options)
+        return
     with _loaded(run_dir, options) as ckpt:
         if cfg.per_line and (output is not None or not json_out):
             # each line's record is written as it is scored: memory stays flat however many lines
@@ -388,6 +476,81 @@ def eval_command(
             typer.echo(json.dumps({"evaluated": what, **score.report()}))
         else:
             _print_score(score, what, to_stderr=cfg.per_line and output is None)
+
+
+def _eval_tasks(
+    run_dir: Path,
+    paths: list[str],
+    cfg: EvalConfig,
+    tasks: DownstreamConfig,
+    json_out: bool,
+    options: dict[str, Any],
+) -> None:
+    """``lmcli eval --task/--harness``: the task files read and the harness found before the model
+    loads, every task scored, a table (or ``--json``) and the combined score."""
+    from lmcli.downstream.run import chat_of, evaluate_tasks, load_tasks, report
+
+    if paths or cfg.per_line or cfg.dataset or cfg.source or cfg.target:
+        raise LmcliError("--task and --harness score task files: give no text to evaluate with them")
+    files = load_tasks(tasks.task, tasks.limit, tasks.num_fewshot or 0)
+    names = [n.strip() for n in (tasks.harness or "").split(",") if n.strip()]
+    if tasks.harness is not None and not names:
+        raise LmcliError("--harness: give task names, comma-separated (hellaswag,arc_easy)")
+    harness = _harness() if names else None
+    with _loaded(run_dir, options) as ckpt:
+        chat = chat_of(ckpt.tokenizer, ckpt.train_config, ckpt.path)
+        results = evaluate_tasks(
+            ckpt.model,
+            ckpt.tokenizer,
+            files,
+            batch_size=cfg.batch_size,
+            chat=chat,
+            max_gen_tokens=tasks.max_gen_tokens,
+            progress=not json_out,
+        )
+        if harness is not None:
+            out = harness.run_harness(
+                ckpt,
+                names,
+                include_path=tasks.include_path,
+                limit=tasks.limit,
+                num_fewshot=tasks.num_fewshot,
+                batch_size=cfg.batch_size,
+            )
+            results += harness.harness_results(out)
+    if json_out:
+        typer.echo(json.dumps(report(results)))
+    else:
+        _print_tasks(results, str(run_dir))
+
+
+def _harness() -> Any:
+    """``lmcli.harness``, or a one-line error saying what to install."""
+    try:
+        import lmcli.harness as harness
+    except ImportError as exc:
+        raise LmcliError(
+            f"--harness needs lm-evaluation-harness: pip install 'lmcli[harness]' ({exc})"
+        ) from None
+    return harness
+
+
+def _print_tasks(results: list[Any], what: str) -> None:
+    """One row per task and score, as lm-evaluation-harness prints its table; the combined score."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmcli.downstream.run import combined
+
+    table = Table(title=f"lmcli eval: {what}", title_justify="left")
+    for column in ("task", "kind", "rows", "shots", "metric", "value"):
+        table.add_column(column, justify="right" if column in ("rows", "shots", "value") else "left")
+    for r in results:
+        for n, (metric, value) in enumerate(r.scores.items()):
+            head = (r.name, r.kind, str(r.rows), str(r.fewshot)) if n == 0 else ("", "", "", "")
+            table.add_row(*head, metric + (" *" if metric == r.main else ""), f"{value:.4f}")
+    Console().print(table)
+    typer.echo(f"combined score (mean of the scores marked *): {combined(results):.4f}")
 
 
 def _eval_per_line(ckpt: Any, cfg: EvalConfig, paths: tuple[str, ...], output: Path | None) -> Any:
@@ -435,7 +598,7 @@ def _print_score(score: Any, what: str, to_stderr: bool) -> None:
 @app.command()
 @config_options(ExportConfig)
 def export(
-    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder."),
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder, Hugging Face folder or GGUF file."),
     out_dir: Path | None = typer.Argument(
         None, help="Folder (hf, must be new or empty) or file (gguf, must be new) to write."
     ),
@@ -522,14 +685,17 @@ def serve(
             file=sys.stderr,
         )
     with _loaded(run_dir, options) as ckpt:
-        run_server(ckpt, cfg, announce=lambda line: print(line, file=sys.stderr, flush=True))
+        threads = build(DeviceConfig, options).threads
+        run_server(ckpt, cfg, threads=threads, announce=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 # ----------------------------------------------------------------------------- chat
 
 
 @app.command()
-@config_options(ChatConfig, SampleConfig, ConstraintConfig, DeviceConfig, exclude=("num_samples",))
+@config_options(
+    ChatConfig, SampleConfig, ConstraintConfig, DraftConfig, DeviceConfig, exclude=("num_samples",)
+)
 def chat(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     json_io: bool = typer.Option(
@@ -551,7 +717,8 @@ def chat(
     chat_cfg = build(ChatConfig, options)
     with _loaded(run_dir, options) as ckpt:
         processors = _constraint(build(ConstraintConfig, options), ckpt.tokenizer)
-        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system, processors=processors)
+        draft = _load_draft(options, ckpt)
+        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system, draft=draft, processors=processors)
         try:
             if json_io or not sys.stdin.isatty():
                 result = run_json(session, sys.stdin)

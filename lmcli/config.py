@@ -38,12 +38,16 @@ Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 ExportFormat = Literal["hf", "gguf", "lmcli"]
-GgufType = Literal["f32", "f16", "q8_0"]
+GgufType = Literal["f32", "f16", "q8_0", "q4_0"]
+Quantize = Literal["none", "int8", "int4"]
+GROUP_SIZES = (32, 64, 128, 256)  # the int4 kernels' group sizes
 LORA_TARGETS = ("qkv", "attn_out", "fc", "gate", "mlp_out")  # lmcli.lora.TARGETS: the layers they name
 Optimizer = Literal["auto", "adamw", "muon"]
 Schedule = Literal["auto", "cosine", "wsd", "linear"]
-Select = Literal["val_loss", "val_bleu", "val_chrf"]
+SELECT_METRICS = ("val_loss", "val_bleu", "val_chrf")  # --select: these, or task:NAME:METRIC
+TASK_SCORES = ("acc", "acc_norm", "exact_match")  # an --eval-task's scores --select may follow
 TOKENIZER_KINDS = ("char", "byte", "bpe")
+TRACKERS = ("tensorboard", "wandb")  # --log-to: lmcli.train.tracking's backends beside metrics.jsonl
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 VOCAB_MULTIPLE_MAX = 1024  # --vocab-multiple: a larger one only wastes rows
 SEED_MAX = (1 << 63) - 1  # seed + a rank or sample index stays in the range torch.manual_seed takes
@@ -115,6 +119,31 @@ def parse_duration(value: str | float | int) -> float:
     if not parts or "".join(a + b for a, b in parts) != text:
         raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
     return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def parse_select(value: str) -> str:
+    """A ``--select`` value: a validation metric, or ``task:NAME:METRIC``, the score METRIC of the
+    ``--eval-task`` named NAME (whether NAME is one is ``TrainConfig``'s check)."""
+    if value in SELECT_METRICS:
+        return value
+    parts = value.split(":")
+    if len(parts) == 3 and parts[0] == "task" and parts[1] and parts[2] in TASK_SCORES:
+        return value
+    if len(parts) == 3 and parts[0] == "task" and parts[1] and parts[2] == "perplexity":
+        raise LmcliError(f"--select {value}: best/ follows a score that grows; choose acc")
+    raise LmcliError(
+        f"invalid select {value!r}: choose one of {', '.join(SELECT_METRICS)}, or task:NAME:METRIC "
+        f"(an --eval-task's {', '.join(TASK_SCORES)})"
+    )
+
+
+def task_name(path: str | os.PathLike) -> str:
+    """The name a downstream task file goes by (``--select task:NAME:...``, metrics, tables):
+    its file name without ``.jsonl``/``.json`` and ``.gz``."""
+    name = Path(path).name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
 
 
 def parse_vocab_multiple(value: str | int) -> int:
@@ -380,6 +409,21 @@ class ModelConfig:
 
 
 DEVICE_HELP = "Device to run on (auto: cuda, then mps, then cpu)."
+THREADS_MAX = 4096  # a bound for the range check; lmcli.device.set_threads holds it to the machine's CPUs
+
+
+def threads_option() -> Any:
+    """``--threads``, one declaration for the configs that hold it (TrainConfig, DeviceConfig)."""
+    return option(
+        None,
+        "CPU threads torch computes with. On a machine shared with other jobs, give each job only "
+        "the cores it may keep busy (docs/quantization.md).",
+        gt=0,
+        le=THREADS_MAX,
+        default_help="$OMP_NUM_THREADS if set, else the CPUs this process may use (affinity, cgroup "
+        "quota); serve: one fewer",
+        stored=False,  # a property of this machine: a resume elsewhere uses its own
+    )
 
 
 @dataclass(frozen=True)
@@ -403,14 +447,15 @@ class DataConfig(Section):
 
     corpus: tuple[str, ...] = option(
         (),
-        "Text files, folders (recursive), globs or .gz files. None: a built-in corpus.",
+        "Text files, folders (recursive), globs, .gz/.zst files, JSONL/parquet files (a text "
+        "column), or a folder of token shards (lmcli tokenize). None: a built-in corpus.",
         argument=True,
         path=True,
     )
     dataset: str | None = option(
-        None, "Hugging Face dataset NAME[:CONFIG] (or a local data file).", path=True
+        None, "Hugging Face dataset NAME[:CONFIG] (or a local data file), read in streaming mode.", path=True
     )
-    text_column: str = option("text", "Dataset column holding the text.")
+    text_column: str = option("text", "Dataset, JSONL or parquet column holding the text.")
     split: str = option("train", "Dataset split to train on.")
     val: str | None = option(None, "Validation corpus (file, folder or glob) instead of a split.", path=True)
     val_fraction: float = option(0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1)
@@ -424,6 +469,15 @@ class DataConfig(Section):
         default_help="~/.cache/lmcli or $LMCLI_CACHE",
         path=True,
         stored=False,
+    )
+    align_documents: bool = option(
+        False,
+        "Start every training window at a document's start (the <eos> before it), as nanochat does.",
+    )
+    document_mask: bool = option(
+        False,
+        "Keep attention within each document of a window; positions restart at each document "
+        "(FlexAttention on a GPU, a block mask on the CPU).",
     )
 
 
@@ -532,14 +586,25 @@ class ValidationConfig(Section):
 
     eval_interval: int = option(250, "Validate every N steps.", gt=0)
     eval_batches: int = option(20, "Validation batches per evaluation.", gt=0)
-    select: Select | None = option(
+    select: str | None = option(
         None,
-        "The validation metric best/ follows.",
+        "The validation metric best/ follows: val_loss, val_bleu, val_chrf, or task:NAME:METRIC "
+        "(acc, acc_norm or exact_match of the --eval-task NAME).",
         default_help="val_bleu for translation with --bleu-samples, else val_loss",
+        parse=parse_select,
     )
     bleu_samples: int = option(200, "Translation: validation pairs decoded greedily for BLEU (0: off).", ge=0)
     bleu_interval: int = option(
         0, "Translation: BLEU every N steps.", ge=0, default_help="at every validation"
+    )
+    eval_task: tuple[str, ...] = option(
+        (),
+        "A downstream task file (JSONL: multiple choice, cloze or generation; docs/evaluation.md) "
+        "scored at every validation, as task:NAME:METRIC in metrics.jsonl (repeatable).",
+        path=True,
+    )
+    eval_task_limit: int = option(
+        100, "Rows of each --eval-task scored at every validation (the first N).", gt=0
     )
 
 
@@ -575,8 +640,14 @@ class TrainConfig:
     )
     seed: int = option(1337, "Random seed (weights, data order, dropout).", ge=0, le=SEED_MAX)
     log_interval: int = option(10, "Log metrics every N steps.", gt=0)
+    log_to: str = option(
+        "",
+        "Also log to: tensorboard, wandb (comma-separated; metrics.jsonl is always written).",
+        default_help="metrics.jsonl only",
+    )
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option("auto", "Autocast dtype (auto: bf16 on CUDA, float32 elsewhere).")
+    threads: int | None = threads_option()
     compile: bool = option(False, "torch.compile the model.")
     deterministic: bool = option(
         False, "Use torch's deterministic algorithms (ops that have none warn); slower on a GPU."
@@ -614,6 +685,28 @@ class TrainConfig:
                 raise LmcliError("--ema averages full weights: it cannot be combined with --lora-rank")
         if self.data.tokenizer == "bpe" and self.data.vocab_size < 300:
             raise LmcliError(f"vocab-size for bpe must be at least 300, got {self.data.vocab_size}")
+        self._check_eval_tasks()
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise LmcliError(f"invalid log-to {name!r}: choose from {', '.join(TRACKERS)}")
+
+    def _check_eval_tasks(self) -> None:
+        """``--eval-task`` files of distinct names; ``--select task:NAME:...`` names one of them."""
+        names = [task_name(path) for path in self.validation.eval_task]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise LmcliError(f"--eval-task: two files are named {twice[0]}: rename one")
+        select = self.validation.select or ""
+        if select.startswith("task:") and select.split(":")[1] not in names:
+            given = ", ".join(names) if names else "none"
+            raise LmcliError(
+                f"--select {select}: no --eval-task is named {select.split(':')[1]} (given: {given})"
+            )
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The tracking backends ``--log-to`` names, besides metrics.jsonl."""
+        return tuple(dict.fromkeys(n.strip().lower() for n in self.log_to.split(",") if n.strip()))
 
     def _check_data(self) -> None:
         """One source of training text and of validation text; a tokenizer lmcli knows."""
@@ -626,6 +719,11 @@ class TrainConfig:
             raise LmcliError("give --source/--target, or a corpus, or --dataset: only one")
         if data.val is None and pairs.val_source is None and data.val_fraction == 0.0:
             raise LmcliError("no validation data: give --val PATH or a --val-fraction above 0")
+        if (data.align_documents or data.document_mask) and make_task(self).examples is not None:
+            raise LmcliError(
+                "--align-documents and --document-mask apply to a token stream (--task lm): "
+                f"--task {self.task} trains on whole examples"
+            )
         tokenizer = data.tokenizer
         if tokenizer not in TOKENIZER_KINDS and not (
             tokenizer.endswith(".json") or "/" in tokenizer or Path(tokenizer).exists()
@@ -694,6 +792,22 @@ class ConstraintConfig:
 
 
 @dataclass(frozen=True)
+class DraftConfig:
+    """Speculative decoding in `lmcli sample` and `lmcli chat`: a small model proposes tokens."""
+
+    draft: str | None = option(
+        None,
+        "A draft model (run folder, Hugging Face folder or GGUF file) with the same tokenizer: "
+        "it proposes tokens that the model checks several at a time; the same text, sooner.",
+        path=True,
+    )
+    draft_tokens: int = option(4, "Tokens the draft proposes per step of the model.", gt=0, le=64)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
 class BeamConfig:
     """Settings of `lmcli beam` (scores follow Hugging Face: sum of log-probs / length^alpha)."""
 
@@ -737,7 +851,7 @@ class EvalConfig:
         ge=1,
         default_help="the context",
     )
-    batch_size: int = option(8, "Windows per forward pass.", gt=0)
+    batch_size: int = option(8, "Windows (--task: questions) per forward pass.", gt=0)
     per_line: bool = option(False, "Score each line on its own as <bos> line <eos>.")
 
     def __post_init__(self) -> None:
@@ -747,8 +861,42 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class DownstreamConfig:
+    """Settings of `lmcli eval --task/--harness`: downstream benchmarks (docs/evaluation.md), not
+    the training tasks (``--task lm|translation|sft`` of `lmcli train`)."""
+
+    task: tuple[str, ...] = option(
+        (),
+        "A task file (JSONL: multiple choice, cloze or generation rows, or the published HellaSwag, "
+        "ARC, LAMBADA or GSM8K layout) to score (repeatable).",
+    )
+    harness: str | None = option(
+        None,
+        "lm-evaluation-harness tasks, comma-separated (hellaswag,arc_easy); needs lmcli[harness] "
+        "and the tasks' datasets.",
+    )
+    include_path: str | None = option(None, "--harness: a folder of more lm-evaluation-harness task YAMLs.")
+    limit: int | None = option(None, "Score at most the first N rows of each task.", gt=0)
+    num_fewshot: int | None = option(
+        None,
+        "Solved examples before each question (--task: the file's fewshot rows).",
+        ge=0,
+        default_help="0; --harness: each task's own",
+    )
+    max_gen_tokens: int = option(256, "Generation tasks: most tokens generated per answer.", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def wanted(self) -> bool:
+        """Whether any downstream task is asked for."""
+        return bool(self.task or self.harness)
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
-    """Where `eval`, `sample` and `beam` run."""
+    """Where and how `eval`, `sample`, `beam`, `chat` and `serve` run the model."""
 
     device: Device = option("auto", DEVICE_HELP)
     dtype: Dtype = option(
@@ -756,9 +904,20 @@ class DeviceConfig:
         "Dtype of the weights (auto: as stored in the folder). On a GPU float32 weights compute "
         "under bf16 autocast (float16 without native bf16); float32: no autocast.",
     )
+    threads: int | None = threads_option()
+    quantize: Quantize = option(
+        "none",
+        "Weight-only quantization of the linear layers after loading: int8 (per output channel) "
+        "or int4 (groups of --group-size; the vocabulary head stays int8). docs/quantization.md.",
+    )
+    group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.group_size not in GROUP_SIZES:
+            raise LmcliError(
+                f"group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -787,12 +946,6 @@ class ServeConfig:
     )
     client_timeout: float = option(
         10.0, "Seconds a client has to send a request's headers, then its body.", gt=0, parse=parse_duration
-    )
-    threads: int | None = option(
-        None,
-        "CPU threads of the decoding thread.",
-        gt=0,
-        default_help="all cores but one (for HTTP), at least 1",
     )
     grace: float = option(
         10.0,
@@ -832,7 +985,8 @@ class ExportConfig:
     merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (a LoRA run needs it).")
     dtype: GgufType | None = option(
         None,
-        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; norms and biases stay f32).",
+        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; q4_0: 4-bit blocks, the vocabulary "
+        "q8_0; norms and biases stay f32).",
         default_help="f16",
     )
 
@@ -854,6 +1008,24 @@ class AverageConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    """Settings of `lmcli tokenize`: where the shards go and how they are made; what is read and
+    how text becomes tokens are `lmcli train`'s data options (``data``)."""
+
+    out: str | None = option(
+        None, "Folder of token shards to write (or to finish, after an interruption).", short="-o", path=True
+    )
+    workers: int = option(0, "Processes that tokenize (0: one per core).", ge=0, default_help="one per core")
+    shard_tokens: int = option(100_000_000, "Tokens per shard (about: a shard ends with a whole job).", gt=0)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.out:
+            raise LmcliError("give --out DIR: the folder the token shards go to")
 
 
 # ----------------------------------------------------------------------------- dicts and files

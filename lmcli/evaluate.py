@@ -2,14 +2,16 @@
 
 Conventions (also in the README):
 - A text is scored as ``<bos> text``: every token of the text is predicted once, the first
-  one from ``<bos>`` alone. Perplexity is exp(total NLL / total scored tokens).
+  one from ``<bos>`` alone. Perplexity is exp(total NLL / total scored tokens). A tokenizer that
+  puts no ``<bos>`` first (``Tokenizer.add_bos``, an imported model's) scores ``text`` as
+  transformers does by default: its first token is context, never predicted.
 - Sliding windows, as in the Hugging Face perplexity guide and fairseq's --context-window: windows
   of ``context`` tokens start every ``stride`` tokens; each scores only the tokens no earlier
   window scored, so every token is scored exactly once, with up to ``context - stride`` tokens of
   extra left context. ``stride == context`` gives plain non-overlapping blocks.
 - Bits per byte = total NLL / ln 2 / UTF-8 bytes of the text scored, which compares models with
   different tokenizers.
-- ``--per-line`` scores each line on its own as ``<bos> line <eos>``.
+- ``--per-line`` scores each line on its own as ``<bos> line <eos>`` (``<bos>`` as above).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def windows(n: int, context: int, stride: int) -> Iterator[tuple[int, int, int]]
     ids[begin:end-1]. Every id but the first is scored exactly once."""
     if not 1 <= stride <= context:
         raise LmcliError(f"stride must be between 1 and the context ({context}), got {stride}")
-    prev_end = 1  # ids[0] is <bos>: never predicted
+    prev_end = 1  # ids[0] (<bos>, or the text's first token) is never predicted
     begin = 0
     while prev_end < n:
         end = min(begin + context + 1, n)  # context inputs predict up to ids[end-1]
@@ -213,7 +215,8 @@ def evaluate_chunks(
 
     def ids() -> Iterator[list[int]]:
         nonlocal has_text
-        yield [tokenizer.bos_id]
+        if tokenizer.add_bos:
+            yield [tokenizer.bos_id]
         for chunk in chunks:
             has_text = has_text or bool(chunk.strip())
             score.bytes += len(chunk.encode("utf-8"))
@@ -282,7 +285,7 @@ def _score_line_block(
             continue
         body = tokenizer.encode(line)
         score.unknown += tokenizer.count_unknown(body)
-        items.append((number, line, [tokenizer.bos_id, *body, tokenizer.eos_id]))
+        items.append((number, line, [*tokenizer.with_bos(body), tokenizer.eos_id]))
     results: dict[int, dict] = {}
     short = [it for it in items if len(it[2]) - 1 <= context]
     for number, line, ids in (it for it in items if len(it[2]) - 1 > context):  # longer than the context
@@ -328,12 +331,16 @@ def forward_scored(model: torch.nn.Module, batch: Batch, prefix_lm: bool = False
     whose flat indices the batch brings from the host: the model gathers those rows (no
     boolean-mask selection, so no device-to-host sync and no graph break under torch.compile)
     and the vocabulary projection skips prompt and padding positions. With ``prefix_lm`` each
-    prompt attends to itself both ways (``tasks.Task.prefix_lm``).
+    prompt attends to itself both ways (``tasks.Task.prefix_lm``); a batch that numbers its
+    documents (``--document-mask``) keeps attention within each.
     """
     prefix = batch.prefix_len if prefix_lm else None
     if batch.index is not None:
         targets = batch.y.reshape(-1).index_select(0, batch.index)  # (N,)
         return model(batch.x, prefix_len=prefix, output_index=batch.index), targets
+    if batch.document is not None:
+        logits = model(batch.x, document=batch.document)
+        return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
     logits = model(batch.x, prefix_len=prefix)
     return logits.view(-1, logits.size(-1)), batch.y.reshape(-1)
 
@@ -444,8 +451,9 @@ def _text_to_evaluate(ckpt: Checkpoint, cfg: EvalConfig, paths: tuple[str, ...])
     if paths or cfg.dataset:
         corpus = open_corpus(paths, cfg.dataset, cfg.split, cfg.text_column)
         return _corpus_chunks(corpus.documents(), "\n" if cfg.dataset else ""), corpus.description
-    if ckpt.meta.get("source") == "huggingface":
-        raise LmcliError("give text to evaluate: a Hugging Face model folder has no validation split")
+    if ckpt.meta.get("source") in ("huggingface", "gguf"):
+        what = "a Hugging Face model folder" if ckpt.meta["source"] == "huggingface" else "a GGUF file"
+        raise LmcliError(f"give text to evaluate: {what} has no validation split")
     block_size = ckpt.model.config.block_size
     data = load_train_data(ckpt.train_config, block_size=block_size, tokenizer=ckpt.tokenizer, progress=False)
     return _decoded_chunks(ckpt.tokenizer, data.val), "the run's validation split"

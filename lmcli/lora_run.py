@@ -1,11 +1,11 @@
 """LoRA runs: the base model a run adapts, recorded and checked, and its adapters put back on.
 
 A LoRA run's checkpoint (``lmcli.checkpoint``) holds ``adapters.safetensors`` and ``base.json``:
-the folder of the ``--init-from`` base (an lmcli checkpoint or a Hugging Face folder; a relative
-path is read from the run folder) and the sha256 of its weight files. Loading such a checkpoint
-(``lmcli.sources``) finds the base unchanged (``checked_base``), loads it and calls
-``load_adapted``, which checks the adapters' header against the run's LoRA settings and the base
-before any adapter is allocated. The layers are ``lmcli.lora``.
+the folder of the ``--init-from`` base (an lmcli checkpoint or a Hugging Face folder; or a GGUF
+file; a relative path is read from the run folder) and the sha256 of its weight files. Loading
+such a checkpoint (``lmcli.sources``) finds the base unchanged (``checked_base``), loads it and
+calls ``load_adapted``, which checks the adapters' header against the run's LoRA settings and the
+base before any adapter is allocated. The layers are ``lmcli.lora``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from lmcli.checkpoint import (
     read_json,
     resolve_checkpoint,
     sha256_of,
+    with_context,
 )
 from lmcli.config import ModelConfig, TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.hf.gguf_load import is_gguf_file
 from lmcli.hf.load import is_hf_folder
 from lmcli.model import Transformer
 
@@ -40,7 +42,9 @@ from lmcli.model import Transformer
 def base_digests(path: Path) -> dict[str, str]:
     """The sha256 of each weight file of a base model folder: an lmcli checkpoint's
     ``model.safetensors`` (as its meta.json records it, which loading verifies), or a Hugging
-    Face folder's ``*.safetensors`` and ``*.bin`` files."""
+    Face folder's ``*.safetensors`` and ``*.bin`` files; a GGUF file's own."""
+    if is_gguf_file(path):
+        return {path.name: sha256_of(checked_file(path))}
     if (path / META).exists():
         recorded = read_json(path / META, "checkpoint metadata").get("sha256", {})
         digest = recorded.get(WEIGHTS) if isinstance(recorded, dict) else None
@@ -51,9 +55,9 @@ def base_digests(path: Path) -> dict[str, str]:
 
 def base_reference(path: str | Path) -> dict[str, Any]:
     """What a LoRA run records of its ``--init-from`` base: the folder it reads (a run folder's
-    checkpoint, or a Hugging Face folder) and the sha256 of its weight files."""
+    checkpoint, a Hugging Face folder, a GGUF file) and the sha256 of its weight files."""
     path = Path(path).resolve()
-    folder = path if is_hf_folder(path) else resolve_checkpoint(path)
+    folder = path if is_hf_folder(path) or is_gguf_file(path) else resolve_checkpoint(path)
     if os.path.lexists(folder / ADAPTERS):
         raise LmcliError(
             f"{folder} is itself a LoRA run: fold its adapters first "
@@ -71,7 +75,7 @@ def checked_base(ckpt: Path, base: dict[str, Any]) -> Path:
     path = Path(base["path"])
     if not path.is_absolute():  # a run folder moved with its base beside it: read from the run folder
         path = run_folder_of(ckpt) / path
-    if not path.is_dir():
+    if not (path.is_dir() or is_gguf_file(path)):
         raise LmcliError(f"the base model {path} of LoRA run {ckpt} is gone (see {where})")
     if base_digests(path) != base["sha256"]:
         raise LmcliError(
@@ -98,7 +102,10 @@ def load_adapted(
     merge: bool,
 ) -> Transformer:
     """A LoRA checkpoint's model: ``model``, its base loaded from ``base_path`` (``checked_base``),
-    with the adapters put on (``merge``: folded into the weights)."""
+    with the adapters put on (``merge``: folded into the weights). A run trained with a shorter
+    ``--block-size`` than its base's context has its base's context cut the same way."""
+    if model_config.block_size < model.config.block_size:
+        model = with_context(model, model_config.block_size)
     if model.config != model_config:
         raise LmcliError(f"the base model {base_path} does not fit LoRA run {ckpt}'s model config")
     header = read_header(checked_file(ckpt / ADAPTERS))

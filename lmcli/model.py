@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lmcli.config import ModelConfig
 from lmcli.device import compute_dtype
+from lmcli.documents import document_mask, document_positions, flex_attention
 from lmcli.positions import Positions, make_positions
 
 if TYPE_CHECKING:
@@ -84,7 +85,9 @@ class Context:
     """What every layer's attention needs to know about the current forward."""
 
     pos: Tensor  # (B or 1, T) position ids of the new tokens
-    mask: Tensor | None  # bool or additive (B or 1, 1 or H, T, S); None: no mask beyond is_causal
+    # bool or additive (B or 1, 1 or H, T, S), or FlexAttention's BlockMask (packed documents on a
+    # GPU, lmcli.documents); None: no mask beyond is_causal
+    mask: Any
     is_causal: bool  # let SDPA apply plain causality itself
     cache: KVCache | None
     positions: Positions
@@ -162,14 +165,17 @@ class CausalSelfAttention(nn.Module):
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer, k, v)  # (B, KV, S, D), S = cached + T
         k, v = self.share_heads(k, v)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=ctx.mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=ctx.is_causal,
-        )
+        if ctx.mask is not None and not isinstance(ctx.mask, Tensor):  # a BlockMask: FlexAttention
+            y = flex_attention(q, k, v, ctx.mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=ctx.mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=ctx.is_causal,
+            )
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, H, T, D) -> (B, T, C)
         y = self.c_proj(y)
         return self.resid_dropout(y) if self.training else y
@@ -304,6 +310,7 @@ class Transformer(nn.Module):
         prefix_len: Tensor | None = None,
         last_only: bool = False,
         output_index: Tensor | None = None,
+        document: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, T, V) for token ids ``idx`` (B, T); (B, 1, V) with ``last_only``; V is the
         logical vocabulary (``vocab_size``), never the padded rows.
@@ -312,6 +319,8 @@ class Transformer(nn.Module):
         ``prefix_len`` (B,) makes the first columns attend to each other bidirectionally.
         ``output_index`` (N,) computes logits only at those flat positions of the (B * T) grid, as
         (N, V): the vocabulary projection is skipped for positions no loss reads (prompt, padding).
+        ``document`` (B, T) numbers the documents packed in each row (training, no cache): each
+        token attends only within its document, whose positions start at 0.
         """
         B, T = idx.size()
         n_cached = cache.length if cache is not None else 0
@@ -323,6 +332,8 @@ class Transformer(nn.Module):
                 return self.fast_step(idx, cache)  # lmcli.fastpath: the same arithmetic, fewer calls
         if cache is not None:
             pos = cache.positions(T)  # (B or 1, T)
+        elif document is not None:
+            pos = document_positions(document)  # (B, T)
         else:
             pos = torch.arange(T, device=idx.device)[None, :]  # (1, T)
         x = self.positions.embed(self.wte(idx), pos)  # (B, T, C)
@@ -330,7 +341,7 @@ class Transformer(nn.Module):
             x = self.drop(x)
         # one mask per forward, in the dtype attention computes in (autocast's): no cast per layer
         mask, is_causal = self.attention_mask(
-            T, cache, prefix_len, compute_dtype(idx.device, x.dtype), idx.device
+            T, cache, prefix_len, compute_dtype(idx.device, x.dtype), idx.device, document
         )
         ctx = Context(pos, mask, is_causal, cache, self.positions)
         for block in self.h:
@@ -363,12 +374,19 @@ class Transformer(nn.Module):
         prefix_len: Tensor | None,
         dtype: torch.dtype,
         device: torch.device,
-    ) -> tuple[Tensor | None, bool]:
+        document: Tensor | None = None,
+    ) -> tuple[Any, bool]:
         """The attention mask of a forward of T new tokens (or None) and whether SDPA should apply
         causality itself."""
         n_cached = cache.length if cache is not None else 0
         padded = cache is not None and cache.padding.has_padding
         scored = self.positions.biases_scores
+        if document is not None:  # packed documents, each attending within itself
+            if cache is not None or prefix_len is not None:
+                raise ValueError("document ids are for training windows: no cache, no prefix")
+            dropout = self.training and self.config.dropout > 0
+            allowed = document_mask(document, plain=scored or dropout)
+            return (self.positions.bias(allowed, 0, dtype) if scored else allowed), False
         if not (scored or padded or prefix_len is not None):
             if T == 1 or n_cached == 0:
                 return None, T > 1  # plain causal attention, or one query seeing all

@@ -130,10 +130,11 @@ class Rotary(Positions):
         """Rotate q and k (B, H, T, D) by positions pos (B or 1, T)."""
         cos = self.cos[pos].unsqueeze(1).to(q.dtype)  # (B or 1, 1, T, D)
         sin = self.sin[pos].unsqueeze(1).to(q.dtype)
-        return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
 
-def _rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (.., D) turned by angles with cos and sin (.., D): each dimension i < D/2 paired with i + D/2."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 

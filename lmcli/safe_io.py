@@ -39,7 +39,7 @@ def temp_dir(dest: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
 
 
-def _file_mode() -> int:
+def file_mode() -> int:
     """The mode ``open()`` would give a new file (0o666 less the umask), not mkstemp's 0o600."""
     umask = os.umask(0o022)
     os.umask(umask)
@@ -51,7 +51,7 @@ def atomic_write(dest: Path, data: bytes | str) -> None:
     dest = Path(dest)
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
     try:
-        os.fchmod(fd, _file_mode())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()

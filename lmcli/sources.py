@@ -5,7 +5,11 @@
 - a LoRA run: its base (an lmcli checkpoint or a Hugging Face folder, found unchanged by
   ``lmcli.lora_run``) with the adapters put on, or merged into the weights;
 - a local Hugging Face folder (``lmcli.hf.load``);
+- a GGUF file (``lmcli.hf.gguf_load``: llama.cpp's format, its tensors dequantized);
 - nothing: the newest run under ``checkpoints/``.
+
+``read_model_config`` answers what model a source holds (its ``ModelConfig``) from its configs
+or header alone, without reading its weights.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from lmcli.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from lmcli.config import TrainConfig, replace_options
+from lmcli.config import ModelConfig, TrainConfig, replace_options
 from lmcli.errors import LmcliError
+from lmcli.hf.gguf_load import is_gguf_file, load_gguf, read_gguf_header
 from lmcli.hf.load import is_hf_folder, load_hf_folder
+from lmcli.hf.load import read_json as read_hf_json
 from lmcli.lora_run import checked_base, load_adapted
 from lmcli.model import Transformer
 from lmcli.safe_io import new_folder, write_error
@@ -67,10 +73,12 @@ def load_checkpoint(
 
 
 def base_model(path: Path) -> Transformer:
-    """A LoRA run's base model: a Hugging Face folder in float32 (as it was trained), or an lmcli
-    checkpoint."""
+    """A LoRA run's base model: a Hugging Face folder or a GGUF file in float32 (as it was
+    trained), or an lmcli checkpoint."""
     if is_hf_folder(path):
         return load_hf_folder(path, torch.float32, lambda msg: None)[0]
+    if is_gguf_file(path):
+        return load_gguf(path, torch.float32)[0]
     return load_checkpoint(path).model
 
 
@@ -78,17 +86,36 @@ def load_model(
     path: str | Path | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> Checkpoint:
     """What a command is given: an lmcli run or checkpoint folder, a local Hugging Face folder,
-    or (None) the newest run under ``checkpoints/``; in eval mode on ``device``, weights in
-    ``dtype`` (None: as stored)."""
+    a GGUF file, or (None) the newest run under ``checkpoints/``; in eval mode on ``device``,
+    weights in ``dtype`` (None: as stored)."""
     path = Path(path) if path is not None else find_latest_run(Path("checkpoints"))
     if is_hf_folder(path):
         model, tok = load_hf_folder(path, dtype)
         model.to(device).eval()
-        return Checkpoint(path, model, model.config, TrainConfig(), tok, {"source": "huggingface"})
+        meta = {"source": "huggingface", "name": path.resolve().name}
+        return Checkpoint(path, model, model.config, TrainConfig(), tok, meta)
+    if is_gguf_file(path):
+        model, tok, meta = load_gguf(path, dtype)
+        model.to(device).eval()
+        return Checkpoint(path, model, model.config, TrainConfig(), tok, meta)
     ckpt = load_checkpoint(path, device)
     if dtype is not None:
         ckpt.model.to(dtype)
     return ckpt
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the model ``path`` names (as ``load_model`` would load it), from its
+    configs or header alone: nothing is built and no weight is read."""
+    path = Path(path)
+    if is_hf_folder(path):
+        from lmcli.hf.families import HFConfig, from_hf_config
+
+        hf = HFConfig(read_hf_json(path / "config.json"), str(path / "config.json"))
+        return from_hf_config(hf).config_from_hf(hf)[0]
+    if is_gguf_file(path):
+        return read_gguf_header(path).config
+    return read_configs(resolve_checkpoint(path), verify=False)[1]
 
 
 def find_latest_run(root: str | Path = "checkpoints") -> Path:

@@ -32,15 +32,21 @@ BLEU_METRICS = ("val_bleu", "val_chrf")  # --select values only translation comp
 
 
 class TextPrompt:
-    """``<bos> text``: how a language model reads a prompt (an empty text is ``<bos>`` alone)."""
+    """``<bos> text``: how a language model reads a prompt (an empty text is ``<bos>`` alone);
+    ``text`` alone for a tokenizer that puts no ``<bos>`` first (``Tokenizer.with_bos``: an
+    imported model whose source says ``add_bos_token: false``)."""
 
     prefix_lm = False  # the prompt attends causally, as every position in training
     shows_text = True  # a continuation reads on from its prompt's text (lmcli sample prints both)
 
+    def encode(self, text: str, tokenizer: Any) -> list[int]:
+        """The ids of a user's text (``frame`` puts the prompt's own tokens around them)."""
+        return tokenizer.encode(text)
+
     def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
         """The prompt's ids around the text's ids ``body``, and whether part of ``body`` was left
         out; fitting the prompt in the context is the decoder's (``decoding.make_prompt``)."""
-        return [tokenizer.bos_id, *body], False
+        return tokenizer.with_bos(body), False
 
     def input_length(self, ids: list[int]) -> int:
         """The length in tokens of the input a prompt holds (beam search's ``a * length + b``)."""

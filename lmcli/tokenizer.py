@@ -5,6 +5,11 @@ Every tokenizer lmcli trains has the special tokens ``<pad> <unk> <bos> <eos> <s
 ``tokenizer_config.json``/``generation_config.json``): those roles, and a chat template if it has
 one, are saved beside ``tokenizer.json`` as Hugging Face's ``tokenizer_config.json`` and read
 back from there. Roles it does not name are found by their usual names, with fallbacks.
+
+Whether a text starts with ``<bos>`` (``add_bos``) is the tokenizer's too: lmcli's own tokenizers
+always put it first (a model trained by lmcli saw every text so); an imported model's follow
+its source (``add_bos_token`` of its ``tokenizer_config.json`` or GGUF metadata), saved as
+``add_bos_token`` when it is false. ``with_bos`` is where every command asks.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -118,11 +124,20 @@ class Tokenizer:
     """A thin wrapper: encode/decode, special-token ids, save/load, a content fingerprint."""
 
     def __init__(
-        self, tok: HFTokenizer, specials: dict[str, str] | None = None, chat_template: str | None = None
+        self,
+        tok: HFTokenizer,
+        specials: dict[str, str] | None = None,
+        chat_template: str | None = None,
+        *,
+        add_bos: bool = True,
+        add_eos: bool = False,
     ) -> None:
         """``specials``: role (bos, eos, pad, unk, sep) -> token text, for roles the tokenizer's
-        source names; the others are looked up by their usual names."""
+        source names; the others are looked up by their usual names. ``add_bos``: a text starts
+        with ``<bos>`` (``with_bos``); ``add_eos``: the source's flag, carried to exports (lmcli
+        never ends a prompt with ``<eos>``)."""
         self.hf = tok
+        self.add_bos, self.add_eos = add_bos, add_eos
         # Text that happens to contain "<eos>" is text, not a special token.
         self.hf.encode_special_tokens = True
         self.specials = {role: text for role, text in (specials or {}).items() if text is not None}
@@ -156,12 +171,22 @@ class Tokenizer:
             raise LmcliError(f"token id {i} is not in the tokenizer's vocabulary")
         return text
 
-    def config(self) -> dict[str, str]:
-        """Hugging Face's ``tokenizer_config.json`` keys for the named roles and the chat template."""
-        out: dict[str, str] = {f"{role}_token": text for role, text in self.specials.items()}
+    def config(self) -> dict[str, Any]:
+        """Hugging Face's ``tokenizer_config.json`` keys for the named roles, the chat template
+        and the ``add_bos_token``/``add_eos_token`` flags that differ from lmcli's own."""
+        out: dict[str, Any] = {f"{role}_token": text for role, text in self.specials.items()}
         if self.chat_template is not None:
             out["chat_template"] = self.chat_template
+        if not self.add_bos:  # lmcli's own put <bos> first: only the exception is written
+            out["add_bos_token"] = False
+        if self.add_eos:
+            out["add_eos_token"] = True
         return out
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """``ids`` as a sequence starts: ``<bos>`` first if the tokenizer adds it, or if there is
+        nothing else to start from (an empty text)."""
+        return [self.bos_id, *ids] if self.add_bos or not ids else list(ids)
 
     @classmethod
     def train(cls, kind: str, texts: Iterable[str], vocab_size: int = 8000) -> Tokenizer:
@@ -177,7 +202,14 @@ class Tokenizer:
             path = path / "tokenizer.json"
         try:
             specials, template = read_config(path.parent / CONFIG)
-            tok = cls(HFTokenizer.from_file(str(path)), specials, template)
+            add_bos, add_eos = read_flags(path.parent / CONFIG)
+            tok = cls(
+                HFTokenizer.from_file(str(path)),
+                specials,
+                template,
+                add_bos=True if add_bos is None else add_bos,  # lmcli's own: <bos> first
+                add_eos=bool(add_eos),
+            )
             tok.origin = str(path.parent)
             return tok
         except LmcliError:
@@ -273,10 +305,10 @@ def read_config(path: Path) -> tuple[dict[str, str], str | None]:
     return specials, template
 
 
-def read_config_json(path: Path) -> tuple[dict[str, str], str | None]:
-    """The named roles and the chat template stored in a ``tokenizer_config.json``."""
+def _config_json(path: Path) -> dict[str, Any]:
+    """A ``tokenizer_config.json`` as a dict ({} when absent)."""
     if not path.is_file():
-        return {}, None
+        return {}
     try:
         if path.stat().st_size > CONFIG_LIMIT:
             raise LmcliError(f"cannot read {path}: larger than {CONFIG_LIMIT >> 20} MiB")
@@ -285,6 +317,22 @@ def read_config_json(path: Path) -> tuple[dict[str, str], str | None]:
         raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise LmcliError(f"{path} does not hold a JSON object")
+    return data
+
+
+def read_flags(path: Path) -> tuple[bool | None, bool | None]:
+    """``add_bos_token`` and ``add_eos_token`` of a ``tokenizer_config.json`` (None: not a
+    boolean there, so the caller's default applies)."""
+    data = _config_json(path)
+    flags = (data.get("add_bos_token"), data.get("add_eos_token"))
+    return tuple(f if isinstance(f, bool) else None for f in flags)  # type: ignore[return-value]
+
+
+def read_config_json(path: Path) -> tuple[dict[str, str], str | None]:
+    """The named roles and the chat template stored in a ``tokenizer_config.json``."""
+    if not path.is_file():
+        return {}, None
+    data = _config_json(path)
     specials = {role: token_text(data.get(f"{role}_token")) for role in ROLES}
     template = data.get("chat_template")  # a list of named templates is not kept
     named = {k: v for k, v in specials.items() if v is not None}

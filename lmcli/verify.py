@@ -12,7 +12,8 @@
 - A Hugging Face folder: ``config.json`` (every value, ``HFConfig``), the tokenizer, and every
   shard's header against the config (``hf.weights.check_weights``).
 - A GGUF file: its header scanned with bounds and its tensors against its metadata
-  (``hf.gguf_check.check_gguf``).
+  (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
+  checked against the vocabulary (``hf.gguf_load.read_gguf_header``).
 
 The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
 the ones that were trained (a checksum recomputed by whoever edited a file matches again), and
@@ -47,7 +48,7 @@ from lmcli.checkpoint import (
 )
 from lmcli.config import ModelConfig, TrainConfig, from_dict, stored_model_config
 from lmcli.errors import LmcliError
-from lmcli.hf.gguf_check import check_gguf
+from lmcli.hf.gguf_load import read_gguf_header
 from lmcli.hf.load import is_hf_folder, read_hf_config, read_tokenizer
 from lmcli.hf.weights import check_weights, read_headers
 from lmcli.lora import check_adapters
@@ -163,9 +164,15 @@ def verify_hf(path: Path) -> CheckpointReport:
 
 def verify_gguf(path: Path) -> CheckpointReport:
     """A GGUF file: its header and its tensors against its metadata."""
-    header, family, _, _ = check_gguf(path)
+    header = read_gguf_header(path)
     params = sum(math.prod(t.shape) for t in header.tensors.values())
-    return CheckpointReport(path, None, params, 0, f"GGUF {family.gguf_arch} file, tensors fit its metadata")
+    kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
+    vocab = header.tokenizer.vocab_size
+    what = (
+        f"GGUF {header.family.gguf_arch} file ({kinds}), tensors fit its metadata, "
+        f"tokenizer of {vocab} tokens"
+    )
+    return CheckpointReport(path, None, params, 0, what)
 
 
 def checkpoints_of(path: Path) -> list[Path]:

@@ -176,3 +176,67 @@ def test_the_forward_under_autocast_is_one_graph_for_torch_compile() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(model)(idx)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_usable_cpus_follow_the_affinity_and_the_cgroup_quota(tmp_path, monkeypatch) -> None:
+    import lmcli.device as device
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs' worth of time
+    assert device.cgroup_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert device.cgroup_quota(tmp_path) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000")  # cgroup v1: 3 CPUs
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert device.cgroup_quota(tmp_path) == 3.0
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(device, "cgroup_quota", lambda: 1.5)
+    assert device.usable_cpus() == 2  # the quota rounded up, below the affinity
+    monkeypatch.setattr(device, "cgroup_quota", lambda: None)
+    assert device.usable_cpus() == 4
+    threads = torch.get_num_threads()
+    try:
+        assert device.set_threads(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_training_preflight_shows_the_threads(tmp_path, capsys) -> None:
+    from helpers import FAST_TRAIN_ARGS, TINY_TEXT
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TINY_TEXT)
+    args = [a for a in FAST_TRAIN_ARGS if a != "-q"]
+    threads = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(
+            [
+                "train",
+                str(corpus),
+                "--out",
+                str(tmp_path / "run"),
+                *args,
+                "--max-steps",
+                "2",
+                "--threads",
+                "1",
+            ],
+            capsys,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+    assert "CPU threads" in out + err and "1 (--threads" in out + err
+
+
+def test_omp_num_threads_is_the_default_when_set(monkeypatch) -> None:
+    import lmcli.device as device
+
+    monkeypatch.setattr(device, "usable_cpus", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert device.default_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert device.default_threads() == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert device.default_threads() == 2

@@ -187,3 +187,58 @@ def test_an_absurd_vocab_multiple_is_refused(value: int, message: str) -> None:
     with pytest.raises(LmcliError, match=re.escape(message)):
         ModelConfig(vocab_size=65, vocab_multiple=value)
     assert ModelConfig(vocab_size=65, vocab_multiple="auto").vocab_multiple == 0
+
+
+# ----------------------------------------------------------------------------- packed documents
+
+DOCUMENT_VARIANTS = [
+    dict(position="learned"),
+    dict(position="sinusoidal", norm="rmsnorm"),
+    dict(position="rope", n_kv_head=1),
+    dict(position="alibi", norm_placement="post"),
+]
+
+
+def packed_window() -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """Two rows of documents packed end to end: ids (2, 16), document numbers (2, 16), and each
+    document's (row, start, end)."""
+    idx = torch.randint(0, 13, (2, 16), generator=torch.Generator().manual_seed(5))
+    document = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])  # a row of one document too
+    return idx, document, [(0, 0, 5), (0, 5, 12), (0, 12, 16), (1, 0, 16)]
+
+
+@pytest.mark.parametrize("options", DOCUMENT_VARIANTS, ids=lambda o: o["position"])
+def test_packed_documents_compute_what_each_document_computes_alone(options: dict) -> None:
+    """With document numbers, no token attends across a document boundary and positions restart:
+    each document's logits are those of the document run alone."""
+    model = tiny_model(**{**SHAPE, **options})
+    idx, document, spans = packed_window()
+    packed = model(idx, document=document)
+    for row, start, end in spans:
+        alone = model(idx[row : row + 1, start:end])[0]
+        assert_float32_close(packed[row, start:end], alone, model.config)
+    unmasked = model(idx)
+    assert not torch.allclose(unmasked[0, 5:12], packed[0, 5:12], atol=1e-4)  # the mask did something
+
+
+def test_the_flex_attention_block_mask_equals_the_boolean_mask(monkeypatch) -> None:
+    """The mask a GPU uses (a FlexAttention BlockMask, run here in eager mode) gives the same
+    logits as the boolean mask of the CPU."""
+    import warnings
+
+    from lmcli import documents
+
+    model = tiny_model(**SHAPE, position="rope")
+    idx, document, _ = packed_window()
+    expected = model(idx, document=document)
+    monkeypatch.setattr("lmcli.model.document_mask", lambda doc, plain: documents.block_mask(doc))
+    with warnings.catch_warnings(), torch.no_grad():  # FlexAttention has no backward on a CPU
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        flex = model(idx, document=document)
+    assert_float32_close(flex, expected, model.config)
+
+
+def test_document_numbers_are_for_training_windows_only() -> None:
+    model = tiny_model(**SHAPE)
+    with pytest.raises(ValueError, match="no cache, no prefix"):
+        model(torch.zeros(1, 4, dtype=torch.long), prefix_len=torch.tensor([2]), document=torch.zeros(1, 4))

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.chat_template import Message, Renderer, Template, check_messages, check_text, encode_conversation
-from lmcli.data.corpus import READ_ERRORS, load_hf_dataset, read_error
+from lmcli.data.corpus import load_hf_dataset
 from lmcli.data.examples import Encoded, Skipped, truncate
+from lmcli.data.readers import READ_ERRORS, read_error
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 

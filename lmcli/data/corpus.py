@@ -1,5 +1,6 @@
-"""Text sources: files, folders (recursive), globs, ``.gz`` files, a Hugging Face ``datasets``
-corpus, or the built-in default (CPython's own documentation text, ``pydoc_data.topics``).
+"""Text sources: files, folders (recursive), globs, ``.gz`` and ``.zst`` files, JSONL and parquet
+files (a text column, a document per row), a Hugging Face ``datasets`` corpus read in streaming
+mode, or the built-in default (CPython's own documentation text, ``pydoc_data.topics``).
 
 A ``Corpus`` yields documents as chunks of text ending at line breaks, so memory stays flat
 however large a file is; invalid UTF-8 is replaced and counted, binary files are skipped.
@@ -10,17 +11,16 @@ from __future__ import annotations
 
 import codecs
 import glob
-import gzip
 import hashlib
 import json
 import os
 import sys
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lmcli.data.readers import READ_ERRORS, is_table, open_binary, open_text, read_error, table_texts
 from lmcli.errors import LmcliError
 
 CHUNK_BYTES = 1 << 20  # read and tokenize about 1 MiB at a time
@@ -69,9 +69,8 @@ def _looks_binary(head: bytes) -> bool:
 
 def _read_file(path: Path, stats: TextStats) -> Iterator[str]:
     """Yield a file's text in ~1 MiB chunks ending at line breaks; invalid UTF-8 is replaced."""
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as f:
+        with open_binary(path) as f:
             head = f.read(8192)
             if _looks_binary(head):
                 print(f"warning: skipping {path}: looks like a binary file", file=sys.stderr)
@@ -100,18 +99,6 @@ def _read_file(path: Path, stats: TextStats) -> Iterator[str]:
         raise LmcliError(read_error(path, exc)) from None
 
 
-# what reading a damaged file raises: OSError (BadGzipFile too), a truncated gzip EOFError, a
-# corrupt gzip body zlib.error
-READ_ERRORS = (OSError, EOFError, zlib.error)
-
-
-def read_error(path: Path | str, exc: BaseException) -> str:
-    """One line naming ``path`` and what is wrong with it."""
-    if isinstance(exc, zlib.error | EOFError | gzip.BadGzipFile):
-        return f"cannot read {path}: corrupt or truncated gzip data ({exc})"
-    return f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
-
-
 class Corpus:
     """A re-iterable source of documents; each document is yielded as chunks of text."""
 
@@ -138,19 +125,51 @@ class Corpus:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-class FileCorpus(Corpus):
-    """Local files, folders, globs and .gz files."""
+def _read_table(path: Path, column: str, stats: TextStats) -> Iterator[Iterator[str]]:
+    """A JSONL or parquet file's documents: the ``column`` of each row (empty ones skipped)."""
+    try:
+        for text, replaced in table_texts(path, column):
+            stats.replaced += replaced
+            if text:
+                stats.documents += 1
+                stats.bytes += len(text.encode())
+                yield iter([text])
+    except READ_ERRORS as exc:
+        raise LmcliError(read_error(path, exc)) from None
 
-    def __init__(self, patterns: tuple[str, ...] | list[str]) -> None:
+
+def file_identity(files: list[Path]) -> list[tuple[str, int, int]]:
+    """What names a set of files' contents cheaply: each path, size and modification time."""
+    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+class FileCorpus(Corpus):
+    """Local files, folders, globs, .gz and .zst files; JSONL and parquet files as rows of the
+    ``text_column``, each row a document."""
+
+    def __init__(self, patterns: tuple[str, ...] | list[str], text_column: str = "text") -> None:
         self.files = resolve_paths(patterns)
-        ident = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in self.files]
+        self.column = text_column
+        identity: dict[str, Any] = {"files": file_identity(self.files)}
+        if any(is_table(p) for p in self.files):
+            identity["column"] = text_column
         names = ", ".join(str(p) for p in self.files[:3]) + (" ..." if len(self.files) > 3 else "")
-        super().__init__({"files": ident}, f"{len(self.files)} file(s): {names}")
+        super().__init__(identity, f"{len(self.files)} file(s): {names}")
 
     def documents(self) -> Iterator[Iterator[str]]:
         self.stats = TextStats()
         for path in self.files:
-            yield _read_file(path, self.stats)
+            if is_table(path):
+                yield from _read_table(path, self.column, self.stats)
+            else:
+                yield _read_file(path, self.stats)
+
+    @property
+    def plain_bytes(self) -> int | None:
+        """The bytes of text to read, when every file is uncompressed text (else None)."""
+        if any(is_table(p) or p.name.endswith((".gz", ".zst")) for p in self.files):
+            return None
+        return sum(p.stat().st_size for p in self.files)
 
 
 class BuiltinCorpus(Corpus):
@@ -176,33 +195,55 @@ class BuiltinCorpus(Corpus):
 
 
 class DatasetCorpus(Corpus):
-    """A Hugging Face ``datasets`` corpus: ``NAME[:CONFIG]``, or a local data file/folder."""
+    """A Hugging Face ``datasets`` corpus, ``NAME[:CONFIG]`` or a local data file/folder, read in
+    streaming mode: rows arrive as they are read (or downloaded), nothing is converted or held
+    first, so a corpus of any size starts at once in flat memory."""
 
     def __init__(self, spec: str, split: str, text_column: str) -> None:
-        self.dataset = load_hf_dataset(spec, split)
-        if text_column not in self.dataset.column_names:
-            cols = ", ".join(self.dataset.column_names)
-            raise LmcliError(f"dataset {spec} has no column {text_column!r} (columns: {cols})")
+        self.spec, self.split = spec, split
+        self.dataset = load_hf_dataset(spec, split, streaming=True)
+        columns = self.dataset.column_names
+        if columns is None:  # a streamed dataset may learn its columns from its first row
+            first = next(iter(self._rows(self.dataset.take(1))), None)
+            columns = list(first) if first is not None else [text_column]
+        if text_column not in columns:
+            raise LmcliError(f"dataset {spec} has no column {text_column!r} (columns: {', '.join(columns)})")
         self.column = text_column
-        fingerprint = getattr(self.dataset, "_fingerprint", None)
-        super().__init__(
-            {"dataset": spec, "split": split, "column": text_column, "fingerprint": fingerprint},
-            f"dataset {spec} [{split}] column {text_column!r} ({len(self.dataset)} rows)",
-        )
+        local = Path(spec).expanduser()
+        files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
+        identity = {"dataset": spec, "split": split, "column": text_column, "streaming": True}
+        if local.exists():  # a local dataset changes with its files; a hub one is named by its spec
+            identity["files"] = file_identity(files)
+        super().__init__(identity, f"dataset {spec} [{split}] column {text_column!r} (streamed)")
+
+    def _rows(self, rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """``rows`` of the dataset, a failure while reading (a network error, a bad file) one line."""
+        try:
+            yield from rows
+        except LmcliError:
+            raise
+        except Exception as exc:  # datasets raises many types
+            where = f"dataset {self.spec} (split {self.split})"
+            raise LmcliError(f"cannot read {where}: {_reason(exc)}") from None
 
     def documents(self) -> Iterator[Iterator[str]]:
         self.stats = TextStats()
-        for batch in self.dataset.iter(batch_size=1000):
-            for text in batch[self.column]:
-                if not isinstance(text, str) or not text:
-                    continue
-                self.stats.documents += 1
-                self.stats.bytes += len(text.encode())
-                yield iter([text])
+        for row in self._rows(self.dataset):
+            text = row.get(self.column)
+            if not isinstance(text, str) or not text:
+                continue
+            self.stats.documents += 1
+            self.stats.bytes += len(text.encode())
+            yield iter([text])
 
 
-def load_hf_dataset(spec: str, split: str) -> Any:
-    """``datasets.load_dataset`` for a hub name (``NAME[:CONFIG]``) or a local file/folder."""
+def _reason(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+
+
+def load_hf_dataset(spec: str, split: str, *, streaming: bool = False) -> Any:
+    """``datasets.load_dataset`` for a hub name (``NAME[:CONFIG]``) or a local file/folder;
+    ``streaming``: an ``IterableDataset`` that reads rows as they are asked for."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -212,16 +253,16 @@ def load_hf_dataset(spec: str, split: str) -> Any:
             builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
                 local.suffix, "text"
             )
-            return datasets.load_dataset(builder, data_files={split: str(local)}, split=split)
+            files = {split: str(local)}
+            return datasets.load_dataset(builder, data_files=files, split=split, streaming=streaming)
         if local.is_dir():
-            return datasets.load_dataset(str(local), split=split)
+            return datasets.load_dataset(str(local), split=split, streaming=streaming)
         name, _, config = spec.partition(":")
-        return datasets.load_dataset(name, config or None, split=split)
+        return datasets.load_dataset(name, config or None, split=split, streaming=streaming)
     except LmcliError:
         raise
     except Exception as exc:  # datasets raises many types: hub unreachable, bad split, ...
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise LmcliError(f"cannot load dataset {spec} (split {split}): {reason}") from None
+        raise LmcliError(f"cannot load dataset {spec} (split {split}): {_reason(exc)}") from None
 
 
 def open_corpus(paths: tuple[str, ...], dataset: str | None, split: str, text_column: str) -> Corpus:
@@ -231,16 +272,8 @@ def open_corpus(paths: tuple[str, ...], dataset: str | None, split: str, text_co
     if dataset:
         return DatasetCorpus(dataset, split, text_column)
     if paths:
-        return FileCorpus(paths)
+        return FileCorpus(paths, text_column)
     return BuiltinCorpus()
-
-
-def open_text(path: Path) -> Any:
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        return opener(path, "rt", encoding="utf-8", errors="replace", newline="\n")
-    except OSError as exc:
-        raise LmcliError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def read_lines(path: str | Path) -> list[str]:

@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from lmcli.data.token_cache import damaged, file_check, read_cache_json
+from lmcli.data.token_shards import damaged, file_check, read_cache_json
 from lmcli.data.windows import IGNORE, Batch, EpochStream
 from lmcli.errors import LmcliError
 from lmcli.safe_io import atomic_write, remove_stale_temps, temp_file

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lmcli.data.corpus import READ_ERRORS, batched, load_hf_dataset, open_text, read_error
+from lmcli.data.corpus import batched, load_hf_dataset
 from lmcli.data.examples import Encoded, Skipped
+from lmcli.data.readers import READ_ERRORS, open_text, read_error
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 

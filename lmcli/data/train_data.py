@@ -1,11 +1,11 @@
 """A run's training and validation data, from its TrainConfig, as its task trains on them.
 
 ``load_train_data`` reads the corpus, trains or loads the tokenizer, tokenizes into the cache
-(or reuses it) and splits off validation. It returns ``StreamData`` (language modelling:
-windows of one token stream) or ``ExampleData`` (a task with ``examples``, read by its reader in
-``EXAMPLE_READERS``: translation pairs, SFT conversations; whole examples whose loss reads the
-response only); both offer the two things the training loop needs: a ``sampler`` and
-``val_batches``.
+(or reuses it; or opens a folder ``lmcli tokenize`` wrote) and splits off validation. It returns
+``StreamData`` (language modelling: windows of one token stream, in shards) or ``ExampleData``
+(a task with ``examples``, read by its reader in ``EXAMPLE_READERS``: translation pairs, SFT
+conversations; whole examples whose loss reads the response only); both offer the two things
+the training loop needs: a ``sampler`` and ``val_batches``.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from lmcli.config import TrainConfig
+from lmcli.config import DataConfig, TrainConfig
 from lmcli.data.conversations import ConversationRows
-from lmcli.data.corpus import Corpus, FileCorpus, open_corpus
+from lmcli.data.corpus import open_corpus
 from lmcli.data.examples import ExampleSampler, ExampleSet, ExampleSource, collate, tokenize_examples
 from lmcli.data.pairs import AlignedFiles, DatasetPairs, PairCorpus, TableFile
-from lmcli.data.token_cache import default_cache_dir, tokenize_corpus
-from lmcli.data.windows import Batch, WindowSampler, eval_windows, require_window, windows_to_batch
+from lmcli.data.stream import TokenStream
+from lmcli.data.token_cache import default_cache_dir, tokenize_corpus, tokenizer_for
+from lmcli.data.token_shards import TokenFolder, is_token_folder, open_token_folder
+from lmcli.data.windows import Batch, WindowSampler, eval_starts, require_window, windows_to_batch
 from lmcli.errors import LmcliError
-from lmcli.safe_io import atomic_write
 from lmcli.tasks import make_task
 from lmcli.tokenizer import Tokenizer
 
@@ -39,13 +40,17 @@ def _stderr(msg: str) -> None:
 
 @dataclass
 class StreamData:
-    """Language modelling: train and validation ids of one token stream."""
+    """Language modelling: train and validation ids of one token stream (in shards), read as
+    windows anywhere or at documents' starts (``align``), with documents numbered for the
+    attention mask (``documents``)."""
 
     tokenizer: Tokenizer
-    train: np.ndarray
-    val: np.ndarray
+    train: TokenStream
+    val: TokenStream
     block_size: int
     info: dict[str, Any] = field(default_factory=dict)
+    align: bool = False
+    documents: bool = False
 
     @property
     def train_tokens(self) -> int:
@@ -56,17 +61,18 @@ class StreamData:
         return len(self.val)
 
     def sampler(self, batch_size: int, seed: int) -> WindowSampler:
-        return WindowSampler(self.train, self.block_size, seed)
+        return WindowSampler(self.train, self.block_size, seed, align=self.align, documents=self.documents)
 
     def tokens_per_example(self) -> float:
         return float(self.block_size)
 
     def val_batches(self, batch_size: int, limit: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         """A fixed set of validation windows (this rank's share), ``batch_size`` at a time."""
-        context = min(self.block_size, len(self.val) - 1)
-        starts = eval_windows(len(self.val), context, limit)[rank::world]
+        context = min(self.block_size, max(len(p) for p in self.val.pieces) - 1)
+        starts = eval_starts(self.val, context, limit, align=self.align)[rank::world]
         for i in range(0, len(starts), batch_size):
-            yield windows_to_batch(self.val, starts[i : i + batch_size], context)
+            part = starts[i : i + batch_size]
+            yield windows_to_batch(self.val, part, context, documents=self.documents)
 
 
 @dataclass
@@ -96,6 +102,10 @@ class ExampleData:
     def tokens_per_example(self) -> float:
         return float(self.train.length.mean())
 
+    def longest_example(self) -> int:
+        """The widest batch's width: the longest training example, at most the context."""
+        return min(self.block_size, int(self.train.length.max())) if len(self.train) else self.block_size
+
     def val_batches(self, batch_size: int, limit: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         """The first ``limit`` validation examples (this rank's share), ``batch_size`` at a time."""
         indices = np.arange(min(limit, len(self.val)))[rank::world]
@@ -109,29 +119,6 @@ TrainData = StreamData | ExampleData
 
 def cache_dir_of(cfg: TrainConfig) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
-
-
-def tokenizer_for(cfg: TrainConfig, corpus: Corpus | ExampleSource, cache_dir: Path) -> Tokenizer:
-    """Load ``--tokenizer PATH``, or train char/byte/BPE on the corpus (trained ones are cached)."""
-    kind, vocab_size = cfg.data.tokenizer, cfg.data.vocab_size
-    if kind not in ("char", "byte", "bpe"):
-        return Tokenizer.load(kind)
-    if kind == "byte":
-        return Tokenizer.train("byte", iter(()))
-    size = vocab_size if kind == "bpe" else 0
-    cached = cache_dir / f"tokenizer-{corpus.key}-{kind}-{size}.json"
-    if cached.exists():
-        try:
-            return Tokenizer.load(cached)
-        except LmcliError as exc:
-            _stderr(f"warning: {exc}: training it again")
-    tok = Tokenizer.train(kind, corpus.texts(), vocab_size)
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(cached, tok.to_json())
-    except OSError as exc:
-        raise LmcliError(f"cannot write to cache folder {cache_dir}: {exc.strerror}") from None
-    return tok
 
 
 def load_train_data(
@@ -152,33 +139,73 @@ def load_train_data(
 def _prepare_stream(
     cfg: TrainConfig, block_size: int, tokenizer: Tokenizer | None, progress: bool, info: Info
 ) -> StreamData:
-    cache_dir = cache_dir_of(cfg)
-    data = cfg.data
-    corpus = open_corpus(data.corpus, data.dataset, data.split, data.text_column)
-    if corpus.is_empty():
-        raise LmcliError(f"corpus is empty: {corpus.description}")
-    if tokenizer is None:
-        tokenizer = tokenizer_for(cfg, corpus, cache_dir)
-    tokens = tokenize_corpus(corpus, tokenizer, cache_dir, progress=progress)
-    meta = tokens.meta
+    data, cache_dir = cfg.data, cache_dir_of(cfg)
+    train, tokenizer = _tokens(data.corpus, data.dataset, data, cache_dir, tokenizer, progress)
+    meta = train.meta
     if meta.get("replaced"):
         info(f"warning: replaced {meta['replaced']} invalid UTF-8 sequence(s) in the corpus with U+FFFD")
     if meta.get("unknown"):
         info(f"warning: {meta['unknown']} character(s) unknown to the tokenizer became <unk>")
-    ids = tokens.array()
+    ids = train.stream()
     if data.val:
-        val_file = tokenize_corpus(FileCorpus((data.val,)), tokenizer, cache_dir, progress=progress)
-        train_ids, val_ids = ids, val_file.array()
+        val, _ = _tokens((data.val,), None, data, cache_dir, tokenizer, progress)
+        train_ids, val_ids = ids, val.stream()
     else:
         require_window(len(ids), block_size)
         n_val = int(len(ids) * data.val_fraction)
-        train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+        train_ids, val_ids = ids.split(len(ids) - n_val)
     require_window(len(train_ids), block_size, "training split")
     if len(val_ids) < 2:
         raise LmcliError(
             f"validation split has {len(val_ids)} tokens: give a larger --val-fraction or a --val file"
         )
-    return StreamData(tokenizer, train_ids, val_ids, block_size, {**meta, "cached": tokens.cached})
+    facts = {**meta, "cached": train.cached}
+    return StreamData(
+        tokenizer, train_ids, val_ids, block_size, facts, data.align_documents, data.document_mask
+    )
+
+
+def _tokens(
+    paths: tuple[str, ...],
+    dataset: str | None,
+    data: DataConfig,
+    cache_dir: Path,
+    tokenizer: Tokenizer | None,
+    progress: bool,
+) -> tuple[TokenFolder, Tokenizer]:
+    """The tokens of a corpus and their tokenizer: a folder ``lmcli tokenize`` wrote (given as
+    the corpus), or the token cache of the corpus, tokenized now if need be."""
+    folders = [p for p in paths if is_token_folder(Path(p))]
+    if folders and len(paths) > 1:
+        raise LmcliError(f"{folders[0]} is a folder of token shards: give it as the only corpus")
+    if folders:
+        folder = open_token_folder(folders[0])
+        own = folder.tokenizer()
+        _check_folder_tokenizer(folder, own, tokenizer, data.tokenizer)
+        folder.index["corpus"] = f"{folder.index.get('corpus')} (tokenized in {folder.path})"
+        return folder, tokenizer or own
+    corpus = open_corpus(paths, dataset, data.split, data.text_column)
+    if corpus.is_empty():
+        raise LmcliError(f"corpus is empty: {corpus.description}")
+    if tokenizer is None:
+        tokenizer = tokenizer_for(data, corpus, cache_dir)
+    return tokenize_corpus(corpus, tokenizer, cache_dir, progress=progress), tokenizer
+
+
+def _check_folder_tokenizer(
+    folder: TokenFolder, own: Tokenizer, given: Tokenizer | None, option: str
+) -> None:
+    """A token folder trains with its own tokenizer: another one given (``--init-from``, a
+    resumed run, ``--tokenizer`` other than the default) is refused."""
+    if given is not None and given.fingerprint != own.fingerprint:
+        raise LmcliError(
+            f"{folder.path} was tokenized with another tokenizer than this run's (--init-from or "
+            "the resumed run): tokenize the corpus with that tokenizer"
+        )
+    if option in ("byte", "bpe") or (
+        option != "char" and Tokenizer.load(option).fingerprint != own.fingerprint
+    ):
+        raise LmcliError(f"{folder.path} is tokenized already, with its own tokenizer: drop --tokenizer")
 
 
 def open_examples(cfg: TrainConfig, *, validation: bool = False) -> ExampleSource | None:
@@ -236,7 +263,7 @@ def _prepare_examples(
     source = open_examples(cfg)
     assert source is not None
     if tokenizer is None:
-        tokenizer = tokenizer_for(cfg, source, cache_dir)
+        tokenizer = tokenizer_for(cfg.data, source, cache_dir)
     examples = tokenize_examples(source, tokenizer, block_size + 1, cache_dir)
     task = make_task(cfg)
     what = task.example_noun

@@ -32,9 +32,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmcli.fastpath.packed import LinearFn, PackCache, PackingLinear
+from lmcli.fastpath.packed import (
+    IN_PLACE_MIN_BYTES,
+    PACK_MIN_WEIGHT,
+    LinearFn,
+    PackCache,
+    PackingLinear,
+    bf16_packing_available,
+    packing_available,
+)
 from lmcli.lora import has_adapters
 from lmcli.model import CausalSelfAttention, GeluMLP, Transformer
+from lmcli.positions import Positions, Rotary, rotate_half
+from lmcli.quant import quantized_elements
 
 if TYPE_CHECKING:
     from lmcli.generate.kv_cache import KVCache
@@ -70,6 +80,7 @@ class SigmoidGeluMLP(GeluMLP):
 
 Norm = Callable[[Tensor], Tensor]
 Rotate = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+Turn = Callable[[Tensor], Tensor]
 
 
 def functional_norm(norm: nn.Module) -> Norm:
@@ -105,25 +116,51 @@ class LayerStep:
     gate: LinearFn | None
     mlp_out: LinearFn
 
-    def __call__(self, x: Tensor, pos: Tensor, mask: Tensor | None, rotate: Rotate, cache: KVCache) -> Tensor:
+    def __call__(
+        self, x: Tensor, pos: Tensor, mask: Tensor | None, rotate: Rotate, cache: KVCache, turn: Turn | None
+    ) -> Tensor:
         def attn(h: Tensor) -> Tensor:
             B, C = h.size()
-            H = self.heads.n_head
-            if self.heads.n_kv_head == H:  # one view: (B, 3C) -> q, k, v (B, H, 1, D)
-                q, k, v = self.qkv(h).view(B, 3, H, 1, C // H).unbind(1)
-            else:  # grouped-query attention: k and v (B, KV, 1, D)
-                q, k, v = self.heads.split_heads(self.qkv(h).view(B, 1, -1))
-            if self.heads.q_norm is not None:
-                q, k = self.heads.normalize_qk(q, k)
-            q, k = rotate(q, k, pos)
-            k, v = self.heads.share_heads(*cache.update(self.layer, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, 1, D)
-            return self.attn_out(y.view(B, C))
+            H, KV, D = self.heads.n_head, self.heads.n_kv_head, self.heads.head_dim
+            qkv = self.qkv(h).view(B, H + 2 * KV, D)  # (B, C + 2 * KV * D) -> (B, heads, D)
+            v = qkv[:, H + KV :].unsqueeze(2)  # (B, KV, 1, D)
+            if turn is not None and self.heads.q_norm is None:  # rotary: queries and keys in one turn
+                qk = turn(qkv[:, : H + KV])  # (B, H + KV, D)
+                q, k = qk[:, :H].unsqueeze(2), qk[:, H:].unsqueeze(2)  # (B, H, 1, D), (B, KV, 1, D)
+            else:
+                q, k = self.heads.normalize_qk(qkv[:, :H].unsqueeze(2), qkv[:, H : H + KV].unsqueeze(2))
+                q, k = rotate(q, k, pos)
+            keys, values = cache.update(self.layer, k, v)  # (B, KV, S, D)
+            return self.attn_out(grouped_attention(q, keys, values, mask).reshape(B, C))
 
         def mlp(h: Tensor) -> Tensor:
             return self.mlp_out(self.hidden(h, self.fc, self.gate))
 
         return self.residual(x, attn, mlp, self.norm_1, self.norm_2)
+
+
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """One query per head, q (B, H, 1, D), against keys and values (B, KV, S, D): each key/value
+    head's G = H / KV query heads attend as G rows of one head, so nothing is repeated (the
+    model's ``share_heads`` copies every key and value G times). Returns (B, KV, G, D), which is
+    (B, H, D) in head order."""
+    B, H, _, D = q.size()
+    KV = keys.size(1)
+    G = H // KV
+    if mask is not None and mask.size(1) != 1:  # a bias per head (ALiBi): (B or 1, H, 1, S)
+        mask = mask.reshape(mask.size(0), KV, G, -1)  # -> (B or 1, KV, G, S)
+    return F.scaled_dot_product_attention(q.reshape(B, KV, G, D), keys, values, attn_mask=mask)
+
+
+def rotary_turn(positions: Positions, pos: Tensor, dtype: torch.dtype) -> Turn | None:
+    """The rotary turn of one decoding step, for rows (B, N, D) of queries and keys at ``pos``
+    (B or 1, 1): ``Rotary.rotate``'s arithmetic with its cos and sin looked up once per step
+    instead of once per layer; None for other positions."""
+    if not isinstance(positions, Rotary):
+        return None
+    cos = positions.cos[pos].to(dtype)  # (B or 1, 1, D)
+    sin = positions.sin[pos].to(dtype)
+    return lambda x: rotate_half(x, cos, sin)
 
 
 class StepRunner:
@@ -137,7 +174,9 @@ class StepRunner:
         """Every layer's step for ``rows`` rows, the final norm and the head, large weights packed
         when that pays."""
 
-        def linear(module: nn.Linear) -> LinearFn:
+        def linear(module: nn.Module) -> LinearFn:
+            if not isinstance(module, nn.Linear):  # a quantized layer (lmcli.quant): its own product
+                return module
             return self.packs.linear(module.weight, module.bias, rows)
 
         layers = []
@@ -174,8 +213,9 @@ class StepRunner:
         x = model.positions.embed(model.wte(idx), pos).view(B, -1)  # (B, 1, C) -> (B, C)
         mask, _ = model.attention_mask(1, cache, None, x.dtype, idx.device)
         rotate = model.positions.rotate
+        turn = rotary_turn(model.positions, pos, x.dtype)
         for layer in layers:
-            x = layer(x, pos, mask, rotate, cache)
+            x = layer(x, pos, mask, rotate, cache, turn)
         cache.advance(1)
         return model.cap_logits(model.vocab_logits(head(final_norm(x)))).view(B, 1, -1)
 
@@ -199,6 +239,29 @@ def _wide_weights(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
+def _in_place_weights(model: Transformer) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The weights to pack in place for a scope (``lmcli.fastpath.packed``): the large float32
+    and bfloat16 weights of the linear layers, when they add up to ``IN_PLACE_MIN_BYTES``; and
+    the float32 ones among them that the token embedding shares (a tied head), which stay plain
+    (their rows are looked up) and are multiplied by oneDNN as they are."""
+    if not packing_available():
+        return [], []
+    dtypes = (torch.float32, torch.bfloat16) if bf16_packing_available() else (torch.float32,)
+    shared = {id(p) for p in model.wte.parameters()}
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            w = module.weight
+            if w.numel() >= PACK_MIN_WEIGHT and w.dtype in dtypes and w.is_contiguous():
+                found.setdefault(id(w), w)
+    weights = list(found.values())
+    if sum(w.numel() * w.element_size() for w in weights) < IN_PLACE_MIN_BYTES:
+        return [], []
+    # (a bfloat16 table gains nothing from oneDNN's plain-layout product here: MKL's is as fast)
+    dense = [w for w in weights if id(w) in shared and w.dtype == torch.float32]
+    return [w for w in weights if id(w) not in shared], dense
+
+
 def _swap(module: nn.Module, cls: type) -> None:
     module.__class__ = cls
 
@@ -210,6 +273,7 @@ def inference(model: Transformer) -> Iterator[Transformer]:
         yield model  # nested, not on a CPU, or LoRA adapters in training (the step reads plain weights)
         return
     packs = PackCache()
+    packed, dense = _in_place_weights(model)  # (before the linear layers change class)
     swapped: list[tuple[nn.Module, type]] = []
     for module in model.modules():
         if type(module) is nn.Linear:
@@ -219,15 +283,20 @@ def inference(model: Transformer) -> Iterator[Transformer]:
         elif type(module) is GeluMLP:
             swapped.append((module, GeluMLP))
             _swap(module, SigmoidGeluMLP)
-    laid_out = _wide_weights(model)
-    with torch.inference_mode(False), torch.no_grad():
-        for w in laid_out:
-            w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) order in memory
-    model.fast_step = StepRunner(model, packs)
-    try:
+    # a model packed in place keeps its other weights' layout (its tied vocabulary table among
+    # them): the transposed copy would hold the largest weight twice while it is made
+    laid_out = [] if packed or dense else _wide_weights(model)
+    try:  # (from here on, whatever fails, every weight gets its values and layout back)
+        packs.pack_in_place(packed)
+        packs.multiply_dense(dense)
+        with torch.inference_mode(False), torch.no_grad():
+            for w in laid_out:
+                w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) order in memory
+        model.fast_step = StepRunner(model, packs)
         yield model
     finally:
         model.fast_step = None
+        packs.unpack()
         with torch.inference_mode(False), torch.no_grad():
             for w in laid_out:
                 w.data = w.data.contiguous()
@@ -258,7 +327,7 @@ def step_threads(model: Transformer, rows: int) -> Iterator[None]:
     models, or many rows at once, keep every thread.
     """
     threads = torch.get_num_threads()
-    small = model.num_parameters() * rows <= ONE_THREAD_WORK
+    small = (model.num_parameters() + quantized_elements(model)) * rows <= ONE_THREAD_WORK
     if threads == 1 or not small or next(model.parameters()).device.type != "cpu":
         yield
         return

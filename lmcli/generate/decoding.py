@@ -13,12 +13,30 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lmcli import chat_template
 from lmcli.generate.kv_cache import KVCache
 from lmcli.model import Transformer
 from lmcli.tasks import TextPrompt
 from lmcli.tokenizer import Tokenizer
 
 TEXT = TextPrompt()  # ``<bos> text``, a language model's prompt
+
+
+class ChatPrompt(TextPrompt):
+    """A text as a user's message in the model's chat template (``lmcli sample --chat``): the
+    prompt ends where the assistant's reply begins (the template puts ``<bos>`` where it wants
+    one), and what is decoded is the reply alone."""
+
+    shows_text = False
+
+    def __init__(self, template: str | None) -> None:
+        self.template = template  # a Hugging Face template, or None: lmcli's
+
+    def encode(self, text: str, tokenizer: Tokenizer) -> list[int]:
+        return chat_template.encode([{"role": "user", "content": text}], self.template, tokenizer)
+
+    def frame(self, body: list[int], tokenizer: Tokenizer, block_size: int) -> tuple[list[int], bool]:
+        return body, False
 
 
 @dataclass
@@ -37,7 +55,7 @@ def make_prompt(text: str, tokenizer: Tokenizer, block_size: int, form: TextProm
 
     A prompt longer than the context keeps its last ``block_size - 1`` tokens.
     """
-    body = tokenizer.encode(text)
+    body = form.encode(text, tokenizer)
     ids, truncated = form.frame(body, tokenizer, block_size)
     if len(ids) > block_size - 1:
         ids, truncated = ids[-(block_size - 1) :], True

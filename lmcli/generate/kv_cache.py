@@ -188,6 +188,13 @@ class KVCache:
         """Mark ``n`` more columns as filled (called once per forward)."""
         self.length += n
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` filled columns (speculative decoding drops the keys and
+        values of rejected tokens; the next write goes over them)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} columns to {length}")
+        self.length = length
+
     def reorder(self, parent_idx: Tensor, shared: int = 0) -> None:
         """Keep row ``parent_idx[i]`` as new row ``i`` (beam search); the batch size may change.
 

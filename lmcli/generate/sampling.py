@@ -4,10 +4,14 @@ and ``sample_texts`` do it for prompt texts, in blocks of bounded size.
 
 Reproducibility: sample ``j`` of every prompt draws from its own ``torch.Generator`` seeded with
 ``seed + j``, so the same seed gives the same text whatever else is in the batch.
+
+With a draft model (``Draft``, ``--draft``) each row is decoded alone by speculative decoding
+(``speculative.py``): greedy text identical, sampled text from the same distribution, sooner.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +23,30 @@ from lmcli.config import SampleConfig
 from lmcli.generate.decoding import TEXT, Prompt, make_prompt
 from lmcli.generate.engine import Engine, Row, RowProcessor
 from lmcli.generate.kv_cache import check_fits
+from lmcli.generate.speculative import Draft, Speculator, fits
 from lmcli.model import Transformer
 from lmcli.tasks import TextPrompt
 from lmcli.tokenizer import Tokenizer
+
+
+@dataclass
+class Speed:
+    """How fast one ``generate`` call ran: its prompts' tokens through the prefill, and the new
+    tokens of every row through the decoding steps."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    def report(self) -> dict[str, float | None]:
+        """Tokens per second of the prefill and of decoding (None where nothing was timed)."""
+        return {
+            "prefill_tokens_per_s": round(self.prefill_tokens / self.prefill_s, 2)
+            if self.prefill_s
+            else None,
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 2) if self.decode_s else None,
+        }
 
 
 @dataclass
@@ -34,6 +59,9 @@ class Generated:
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"  # "eos", "stop" (a stop string) or "length"
+    speed: Speed = field(default_factory=Speed)  # of the generate call that made it (shared by its rows)
+    drafted: int = 0  # with a draft model: tokens it proposed, and how many were taken
+    accepted: int = 0
 
 
 @torch.inference_mode()
@@ -46,10 +74,12 @@ def generate(
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
     samples: range | None = None,
+    draft: Draft | None = None,
     processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
 ) -> list[Generated]:
     """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch
-    (or only the samples numbered ``samples``, e.g. ``range(64, 128)``).
+    (or only the samples numbered ``samples``, e.g. ``range(64, 128)``); with ``draft``, one
+    row after the other by speculative decoding.
 
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
     ``prompt * num_samples + sample``; text that might begin a stop string comes once it cannot).
@@ -61,21 +91,78 @@ def generate(
     out = [Generated(p, j) for p in range(len(prompts)) for j in samples]
     if cfg.max_new_tokens == 0 or not out:
         return out
+    if draft is not None and not prefix_lm and not processors():  # a grammar follows no drafted token
+        return _drafted(model, tokenizer, prompts, cfg, out, draft, on_text)
     check_fits(model, len(out), f"{len(prompts)} prompt(s) x {len(samples)} sample(s)")
     rows = [
         Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None, processors=processors())
         for g in out
     ]
     engine = Engine(model, tokenizer, prefix_lm=prefix_lm)
+    speed = Speed(prefill_tokens=sum(map(len, prompts)))
     with fastpath.inference(model):
+        start = time.perf_counter()
         engine.start(prompts, rows, cfg.max_new_tokens)
+        speed.prefill_s, start = time.perf_counter() - start, time.perf_counter()
+        chosen = 0
         with fastpath.step_threads(model, len(rows)):
             while engine.live:
                 for e in engine.advance():
+                    chosen += 1
                     if on_text is not None and e.text:
                         on_text(e.position, e.text)
+        speed.decode_s = time.perf_counter() - start
+    speed.decode_tokens = chosen - len(rows)  # every token but each row's first came from a step
     for g, r in zip(out, rows, strict=True):
         g.ids, g.logprobs, g.text, g.finish_reason = r.ids, r.logprobs, r.text, r.finish_reason or "length"
+        g.speed = speed
+    return out
+
+
+def _drafted(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    cfg: SampleConfig,
+    out: list[Generated],
+    draft: Draft,
+    on_text: Callable[[int, str], None] | None,
+) -> list[Generated]:
+    """``generate``'s rows decoded one at a time with ``draft`` (a row that does not fit both
+    contexts without it)."""
+    check_fits(model, 1, "a row")
+    speculator = Speculator(model, draft, tokenizer)
+    with fastpath.inference(model), fastpath.inference(draft.model):
+        for i, g in enumerate(out):
+            prompt = prompts[g.prompt_index]
+            if not fits(model, draft, prompt, cfg.max_new_tokens):
+                one = None if on_text is None else (lambda _, piece, i=i: on_text(i, piece))
+                alone = generate(
+                    model,
+                    tokenizer,
+                    [prompt],
+                    cfg,
+                    on_text=one,
+                    samples=range(g.sample_index, g.sample_index + 1),
+                )[0]
+                g.ids, g.logprobs, g.text, g.finish_reason = (
+                    alone.ids,
+                    alone.logprobs,
+                    alone.text,
+                    alone.finish_reason,
+                )
+                continue
+            row = Row(cfg, prompt, g.sample_index, stream=on_text is not None)
+            stats = speculator.run(
+                row, prompt, None if on_text is None else (lambda piece, i=i: on_text(i, piece))
+            )
+            g.ids, g.logprobs, g.text, g.finish_reason = (
+                row.ids,
+                row.logprobs,
+                row.text,
+                row.finish_reason or "length",
+            )
+            g.drafted, g.accepted = stats.drafted, stats.accepted
     return out
 
 
@@ -104,6 +191,7 @@ def iter_samples(
     form: TextPrompt = TEXT,
     on_text: Callable[[int, str], None] | None = None,
     rows: int = BATCH_ROWS,
+    draft: Draft | None = None,
     processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
 ) -> Iterator[tuple[Generated, Prompt]]:
     """Encode prompt texts in the model's prompt ``form`` (its task's: ``<bos> text``, or
@@ -111,7 +199,8 @@ def iter_samples(
     of each, ``rows`` (prompt, sample) rows at a time; yields each sample with its prompt, in
     order (prompt-major), as its block finishes. Memory stays bounded however many prompts and
     samples are asked for; the same seed gives the same text whatever the blocks (each sample
-    draws from its own generator). ``processors``: as ``generate``'s."""
+    draws from its own generator). ``draft``: decode with speculative decoding (``generate``).
+    ``processors``: as ``generate``'s."""
     with fastpath.inference(model):  # one scope for every block
         for block, samples in row_blocks(len(texts), cfg.num_samples, rows):
             prompts = [make_prompt(texts[i], tokenizer, model.config.block_size, form) for i in block]
@@ -131,6 +220,7 @@ def iter_samples(
                 prefix_lm=form.prefix_lm,
                 on_text=row_text,
                 samples=samples,
+                draft=draft,
                 processors=processors,
             )
             for g in out:

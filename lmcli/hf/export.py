@@ -2,7 +2,10 @@
 
 The family adapter that expresses the model (``lmcli.hf.families.for_export``) writes its
 ``config.json`` and names its weights; the folder also holds the tokenizer and its roles in
-Hugging Face's files, and is written to a temporary folder renamed into place.
+Hugging Face's files, and is written to a temporary folder renamed into place. A tokenizer that
+puts ``<bos>`` first (lmcli's own) says so twice: ``add_bos_token`` in ``tokenizer_config.json``
+and a post-processor in ``tokenizer.json`` (what ``transformers`` follows), so a text encoded by
+``transformers`` starts as the model saw its texts start.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from typing import Any
 from lmcli.checkpoint import logical_state, save_tensors
 from lmcli.errors import LmcliError
 from lmcli.hf.families import for_export
+from lmcli.hf.load import adds_bos
 from lmcli.safe_io import new_folder, temp_dir, write_error
 from lmcli.sources import load_model
+from lmcli.tokenizer import Tokenizer
 
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
@@ -36,7 +41,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {**{f"{r}_token_id": i for r, i in ids.items()}})
         save_tensors(state, tmp / "model.safetensors")
-        tok.save(tmp / "tokenizer.json")
+        tokenizer_file(tok).save(str(tmp / "tokenizer.json"))
         specials = {f"{role}_token": tok.token(i) for role, i in ids.items()}
         for role, i in (("unk", tok.unk_id), ("sep", tok.sep_id)):
             if i is not None:
@@ -45,8 +50,8 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": cfg.block_size,
             "clean_up_tokenization_spaces": False,
-            "add_bos_token": False,
-            "add_eos_token": False,
+            "add_bos_token": tok.add_bos,
+            "add_eos_token": tok.add_eos,
             **specials,
         }
         if tok.chat_template is not None:
@@ -64,6 +69,24 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def tokenizer_file(tok: Tokenizer) -> Any:
+    """The ``tokenizers`` object to save as ``tokenizer.json``: the tokenizer's own, with a
+    post-processor that puts ``<bos>`` first when the tokenizer does and its own does not."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    out = HFTokenizer.from_str(tok.to_json())
+    if not tok.add_bos or adds_bos(tok):
+        return out
+    bos = tok.token(tok.bos_id)
+    template = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+    )
+    own = out.post_processor
+    out.post_processor = template if own is None else processors.Sequence([own, template])
+    return out
 
 
 def _write_json(path: Path, data: Any) -> None:

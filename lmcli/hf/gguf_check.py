@@ -19,7 +19,6 @@ tables the config alone would make. A GGUF import builds its model only after it
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import mmap
 import re
@@ -35,6 +34,7 @@ from lmcli.checkpoint import WeightsHeader, check_header
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.hf.families import FamilyAdapter, HFConfig, from_gguf_arch
+from lmcli.hf.families.hf_config import GgufSchema
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -44,17 +44,6 @@ TEXT_LIMIT = 16 << 20  # bytes of one metadata string (a chat template: a few Ki
 STRING, ARRAY = 8, 9
 # value type -> struct format of the fixed-size ones (GGUF's GGUFValueType)
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-# GGUF's metadata keys ({arch}.KEY) holding ModelConfig fields
-GGUF_FIELDS = {
-    "context_length": "block_size",
-    "embedding_length": "n_embd",
-    "block_count": "n_layer",
-    "feed_forward_length": "d_ff",
-    "attention.head_count": "n_head",
-    "attention.head_count_kv": "n_kv_head",
-    "attention.layer_norm_rms_epsilon": "norm_eps",
-    "attention.layer_norm_epsilon": "norm_eps",
-}
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -104,7 +93,7 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > len(self.mm):
-            raise LmcliError(f"{self.where}: {what} runs past the end of the file (truncated or not GGUF)")
+            raise LmcliError(f"{self.where}: {what} runs past the end of the file (truncated or damaged)")
 
     def unpack(self, fmt: str, what: str) -> Any:
         size = struct.calcsize("<" + fmt)
@@ -192,7 +181,10 @@ def scan(path: str | Path) -> GgufHeader:
         if info.name in header.tensors:
             raise LmcliError(f"{where}: tensor {info.name} appears twice")
         if info.offset + info.n_bytes > header.file_size:
-            raise LmcliError(f"{where}: the data of tensor {info.name} runs past the end of the file")
+            raise LmcliError(
+                f"{where}: the data of tensor {info.name} runs past the end of the file "
+                "(truncated or damaged)"
+            )
         header.tensors[info.name] = info
     return header
 
@@ -215,27 +207,14 @@ def _tensor_info(cur: _Cursor, gguf: Any) -> TensorInfo:
 
 
 def config_from_gguf(header: GgufHeader) -> tuple[FamilyAdapter, ModelConfig, list[str]]:
-    """The family and lmcli's ModelConfig of a scanned GGUF file: its metadata read as the
-    family's ``config.json`` would be (the same rules, ``HFConfig``), a tied head when the file
-    has no ``output.weight``; and notices."""
+    """The family and lmcli's ModelConfig of a scanned GGUF file: its metadata read by the family
+    adapter (``FamilyAdapter.config_from_gguf``), each value by the rule of the ``config.json``
+    field it stands for (``HFConfig`` with ``GgufSchema``); and notices (none yet)."""
     where = str(header.path)
-    arch = header.metadata.get("general.architecture")
-    if not isinstance(arch, str):
-        raise LmcliError(f"{where} has no general.architecture")
-    family = from_gguf_arch(arch, where)
-    theirs = {f.ours: f.theirs for f in family.hf_fields}
-    data: dict[str, Any] = {"model_type": family.name, "architectures": [family.architecture]}
-    for key, ours in GGUF_FIELDS.items():
-        value = header.metadata.get(f"{arch}.{key}")
-        if value is not None and ours in theirs:
-            data[theirs[ours]] = value
-    vocab = header.metadata.get(f"{arch}.vocab_size")
-    tokens = header.arrays.get("tokenizer.ggml.tokens")
-    data["vocab_size"] = vocab if vocab is not None else tokens[1] if tokens else None
-    if header.metadata.get(f"{arch}.rope.freq_base") is not None:
-        data["rope_theta"] = header.metadata[f"{arch}.rope.freq_base"]
-    cfg, notices = family.config_from_hf(HFConfig(data, f"{where} (metadata {arch}.*)"))
-    return family, dataclasses.replace(cfg, tie_embeddings="output.weight" not in header.tensors), notices
+    meta = HFConfig(header.metadata, where, GgufSchema())
+    family = from_gguf_arch(str(meta.require("general.architecture")), where)
+    shapes = {name: t.shape for name, t in header.tensors.items()}
+    return family, family.config_from_gguf(meta, shapes), []
 
 
 def check_gguf(path: str | Path) -> tuple[GgufHeader, FamilyAdapter, ModelConfig, list[str]]:

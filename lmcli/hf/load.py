@@ -7,6 +7,8 @@ and builds the model around them. ``transformers`` is not needed (only the tests
 The special tokens of an imported model come from its folder: ``tokenizer_config.json`` first
 (``bos_token``, ``eos_token``, ``pad_token``, and its ``chat_template``), then the token ids of
 ``generation_config.json`` and ``config.json``; they travel with the tokenizer from then on.
+Whether a text starts with ``<bos>``: the config's ``add_bos_token`` when it says, else what
+``tokenizer.json``'s post-processor does (what ``transformers`` adds by default).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from lmcli.errors import LmcliError
 from lmcli.hf.families import FamilyAdapter, HFConfig, from_hf_config
 from lmcli.hf.weights import build_model, check_weights, read_headers, read_weights
 from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer, read_config
+from lmcli.tokenizer import Tokenizer, read_config, read_flags
 
 
 def _stderr(msg: str) -> None:
@@ -86,10 +88,19 @@ def read_tokenizer(path: Path, hf: HFConfig | None = None) -> Tokenizer:
             i = i[0] if isinstance(i, list) and i else i  # several end tokens: the first is lmcli's eos
             if role not in specials and isinstance(i, int) and tok.id_to_token(i) is not None:
                 specials[role] = tok.id_to_token(i)
+    add_bos, add_eos = read_flags(path / "tokenizer_config.json")
     try:
-        return Tokenizer(tok, specials, template)
+        out = Tokenizer(tok, specials, template, add_eos=bool(add_eos))
     except LmcliError as exc:
         raise LmcliError(f"{path}: {exc}") from None
+    out.add_bos = add_bos if add_bos is not None else adds_bos(out)
+    return out
+
+
+def adds_bos(tok: Tokenizer) -> bool:
+    """Whether the tokenizer's own post-processor puts ``<bos>`` before a text."""
+    probe = tok.hf.encode("a", add_special_tokens=True).ids
+    return bool(probe) and probe[0] == tok.bos_id and tok.bos_id not in tok.encode("a")
 
 
 def read_hf_config(path: Path) -> tuple[HFConfig, FamilyAdapter, ModelConfig, list[str]]:

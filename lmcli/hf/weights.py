@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from lmcli.checkpoint import DTYPES, WeightsHeader, check_header, model_from_state, read_header
+from lmcli.checkpoint import DTYPES, WeightsHeader, check_header, model_from_state, read_header, read_tensors
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.hf.families import FamilyAdapter
@@ -172,10 +172,10 @@ def read_weights(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tens
     out: dict[str, Tensor] = {}
     for file in weight_files(path):
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    out[key] = _as(f.get_tensor(key), dtype)
-        except (SafetensorError, OSError) as exc:
+            with safe_open(str(file), framework="pt"):  # checks the header and its offsets
+                pass
+            out.update(read_tensors(file, dtype))  # not memory-mapped (see read_tensors)
+        except (SafetensorError, OSError, ValueError) as exc:
             raise LmcliError(f"cannot read weights {file}: {str(exc).splitlines()[0][:200]}") from None
     return out
 

@@ -196,9 +196,10 @@ def _common(
 
 
 def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[str]]:
-    """A completion's prompts (text, texts, token ids, or lists of ids) as ids with ``<bos>``.
-    A text longer than ``model.max_chars`` cannot fit: refused (a translation source is cut to
-    it, as it would be cut to half the context) before it is tokenized."""
+    """A completion's prompts (text, texts, token ids, or lists of ids) as ids; a text in the
+    model's prompt form (``<bos>`` first where its tokenizer puts it), ids as given. A text
+    longer than ``model.max_chars`` cannot fit: refused (a translation source is cut to it, as
+    it would be cut to half the context) before it is tokenized."""
     prompt = body.get("prompt")
     tok = model.tokenizer
     if isinstance(prompt, str):

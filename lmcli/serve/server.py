@@ -38,12 +38,12 @@ BACKLOG = 2048  # connections the kernel holds until they are accepted
 
 def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
     """The served model as the API shows it."""
-    from lmcli.chat_template import find_template
+    from lmcli.chat_template import template_of
 
     name = cfg.model_name or (ckpt.path.parent.name if ckpt.path.name in ("best", "last") else ckpt.path.name)
     task = make_task(ckpt.train_config)
     no_chat = None if task.chat else task.refusal("use /v1/completions with the source as prompt")
-    template = find_template(ckpt.path)
+    template = template_of(ckpt)
     block_size = ckpt.model.config.block_size
     grammars = Grammars(ckpt.tokenizer)
     return Model(name, ckpt.tokenizer, block_size, template, int(time.time()), task.prompt, no_chat, grammars)
@@ -114,14 +114,16 @@ def _event_log() -> EventLog:
     return events
 
 
-def _setup(ckpt: Checkpoint, cfg: ServeConfig, log_level: str) -> tuple[Any, Scheduler, socket.socket]:
+def _setup(
+    ckpt: Checkpoint, cfg: ServeConfig, log_level: str, threads: int | None = None
+) -> tuple[Any, Scheduler, socket.socket]:
     model = describe(ckpt, cfg)
     scheduler = Scheduler(
         ckpt.model,
         ckpt.tokenizer,
         max_batch=cfg.max_batch,
         max_queue=cfg.max_queue,
-        threads=cfg.threads,
+        threads=threads,
         prefix_lm=make_task(ckpt.train_config).prefix_lm,
     )
     app = create_app(model, scheduler, cfg)
@@ -142,9 +144,16 @@ def _setup(ckpt: Checkpoint, cfg: ServeConfig, log_level: str) -> tuple[Any, Sch
     return _Server(config, guard, events, app.state.api.close), scheduler, sock
 
 
-def serve(ckpt: Checkpoint, cfg: ServeConfig, *, announce: Callable[[str], None] = print) -> None:
-    """Serve ``ckpt`` until SIGTERM or Ctrl-C (see the module docstring)."""
-    server, scheduler, sock = _setup(ckpt, cfg, "warning")
+def serve(
+    ckpt: Checkpoint,
+    cfg: ServeConfig,
+    *,
+    threads: int | None = None,
+    announce: Callable[[str], None] = print,
+) -> None:
+    """Serve ``ckpt`` until SIGTERM or Ctrl-C (see the module docstring); ``threads``: torch's
+    CPU threads for decoding (default: all CPUs but one, which HTTP needs)."""
+    server, scheduler, sock = _setup(ckpt, cfg, "warning", threads)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     announce(f"lmcli serve: {describe(ckpt, cfg).name} on http://{shown}:{port} (chat page at /, API at /v1)")

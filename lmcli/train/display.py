@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lmcli.train.loop import Reporter
-from lmcli.train.preflight import Preflight, fmt_duration, preflight_rows
+from lmcli.train.preflight import Preflight, fmt_duration, fmt_rate, preflight_rows
 
 
 def stderr_console() -> Console:
@@ -45,7 +45,7 @@ class TrainProgress:
             return
         total = self.progress.tasks[0].total
         tok_s = record["tokens_per_s"]
-        stats = f"loss {record['train_loss']:.4f}  lr {record['lr']:.2e}  {tok_s / 1000:.1f}k tok/s"
+        stats = f"loss {record['train_loss']:.4f}  lr {record['lr']:.2e}  {fmt_rate(tok_s)} tok/s"
         if record.get("mfu") is not None:
             stats += f"  MFU {100 * record['mfu']:.1f}%"
         remaining = []

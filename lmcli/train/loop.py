@@ -33,13 +33,24 @@ from lmcli.checkpoint import (
     read_json,
     save_checkpoint,
     step_checkpoints,
+    with_context,
 )
-from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple
+from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple, to_dict
 from lmcli.data.examples import pad_multiple
 from lmcli.data.train_data import ExampleData, TrainData, load_train_data
-from lmcli.device import Staging, autocast, autocast_dtype, configure_backend, deterministic_algorithms
+from lmcli.device import (
+    Staging,
+    autocast,
+    autocast_dtype,
+    configure_backend,
+    deterministic_algorithms,
+    set_threads,
+    usable_cpus,
+)
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
+from lmcli.downstream.run import describe_scores, load_eval_tasks, task_scores
 from lmcli.errors import LmcliError, Terminated
+from lmcli.hf.gguf_load import is_gguf_file, load_gguf
 from lmcli.hf.load import is_hf_folder, load_hf_folder
 from lmcli.lora_run import base_reference
 from lmcli.model import Transformer
@@ -47,7 +58,7 @@ from lmcli.safe_io import refuse_symlinks
 from lmcli.sources import load_checkpoint
 from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
-from lmcli.train.metrics import MetricsLog, plot_loss_curve
+from lmcli.train.metrics import MetricsLog, plot_loss_curve, plot_task_scores
 from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params, peak_tflops
 from lmcli.train.optim import group_lr, lr_at, make_optimizer
 from lmcli.train.preflight import (
@@ -57,6 +68,7 @@ from lmcli.train.preflight import (
     fmt_count,
     fmt_duration,
     measured_memory,
+    preflight_rows,
 )
 from lmcli.train.run_folder import (
     RunFolder,
@@ -68,6 +80,7 @@ from lmcli.train.run_folder import (
 )
 from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds
 from lmcli.train.state import COUNTERS, RngStates, Stateful, StateRegistry, TrainState, seed_everything
+from lmcli.train.tracking import Trackers, open_trackers, require_backends
 
 
 @dataclass
@@ -129,11 +142,13 @@ class Run:
     averages: list[EMA]  # weight averages (--ema): updated each step, validated, saved as their own folder
     states: StateRegistry  # the above, and the RNGs: trainer_state.pt
     marks: Marks
-    metrics: MetricsLog
+    metrics: MetricsLog  # metrics.jsonl: read back for history and the plot
+    trackers: Trackers  # where records go as they are made: metrics.jsonl and --log-to's backends
     mfu: MfuBasis
     info: Callable[[str], None]  # rank 0's messages; silent on the other ranks
     staging: Staging | None = None  # batches' copies to a GPU, through reused pinned buffers
     base: dict[str, Any] | None = None  # a LoRA run's base reference (lora_run.base_reference)
+    eval_tasks: list[Any] | None = None  # --eval-task files, scored at each validation (lmcli.downstream)
 
     @property
     def global_batch(self) -> int:
@@ -161,6 +176,7 @@ def train(
     The run folder is locked for the whole call; if the call fails before a first checkpoint,
     a folder it created is removed; an interruption says which checkpoint was kept."""
     rep = reporter or Reporter()
+    set_threads(cfg.threads)
     dist_info, device = init_distributed(cfg.device)
     held: list[RunFolder] = []  # rank 0's locked run folder
     opened: list[Run] = []
@@ -170,6 +186,8 @@ def train(
                 opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
             return fit(opened[0], rep)
     except BaseException as exc:
+        if opened:  # the trackers' files closed, W&B's run marked failed
+            opened[0].trackers.finish({"step": opened[0].state.step, "stopped": "error"})
         if held:
             after_failure(held[0], opened[0].state.step if opened else None, exc, rep.info)
         raise
@@ -367,8 +385,7 @@ def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar
     }
     record["mfu"] = run.mfu.of(record["tokens_per_s"], run.dist.world_size)
     marks.log_step, marks.log_time = step, now
-    if run.dist.is_main:
-        run.metrics.append(record)
+    run.trackers.log(step, record)  # rank 0's; no backend on the others
     if bar is not None:
         bar.update(step, record)
 
@@ -403,6 +420,7 @@ def validate(run: Run) -> bool:
         if "val_bleu" in record:
             bleu, chrf = record["val_bleu"], record["val_chrf"]
             scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
+        scores += describe_scores(record)
         run.info(
             f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
             f"(ppl {math.exp(min(loss, 50)):.2f}){scores}" + (" *best*" if improved else "")
@@ -437,7 +455,8 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
             samples, tok = cfg.validation.bleu_samples, run.data.tokenizer
             scores = greedy_bleu(run.model, tok, run.data.val, samples, prefix_lm=task.prefix_lm)
         record.update(val_bleu=scores["bleu"], val_chrf=scores["chrf"])
-    run.metrics.append(record)
+    record.update(task_scores(run))  # --eval-task: task:NAME:METRIC
+    run.trackers.log(state.step, record)
     if "val_bleu" in record:
         record["sentences"] = scores["sentences"]  # for the message, not the metrics file
     return record
@@ -478,6 +497,7 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
     state = run.state
     if run.dist.is_main:
         note = plot_loss_curve(run.metrics.read(), run.run_dir / "loss.png")
+        plot_task_scores(run.metrics.read(), run.run_dir / "tasks.png")
         if note:
             run.info(f"note: {note}")
         if stopped in SIGNALS:
@@ -496,7 +516,18 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
         )
     best = state.best_val if math.isfinite(state.best_val) else None
     marks = run.marks
-    return TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)
+    result = TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)
+    run.trackers.finish(
+        {
+            "step": state.step,
+            "train_loss": marks.train_loss,
+            "val_loss": marks.val_loss,
+            "best_val_loss": best,
+            "elapsed": elapsed,
+            "stopped": stopped,
+        }
+    )
+    return result
 
 
 # ----------------------------------------------------------------------------- opening a run
@@ -517,12 +548,14 @@ def open_run(
     configure_backend(device)
     amp = autocast_dtype(device, cfg.dtype)
     info = rep.info if dist_info.is_main else (lambda msg: None)
+    require_backends(cfg.trackers)  # before a run folder exists: one line naming what to install
     run_dir, resumed = locate_run(model_config, cfg, resume, dist_info, held)
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
+    eval_tasks = load_eval_tasks(cfg) if dist_info.is_main else []  # a bad file stops the run here
 
     init = None
     if cfg.init_from and not resumed:
-        init = load_init(cfg.init_from, info)
+        init = load_init(cfg.init_from, info, model_config.block_size)
         model_config = init[0].config
     base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora.lora_rank else None
     tokenizer = resumed.tokenizer if resumed else init[1] if init else None
@@ -538,7 +571,12 @@ def open_run(
         info(f"resuming {resume} at step {state.step}{into}")
 
     trained, ddp = wrap_for_training(model, cfg, dist_info, device)
-    per_token = flops_per_token(model_config, matmul_params(model), round(data.tokens_per_example()))
+    per_token = training_flops(model, cfg, data)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    in_place = resumed is not None and Path(resume) == run_dir
+    trackers = open_trackers(
+        cfg.trackers, metrics, run_dir, state.step if in_place else None, dist_info.is_main
+    )
     run = Run(
         cfg=cfg,
         model_config=model_config,
@@ -559,17 +597,20 @@ def open_run(
         averages=averages,
         states=states,
         marks=Marks(torch.zeros((), device=device), saved_step=state.step if resumed else -1),
-        metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        metrics=metrics,
+        trackers=trackers,
         mfu=MfuBasis(per_token, *peak_tflops(device, cfg.peak_tflops)),
         info=info,
         staging=Staging(device),
         base=base,
+        eval_tasks=eval_tasks,
     )
     if dist_info.is_main:
-        show_preflight(run, rep)
+        facts = show_preflight(run, rep)
         write_run_config(run_dir, model_config, cfg)
         if resumed:
             carry_history(run)
+        trackers.start({"model": to_dict(model_config), "train": to_dict(cfg)}, facts)
     return run
 
 
@@ -719,13 +760,32 @@ def build_model(
     return Transformer(model_config), model_config
 
 
-def load_init(path: str, info: Callable[[str], None]) -> tuple[Transformer, Any]:
-    """The model and tokenizer ``--init-from`` names: a Hugging Face folder or an lmcli run or
-    checkpoint folder (a LoRA run's adapters merged), in float32 as every model trains."""
-    if is_hf_folder(path) or not Path(path).is_dir():
-        return load_hf_folder(path, torch.float32, info)
-    ckpt = load_checkpoint(path)
-    return ckpt.model.float(), ckpt.tokenizer
+def training_flops(model: Transformer, cfg: TrainConfig, data: TrainData) -> float:
+    """Training FLOPs per token (``train/mfu.py``); a LoRA run's frozen weights get no gradient."""
+    trained = matmul_params(model, trained_only=True) if cfg.lora.lora_rank else None
+    return flops_per_token(model.config, matmul_params(model), round(data.tokens_per_example()), trained)
+
+
+def load_init(
+    path: str, info: Callable[[str], None], block_size: int | None = None
+) -> tuple[Transformer, Any]:
+    """The model and tokenizer ``--init-from`` names: a Hugging Face folder, a GGUF file or an
+    lmcli run or checkpoint folder (a LoRA run's adapters merged), in float32 as every model
+    trains. ``block_size`` below its context cuts it (the run trains and stores that context);
+    above it, the model keeps its own, and ``info`` says so."""
+    if is_gguf_file(path):
+        model, tok, _ = load_gguf(path, torch.float32)
+    elif is_hf_folder(path) or not Path(path).is_dir():
+        model, tok = load_hf_folder(path, torch.float32, info)
+    else:
+        ckpt = load_checkpoint(path)
+        model, tok = ckpt.model.float(), ckpt.tokenizer
+    context = model.config.block_size
+    if block_size is not None and block_size < context:
+        model = with_context(model, block_size)
+    elif block_size is not None and block_size > context:
+        info(f"note: {path} has a context of {context} tokens: block size {context}, not {block_size}")
+    return model, tok
 
 
 def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> int | None:
@@ -760,13 +820,15 @@ def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
         and not make_task(run.cfg).prefix_lm
     )
     params = run.model.num_parameters()
+    longest = run.data.longest_example() if isinstance(run.data, ExampleData) else None
     return estimate_memory(
-        run.model_config, params, run.cfg.optim.batch_size, run.amp is not None, flash, trainable
+        run.model_config, params, run.cfg.optim.batch_size, run.amp is not None, flash, trainable, longest
     )
 
 
-def show_preflight(run: Run, rep: Reporter) -> None:
-    """One screen of facts before training: size, data, memory and time estimates."""
+def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
+    """One screen of facts before training: size, data, memory and time estimates (returned, for
+    the trackers)."""
     cfg, model = run.cfg, run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     probe = None if cfg.compile else probe_step_seconds(model, run.sampler, cfg, run.device, run.amp)
@@ -785,6 +847,7 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     amp = f"{str(run.amp).removeprefix('torch.')} autocast" if run.amp else "float32"
     facts = {
         "device": f"{run.device}, {amp}",
+        "CPU threads": f"{torch.get_num_threads()} (--threads; {usable_cpus()} CPUs usable)",
         "run folder": str(run.run_dir),
         "corpus": str(run.data.info.get("corpus", ""))
         + (" (token cache reused)" if run.data.info.get("cached") else ""),
@@ -806,6 +869,8 @@ def show_preflight(run: Run, rep: Reporter) -> None:
     basis = run.mfu
     peak = f"{basis.peak_tflops:.3g} TFLOP/s per device, " if basis.peak_tflops else ""
     facts["MFU against"] = f"{peak}{basis.peak_source}; {basis.flops_per_token / 1e6:.3g} MFLOP/token"
+    extra = {label: value for label, value in facts.items() if label != "device"}
+    rows = dict(preflight_rows(pre, facts["device"], extra))
     if rep.preflight is not None:
         rep.preflight(pre, facts)
     else:
@@ -813,3 +878,4 @@ def show_preflight(run: Run, rep: Reporter) -> None:
             f"{fmt_count(pre.params)} parameters, {run.tokens_per_step} tokens/step, "
             f"{run.data.train_tokens} train tokens"
         )
+    return rows

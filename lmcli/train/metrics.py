@@ -1,4 +1,5 @@
-"""The run's metrics log (``metrics.jsonl``) and its loss-curve plot (``loss.png``).
+"""The run's metrics log (``metrics.jsonl``), its loss-curve plot (``loss.png``) and, with
+``--eval-task``, the plot of the downstream scores beside it (``tasks.png``).
 
 Both are written through ``lmcli.safe_io``: appends never follow a link, rewrites go through an
 exclusive temporary file and a rename.
@@ -44,26 +45,28 @@ class MetricsLog:
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in records))
 
 
-def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
-    """Write train/validation loss against step to ``out`` (PNG); a reason string if impossible."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot drawing off-screen, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'lmcli[plot]'), so no loss.png"
-    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    if not train and not val:
-        return "no metrics to plot"
+        return None
+    return plt
+
+
+Curve = tuple[list[tuple[int, float]], dict[str, Any]]  # (step, value) points, ``ax.plot`` options
+
+
+def _plot(plt: Any, lines: list[Curve], ylabel: str, out: Path) -> None:
+    """Curves against step (each its points and its ``ax.plot`` options) as a PNG at ``out``."""
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train", linewidth=1)
-    if val:
-        ax.plot(*zip(*val, strict=True), label="validation", marker="o", markersize=3)
+    for points, style in lines:
+        ax.plot(*zip(*points, strict=True), **style)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -71,4 +74,33 @@ def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
     fig.savefig(png, format="png")
     plt.close(fig)
     atomic_write(out, png.getvalue())
+
+
+def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
+    """Write train/validation loss against step to ``out`` (PNG); a reason string if impossible."""
+    plt = _pyplot()
+    if plt is None:
+        return "matplotlib is not installed (pip install 'lmcli[plot]'), so no loss.png"
+    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if not train and not val:
+        return "no metrics to plot"
+    lines = [(train, {"label": "train", "linewidth": 1})] if train else []
+    lines += [(val, {"label": "validation", "marker": "o", "markersize": 3})] if val else []
+    _plot(plt, lines, "loss (nats/token)", out)
     return None
+
+
+def plot_task_scores(records: list[dict[str, Any]], out: Path) -> bool:
+    """Write each ``--eval-task`` score (``task:NAME:METRIC``, perplexities aside) against step
+    to ``out`` (PNG), the loss plot's sibling; False when there are none (or no matplotlib)."""
+    keys = sorted({k for r in records for k in r if k.startswith("task:") and not k.endswith(":perplexity")})
+    plt = _pyplot() if keys else None
+    if plt is None:
+        return False
+    lines = []
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if key in r]
+        lines.append((points, {"label": key.removeprefix("task:"), "marker": "o", "markersize": 3}))
+    _plot(plt, lines, "score", out)
+    return True

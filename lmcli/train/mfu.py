@@ -3,10 +3,14 @@
 The estimate is the one nanoGPT reports (after the PaLM paper's appendix B): a training token
 costs ``6 N + 12 L H Q T`` FLOPs, N the parameters that multiply (every weight matrix, the
 vocabulary projection included, the embedding lookups not), L layers, H heads of size Q, T the
-context. The peak is a GPU's dense bf16 tensor-core rate from its datasheet (``PEAK_TFLOPS``),
-``--peak-tflops`` when given, and on a CPU a float32 matmul rate measured for about a second at
-the start, so the figure is there on every device (on a CPU it says how close the run comes to
-the CPU's own matmul speed).
+context. 6 N is 2 N forward, 2 N for the gradient of each layer's input and 2 N for the
+gradient of its weights: weights that do not train (a LoRA run's frozen base) cost no weight
+gradient, so they count 4 N. The peak is a GPU's dense bf16 tensor-core rate from its datasheet
+(``PEAK_TFLOPS``), ``--peak-tflops`` when given, and on a CPU the best float32 matmul rate of a
+few sizes measured for about half a second at the start (small products run far below the
+CPU's peak: measured on 512² alone, a run's larger products showed an MFU over 100%), so the
+figure is there on every device (on a CPU it says how close the run comes to the CPU's own
+matmul speed).
 """
 
 from __future__ import annotations
@@ -44,18 +48,30 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def flops_per_token(cfg: ModelConfig, matmul_params: int, tokens_per_example: int | None = None) -> float:
-    """Training FLOPs (forward and backward) per token: 6 N + 12 L H Q T."""
+def flops_per_token(
+    cfg: ModelConfig, matmul_params: int, tokens_per_example: int | None = None, trained: int | None = None
+) -> float:
+    """Training FLOPs (forward and backward) per token: 6 N + 12 L H Q T; with ``trained`` (the
+    matmul parameters that train, fewer than N), 4 N + 2 trained + 12 L H Q T."""
     T = tokens_per_example or cfg.block_size
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+    weights = 6.0 * matmul_params if trained is None else 4.0 * matmul_params + 2.0 * trained
+    return weights + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
 
-def matmul_params(model: torch.nn.Module) -> int:
+def matmul_params(model: torch.nn.Module, trained_only: bool = False) -> int:
     """Parameters that take part in a matrix product per token: all but the embedding tables
     (the vocabulary projection counts once, tied or not, over the logical vocabulary: rows
-    padded for speed are work the model does not need, so they never raise the MFU)."""
+    padded for speed are work the model does not need, so they never raise the MFU);
+    ``trained_only``: those of them that train."""
     cfg = model.config
-    return model.num_parameters(non_embedding=True) + cfg.vocab_size * cfg.n_embd
+    if not trained_only:
+        return model.num_parameters(non_embedding=True) + cfg.vocab_size * cfg.n_embd
+    head = model.lm_head.weight.requires_grad
+    embeddings = {id(model.wte.weight), id(getattr(getattr(model, "wpe", None), "weight", None))}
+    trained = sum(
+        p.numel() for p in model.parameters() if p.requires_grad and p.dim() > 1 and id(p) not in embeddings
+    )
+    return trained + (cfg.vocab_size * cfg.n_embd if head else 0)
 
 
 def gpu_peak_tflops(name: str) -> float | None:
@@ -67,22 +83,24 @@ def gpu_peak_tflops(name: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=4)
-def measured_cpu_tflops(seconds: float = 0.3, size: int = 512) -> float:
-    """The float32 matmul rate of this CPU with torch's threads, measured for ``seconds`` once
-    per process (a 512² product takes a few ms: about a hundred of them). Its operands come
-    from a generator of its own: the global RNG, which a resumed run has just restored, is not
-    touched."""
+def measured_cpu_tflops(seconds: float = 0.5, size: int = 2048) -> float:
+    """The float32 matmul rate of this CPU with torch's threads: the best of square products of
+    ``size / 4``, ``size / 2`` and ``size``, each timed for a third of ``seconds`` (at least one
+    product), once per process. Its operands come from a generator of its own: the global RNG,
+    which a resumed run has just restored, is not touched."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g)
-    b = torch.randn(size, size, generator=g)
-    out = torch.empty(size, size)
-    torch.mm(a, b, out=out)  # warm up
-    done, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        for _ in range(4):
+    best = 0.0
+    for n in (size // 4, size // 2, size):
+        a = torch.randn(n, n, generator=g)
+        b = torch.randn(n, n, generator=g)
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm up
+        done, start = 0, time.perf_counter()
+        while done == 0 or time.perf_counter() - start < seconds / 3:
             torch.mm(a, b, out=out)
-        done += 4
-    return 2.0 * size**3 * done / elapsed / 1e12
+            done += 1
+        best = max(best, 2.0 * n**3 * done / max(time.perf_counter() - start, 1e-9) / 1e12)
+    return best
 
 
 def peak_tflops(device: torch.device, override: float | None = None) -> tuple[float | None, str]:

@@ -46,16 +46,19 @@ def estimate_memory(
     autocast: bool,
     flash: bool = False,
     trainable: int | None = None,
+    context: int | None = None,
 ) -> int:
     """Bytes for weights, gradients, AdamW moments and activations of one micro-batch (rough);
-    gradients and moments for the ``trainable`` parameters alone (LoRA; None: all of them).
+    gradients and moments for the ``trainable`` parameters alone (LoRA; None: all of them);
+    ``context``: the longest sequence a batch holds (None: the block size; SFT and translation
+    examples are often far shorter than an imported model's context).
 
     Activations follow Korthikanti et al. (34·B·T·C + 5·H·B·T² values per layer, halved
     under 16-bit autocast; with ``flash`` attention, which never stores the T×T scores, the
     second term goes) plus the logits: the logits, their float32 copy or log-softmax kept for
     the backward, and their gradient (12 bytes a value).
     """
-    B, T, C, H = batch_size, cfg.block_size, cfg.n_embd, cfg.n_head
+    B, T, C, H = batch_size, context or cfg.block_size, cfg.n_embd, cfg.n_head
     trained = params if trainable is None else trainable
     state = params * 4 + trained * 4 * 3  # fp32 weights; grads and two Adam moments of what trains
     act_bytes = 2 if autocast else 4
@@ -96,6 +99,13 @@ def fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def fmt_rate(per_second: float) -> str:
+    """A rate as people read it: 7.5, 38, 1.2k, 25.0k (a slow CPU run is not "0.0k")."""
+    if per_second >= 1000:
+        return f"{per_second / 1000:.1f}k"
+    return f"{per_second:.1f}" if per_second < 10 else f"{per_second:.0f}"
 
 
 def fmt_count(n: float) -> str:

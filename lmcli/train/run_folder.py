@@ -246,7 +246,9 @@ def check_resumable(saved: ModelConfig, requested: ModelConfig) -> None:
 def resolve_configs(
     file_options: dict[str, Any], cli_options: dict[str, Any], *, resume: str | Path | None = None
 ) -> tuple[ModelConfig, TrainConfig]:
-    """Configs from dataclass defaults < the resumed run's config < a config file < CLI flags."""
+    """Configs from dataclass defaults < the resumed run's config < a config file < CLI flags. A
+    run ``--init-from`` a model takes that model's context unless ``--block-size`` is given
+    (``train.loop.load_init`` cuts the model to a shorter one)."""
     model: dict[str, Any] = {}
     train: dict[str, Any] = {}
     if resume is not None:
@@ -260,6 +262,11 @@ def resolve_configs(
         train.update(t)
     if train.get("task") == "translation" and "tokenizer" not in train:
         train["tokenizer"] = "bpe"  # a joint subword vocabulary over both languages
+    init = train.get("init_from")
+    if init and resume is None and "block_size" not in model and Path(init).exists():
+        from lmcli.sources import read_model_config
+
+        model["block_size"] = read_model_config(init).block_size  # the import's own
     return from_dict(ModelConfig, model, source="model config"), from_dict(
         TrainConfig, train, source="train config"
     )

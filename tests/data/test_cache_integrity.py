@@ -56,29 +56,44 @@ def _stream(tmp_path: Path, cache: Path):
     return load_train_data(cfg, block_size=16, tokenizer=tiny_tokenizer(), progress=False, info=print)
 
 
+def _zero(path: Path) -> None:
+    path.write_bytes(bytes(path.stat().st_size))
+
+
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda b: b.write_bytes(bytes(b.stat().st_size)),  # zeros: today trains on them silently
-        lambda b: b.write_bytes(np.random.default_rng(0).bytes(b.stat().st_size)),  # today IndexError
-        lambda b: b.write_bytes(b.read_bytes()[:-2]),  # truncated
-        lambda b: b.with_suffix(".json").write_text("{not json"),  # today a JSON traceback
-        lambda b: b.with_suffix(".json").write_text('{"n_tokens": "many", "dtype": "int8"}'),
+        lambda f: _zero(f / "shard-00000.bin"),  # zeros: would train on them silently
+        lambda f: (f / "shard-00000.bin").write_bytes(np.random.default_rng(0).bytes(2000)),
+        lambda f: (f / "shard-00000.bin").write_bytes((f / "shard-00000.bin").read_bytes()[:-2]),
+        lambda f: (f / "shard-00000.docs").write_bytes(b""),  # where the documents end, lost
+        lambda f: (f / "index.json").write_text("{not json"),
+        lambda f: (f / "index.json").write_text('{"format": "lmcli-tokens", "dtype": "int8", "shards": 3}'),
     ],
-    ids=["zeros", "random", "truncated", "broken-json", "foreign-json"],
+    ids=["zeros", "random", "truncated", "no-documents", "broken-json", "foreign-json"],
 )
 def test_a_damaged_token_cache_is_rebuilt(tmp_path: Path, capsys, damage) -> None:
     cache = tmp_path / "cache"
     first = np.array(_stream(tmp_path, cache).train)
-    (bin_path,) = cache.glob("tokens-*.bin")
-    damage(bin_path)
+    (folder,) = cache.glob("tokens-*")
+    damage(folder)
     again = _stream(tmp_path, cache)
     err = capsys.readouterr().err
-    assert f"warning: token cache {bin_path} is damaged" in err and "rebuilding it" in err
+    assert f"warning: token cache {folder} is damaged" in err and "rebuilding it" in err
     assert not again.info["cached"]
     assert np.array_equal(np.array(again.train), first)
     third = _stream(tmp_path, cache)  # and the rebuilt cache is reused quietly
     assert third.info["cached"] and "warning" not in capsys.readouterr().err
+
+
+def test_an_unfinished_cache_with_a_damaged_shard_record_is_redone_from_there(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first = np.array(_stream(tmp_path, cache).train)
+    (folder,) = cache.glob("tokens-*")
+    (folder / "index.json").unlink()  # as a killed writer leaves it
+    (folder / "shard-00000.json").write_text('{"name": "shard-00000", "n_tokens": "many"}')
+    again = _stream(tmp_path, cache)
+    assert np.array_equal(np.array(again.train), first) and (folder / "index.json").exists()
 
 
 def test_a_damaged_pair_cache_is_rebuilt(tmp_path: Path, capsys) -> None:
@@ -154,7 +169,7 @@ def test_sigterm_during_tokenization_leaves_nothing_after_the_next_start(tmp_pat
     assert proc.stdout.readline() == "ready\n"
     temps: list[Path] = []
     for _ in range(2000):  # until its temp file appears (bounded)
-        temps = list(cache.glob(".tokens-*")) if cache.exists() else []
+        temps = list(cache.glob("tokens-*/.shard-*")) if cache.exists() else []
         if temps or proc.poll() is not None:
             break
         subprocess.run(["sleep", "0.01"])
@@ -167,4 +182,4 @@ def test_sigterm_during_tokenization_leaves_nothing_after_the_next_start(tmp_pat
     small.write_text(TINY_TEXT)
     cfg = train_config(corpus=(str(small),), cache_dir=str(cache))
     load_train_data(cfg, block_size=16, tokenizer=tiny_tokenizer(), progress=False)
-    assert not list(cache.glob(".*"))
+    assert not list(cache.glob("**/*.lmtmp"))

@@ -72,8 +72,8 @@ def test_token_cache_is_reused_and_keyed_by_tokenizer(tmp_path: Path) -> None:
     first = tokenize_corpus(corpus, char, tmp_path / "cache", progress=False)
     second = tokenize_corpus(corpus, char, tmp_path / "cache", progress=False)
     assert not first.cached and second.cached
-    assert np.array_equal(first.array(), second.array())
-    assert first.array()[-1] == char.eos_id and first.n_tokens == 351
+    assert np.array_equal(np.array(first.stream()), np.array(second.stream()))
+    assert np.array(first.stream())[-1] == char.eos_id and first.n_tokens == 351
     byte = tokenize_corpus(corpus, Tokenizer.train("byte", iter(())), tmp_path / "cache", progress=False)
     assert not byte.cached  # another tokenizer, another cache entry
     (tmp_path / "c.txt").write_text("changed\n" * 50)
@@ -89,7 +89,8 @@ def test_tokenization_streams_in_bounded_chunks(tmp_path: Path, monkeypatch) -> 
         seen.append(sum(len(t) for t in texts))
         return original(self, texts)
 
-    monkeypatch.setattr("lmcli.data.token_cache.CHUNK_BYTES", 4096)
+    monkeypatch.setattr("lmcli.data.corpus.CHUNK_BYTES", 4096)
+    monkeypatch.setattr("lmcli.data.tokenize.JOB_CHARS", 4096)
     monkeypatch.setattr(Tokenizer, "encode_batch", spy)
     (tmp_path / "big.txt").write_text("some line of text\n" * 5000)  # 90 kB
     tok = Tokenizer.train("byte", iter(()))
@@ -103,7 +104,7 @@ def test_long_lines_are_cut_between_words_into_pieces_that_tokenize_as_the_whole
     (tmp_path / "long.txt").write_text(text)
     tok = Tokenizer.train("bpe", iter([text]), vocab_size=300)
     out = tokenize_corpus(FileCorpus([str(tmp_path / "long.txt")]), tok, tmp_path / "c", progress=False)
-    ids = np.fromfile(out.path, dtype=out.dtype).tolist()
+    ids = out.stream().tolist()
     assert ids[-1] == tok.eos_id
     assert tok.decode(ids[:-1]) == text  # nothing lost or doubled at the cuts
     # cut before spaces, the words' tokens are those of the uncut line (the 9k run of x is cut anywhere)
@@ -160,7 +161,7 @@ def test_val_fraction_takes_the_tail_of_the_corpus(tmp_path: Path) -> None:
     cfg = train_config(corpus=(str(tmp_path / "c.txt"),), val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
     data = load_train_data(cfg, block_size=1, progress=False)
     tok = data.tokenizer
-    assert tok.decode(data.val.tolist()) == "b" * 99 + "" and len(data.train) == 900
+    assert tok.decode(data.val.tolist()) == "b" * 99 and len(data.train) == 900
 
 
 @pytest.mark.parametrize("fmt", ["json", "parquet", "text"])

@@ -156,3 +156,33 @@ def test_a_model_in_an_inference_scope_can_be_copied_and_pickled(monkeypatch) ->
         assert twin.fast_step is None and len(twin.h[0].attn.c_attn._packs) == 0
         with torch.no_grad():
             torch.testing.assert_close(twin(idx), expected)
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packed linear")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_models_are_packed_in_place_and_get_their_weights_back_exactly(monkeypatch, dtype) -> None:
+    if dtype is torch.bfloat16 and not packed_module.bf16_packing_available():
+        pytest.skip("oneDNN has no native bfloat16 here")
+    monkeypatch.setattr(cpu_module, "IN_PLACE_MIN_BYTES", 0)  # treat this tiny model as a large one
+    monkeypatch.setattr(cpu_module, "PACK_MIN_WEIGHT", 1)
+    arch = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2)
+    model = tiny_model(**arch).to(dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(5, 20, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(idx)
+    with fastpath.inference(model), torch.no_grad():
+        fc = model.h[0].mlp.c_fc.weight
+        assert fc.shape == before["h.0.mlp.c_fc.weight"].shape and fc.untyped_storage().nbytes() <= 4
+        assert model.lm_head.weight.untyped_storage().nbytes() > 4  # the tied table stays plain
+        packed = model(idx)
+        cache = KVCache.for_model(model, 2)
+        steps = [model(idx[:, :5], cache)] + [model(idx[:, t : t + 1], cache) for t in range(5, 12)]
+        with torch.enable_grad():
+            graded = model(idx)  # autograd: the plain weight, from the packed copy
+    for got in (packed, torch.cat(steps, dim=1), graded.detach()):
+        if dtype is torch.float32:
+            assert_float32_close(got, plain, model.config)
+        else:  # bfloat16: oneDNN and MKL round their sums differently
+            torch.testing.assert_close(got, plain, rtol=0.05, atol=0.05)
+    assert all(torch.equal(before[k], v) and v.is_contiguous() for k, v in model.state_dict().items())

@@ -83,18 +83,21 @@ VARIANTS: dict[str, tuple] = {
 }
 
 
-def hf_tokenizer(specials: list[str]) -> Tokenizer:
-    """A byte-level BPE of the tiny corpus with the given special tokens first."""
+def hf_tokenizer(
+    specials: list[str], pre_tokenizer=None, vocab_size: int = 300, texts: tuple[str, ...] = ()
+) -> Tokenizer:
+    """A byte-level BPE of the tiny corpus (and ``texts``) with the given special tokens first;
+    GPT-2's pre-tokenizer unless another is given."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=vocab_size,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([TINY_TEXT], trainer=trainer)
+    tok.train_from_iterator([TINY_TEXT, *texts], trainer=trainer)
     return tok
 
 

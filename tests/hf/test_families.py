@@ -139,7 +139,8 @@ def test_cli_eval_perplexity_equals_the_hf_loop(tmp_path: Path, name: str, capsy
         assert "warning:" in err and "context capped at the sliding window of 48 tokens (of 96)" in err
     ours = json.loads(out.splitlines()[-1])
     _, tok = load_hf_folder(folder)
-    ids = [tok.bos_id, *tok.encode(TEXT)]
+    ids = transformers.AutoTokenizer.from_pretrained(folder)(TEXT)["input_ids"]  # its default: no <bos>
+    assert ids == tok.with_bos(tok.encode(TEXT)) and ids[0] != tok.bos_id
     assert ours["tokens"] == len(ids) - 1 > 64
     assert ours["perplexity"] == pytest.approx(hf_perplexity(hf_model(folder), ids, 31, 16), rel=1e-5)
 
@@ -252,7 +253,8 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path: 
     )
     text = "the dog sat on the log."
     ids = tok.encode(text)
-    assert hf_tok(text)["input_ids"] == ids
+    assert hf_tok(text)["input_ids"] == [tok.bos_id, *ids]  # <bos> first, as lmcli reads a text
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
     idx = torch.tensor([[tok.bos_id, *ids] * 2])
     with torch.no_grad():
         assert_float32_close(ckpt.model(idx), model(idx).logits, ckpt.model_config)  # rounding alone
@@ -384,3 +386,36 @@ def test_a_model_no_family_expresses_is_refused_naming_what_does_not_fit(tmp_pat
         with pytest.raises(LmcliError, match=message):
             export_hf(make_run(tmp_path / f"new-{i}", **options), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_bos_follows_add_bos_token_so_perplexity_is_transformers_default(
+    tmp_path: Path, add_bos: bool, capsys
+) -> None:
+    """A Llama folder saying ``add_bos_token`` (and, when true, a tokenizer.json that puts it
+    first, which transformers follows): lmcli's eval scores the ids transformers' tokenizer
+    gives by default, and its perplexity is transformers' on them; sample's prompt starts so."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    folder = hf_folder(tmp_path, "llama-tied")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos}))
+    if add_bos:
+        tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+        tok.save(str(folder / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text(TEXT)
+    code, out, err = run_cli(["eval", str(folder), str(tmp_path / "t.txt"), "--json"], capsys)
+    assert code == 0, err
+    ours = json.loads(out.splitlines()[-1])
+    ids = transformers.AutoTokenizer.from_pretrained(folder)(TEXT)["input_ids"]
+    _, tok = load_hf_folder(folder)
+    assert (ids[0] == tok.bos_id) is add_bos and tok.add_bos is add_bos
+    assert ours["tokens"] == len(ids) - 1
+    context = load_hf_folder(folder)[0].config.block_size
+    assert ours["perplexity"] == pytest.approx(
+        hf_perplexity(hf_model(folder), ids, context, context), rel=1e-5
+    )

@@ -1,26 +1,26 @@
 """GGUF export: the file reads back with gguf's own reader, and computes lmcli's logits.
 
-``reference_logits`` is a forward pass written from GGUF's side: it reads nothing but the file
-(metadata and tensors, through ``gguf.GGUFReader``) and computes what llama.cpp's ``gpt2`` and
-``llama`` graphs compute, with llama.cpp's rotary convention (adjacent pairs). So these tests catch
-a wrong tensor name, shape, layout, rotary order or metadata value without llama.cpp itself;
-``test_llama_cpp_agrees`` asks llama.cpp too, where it is installed (make check-gguf).
+``reference_logits`` (``gguf_files.py``) is a forward pass written from GGUF's side: it reads
+nothing but the file (metadata and tensors, through ``gguf.GGUFReader``) and computes what
+llama.cpp's ``gpt2`` and ``llama`` graphs compute, with llama.cpp's rotary convention (adjacent
+pairs). So these tests catch a wrong tensor name, shape, layout, rotary order or metadata value
+without llama.cpp itself; ``test_llama_cpp_agrees`` asks llama.cpp too, where it is installed
+(make check-gguf).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 gguf = pytest.importorskip("gguf")
 
 from check_gguf import randomize, run_checks  # noqa: E402
+from gguf_files import field, gguf_weights, reference_logits  # noqa: E402
 from helpers import (  # noqa: E402
     assert_float32_close,
     assert_one_line_error,
@@ -62,85 +62,6 @@ def random_run(tmp: Path, kind: str = "bpe", **config) -> Path:
     for name in ("last", "best"):
         save_checkpoint(tmp / "run" / name, model, train_config(), tok, meta={"step": 0})
     return tmp / "run"
-
-
-# ----------------------------------------------------------------------------- GGUF's side
-
-
-def field(reader: gguf.GGUFReader, key: str):
-    return reader.fields[key].contents()
-
-
-def gguf_weights(reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
-    """Every tensor of the file as float64, dequantized, in numpy's (out, in) order."""
-    return {
-        t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).double()
-        for t in reader.tensors
-    }
-
-
-def rotate_pairs(x: torch.Tensor, base: float) -> torch.Tensor:
-    """llama.cpp's rotary positions on (T, H, D): dims (2i, 2i+1) turned by pos * base^(-2i/D)."""
-    T, _, D = x.shape
-    angle = torch.arange(T, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, D, 2) / D)  # (T, D/2)
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # (T, 1, D/2)
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).reshape(x.shape)
-
-
-def reference_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    """Logits (T, V) of ``ids`` computed from the GGUF file alone, as llama.cpp's graphs do."""
-    r = gguf.GGUFReader(path)
-    arch = field(r, "general.architecture")
-    n_layer, H = field(r, f"{arch}.block_count"), field(r, f"{arch}.attention.head_count")
-    KV = field(r, f"{arch}.attention.head_count_kv")
-    w = gguf_weights(r)
-    T = len(ids)
-
-    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
-        y = x @ w[f"{name}.weight"].T
-        return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
-
-    if arch == "gpt2":
-        eps = field(r, "gpt2.attention.layer_norm_epsilon")
-
-        def norm(x: torch.Tensor, name: str) -> torch.Tensor:
-            return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], eps)
-
-        x = w["token_embd.weight"][ids] + w["position_embd.weight"][:T]
-    else:
-        eps = field(r, "llama.attention.layer_norm_rms_epsilon")
-        base = field(r, "llama.rope.freq_base")
-
-        def norm(x: torch.Tensor, name: str) -> torch.Tensor:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w[f"{name}.weight"]
-
-        x = w["token_embd.weight"][ids]
-    C = x.size(-1)
-    D = C // H
-    for i in range(n_layer):
-        b = f"blk.{i}."
-        h = norm(x, b + "attn_norm")
-        if arch == "gpt2":
-            q, k, v = linear(h, b + "attn_qkv").split([H * D, KV * D, KV * D], dim=-1)
-        else:
-            q, k, v = (linear(h, b + n) for n in ("attn_q", "attn_k", "attn_v"))
-        q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
-        if arch == "llama":
-            q, k = rotate_pairs(q, base), rotate_pairs(k, base)
-        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
-        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)
-        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
-        att = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, C)
-        x = x + linear(att, b + "attn_output")
-        h = norm(x, b + "ffn_norm")
-        if arch == "gpt2":
-            h = F.gelu(linear(h, b + "ffn_up"), approximate="tanh")
-        else:
-            h = F.silu(linear(h, b + "ffn_gate")) * linear(h, b + "ffn_up")
-        x = x + linear(h, b + "ffn_down")
-    head = w.get("output.weight", w["token_embd.weight"])
-    return norm(x, "output_norm") @ head.T
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -343,7 +264,7 @@ def test_cli_writes_the_default_name_and_never_overwrites(tmp_path: Path, capsys
     ("argv", "message"),
     [
         (["--dtype", "f16"], "--dtype applies to --format gguf only"),
-        (["--format", "gguf", "--dtype", "q4_0"], "invalid dtype 'q4_0': choose one of f32, f16, q8_0"),
+        (["--format", "gguf", "--dtype", "q4_k"], "invalid dtype 'q4_k': choose one of f32, f16, q8_0, q4_0"),
         (["a.gguf", "--out", "b.gguf", "--format", "gguf"], "give the output once"),
     ],
 )

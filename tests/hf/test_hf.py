@@ -93,7 +93,8 @@ def test_exported_run_loads_in_transformers_with_the_same_logits_and_tokens(tmp_
     ckpt = load_checkpoint(run)
     text = "the dog sat on the log."
     ids = ckpt.tokenizer.encode(text)
-    assert hf_tok(text)["input_ids"] == ids
+    assert hf_tok(text)["input_ids"] == [ckpt.tokenizer.bos_id, *ids]  # <bos> first, as lmcli reads it
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
     with torch.no_grad():
         ours, theirs = ckpt.model(torch.tensor([ids])), model(torch.tensor([ids])).logits
     assert_float32_close(ours, theirs, ckpt.model_config)  # two implementations: rounding alone

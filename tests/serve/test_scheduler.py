@@ -12,6 +12,7 @@ from lmcli.config import SampleConfig
 from lmcli.generate.decoding import make_prompt
 from lmcli.generate.rules import PENDING_TOKENS
 from lmcli.generate.sampling import generate
+from lmcli.quant import quantize
 from lmcli.serve.scheduler import Done, Failed, Job, Scheduler, Update
 
 pytest.importorskip("starlette")
@@ -37,10 +38,15 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_joining_and_leaving_rows_keep_every_request_exact(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "quant"),
+    # quantized models (lmcli.quant) decode in the batch too: their products are row by row
+    [(arch, "none") for arch in ARCHITECTURES]
+    + [("rope-gqa-qkv-bias", "int8"), ("rope-gqa-qkv-bias", "int4")],
+)
+def test_joining_and_leaving_rows_keep_every_request_exact(arch: str, quant: str) -> None:
     tok = tiny_tokenizer()
-    model = tiny_model(tok.vocab_size, block_size=64, **ARCHITECTURES[arch])
+    model = quantize(tiny_model(tok.vocab_size, block_size=64, **ARCHITECTURES[arch]), quant, 32)
     sched = Scheduler(model, tok, max_batch=6, max_queue=8)
     plan = [  # (iteration at which it arrives, prompt, settings)
         (0, "the cat sat on the", SampleConfig(max_new_tokens=30, temperature=0.9, seed=1, stop=("\x00",))),

@@ -311,7 +311,9 @@ def test_verify_checks_hf_folders_and_gguf_files(tmp_path: Path, capsys) -> None
     code, _, err = run_cli(["export", str(tmp_path / "hf-run"), str(gguf_file), "--format", "gguf"], capsys)
     assert code == 0, err
     code, out, err = run_cli(["verify", str(gguf_file)], capsys)
-    assert code == 0 and out.startswith(f"ok  {gguf_file}: GGUF llama file, tensors fit its metadata"), err
+    assert code == 0 and out.startswith(
+        f"ok  {gguf_file}: GGUF llama file (F16, F32), tensors fit its metadata"
+    ), err
     edit(folder / "config.json", intermediate_size=48)
     code, _, err = run_cli(["verify", str(folder)], capsys)
     assert_one_line_error(code, err, "config expects")
@@ -393,9 +395,9 @@ def test_a_crafted_gguf_is_refused_before_anything_is_built(tmp_path: Path, caps
     code, _, err = run_cli(["export", str(run), str(good), "--format", "gguf", "--dtype", "q8_0"], capsys)
     assert code == 0, err
     cases = {
-        "llama.context_length": (10**9, "max_position_embeddings must be in [1, 67108864], got 1000000000"),
+        "llama.context_length": (10**9, "llama.context_length must be in [1, 67108864], got 1000000000"),
         "llama.block_count": (4000, "block_count 4000, blocks in the file: 2"),
-        "llama.embedding_length": (4096, "the weights hold wte.weight of shape"),
+        "llama.embedding_length": (4096, "llama.rope.dimension_count 16 is not the head size 2048"),
     }
     for key, (value, message) in cases.items():
         crafted = shutil.copy(good, tmp_path / f"{key}.gguf")

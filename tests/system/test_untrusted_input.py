@@ -99,7 +99,7 @@ def test_resume_never_writes_to_a_stored_cache_dir(tmp_path: Path, capsys, monke
     code, _, err = run_cli(["train", "--resume", "run", "--max-steps", "4"], capsys)
     assert code == 0, err
     assert not elsewhere.exists() and not other_out.exists()
-    assert any(Path(os.environ["LMCLI_CACHE"]).glob("tokens-*.bin"))
+    assert any(Path(os.environ["LMCLI_CACHE"]).glob("tokens-*/shard-*.bin"))
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["cache_dir"] is None
 
 

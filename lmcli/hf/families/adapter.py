@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lmcli.config import ModelConfig
+from lmcli.errors import LmcliError
 from lmcli.hf.families.hf_config import HFConfig
 
 Format = Literal["hf", "gguf"]
@@ -151,8 +152,8 @@ class FamilyAdapter:
     """One model family: what lmcli knows of it, used by every import and export.
 
     A subclass sets the class attributes (the name tables, ``hf_fields``, the messages) and
-    writes ``config_from_hf``, ``hf_settings``, ``gguf_metadata`` and (for what only it cannot
-    express) ``own_problems``; the weight maps need no code.
+    writes ``config_from_hf``, ``hf_settings``, ``gguf_metadata``, ``gguf_settings`` and (for
+    what only it cannot express) ``own_problems``; the weight maps need no code.
     """
 
     name: ClassVar[str]  # config.json's model_type
@@ -203,6 +204,42 @@ class FamilyAdapter:
 
     def gguf_metadata(self, writer: Any, cfg: ModelConfig) -> None:
         """The hyperparameters only this architecture's GGUF metadata holds (``gguf.GGUFWriter``)."""
+
+    def config_from_gguf(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+        """lmcli's ModelConfig of a GGUF file of this family: its metadata ``meta`` (keys as the
+        file names them, ``llama.block_count``, ...) and its tensors' ``shapes`` (PyTorch order,
+        by GGUF name). The shapes themselves are checked against the config afterwards."""
+        arch = self.gguf_arch
+        heads = meta.require(f"{arch}.attention.head_count")
+        embd = shapes.get("token_embd.weight")
+        if embd is None or len(embd) != 2:
+            raise LmcliError(f"{meta.where} has no token_embd.weight matrix")
+        fields = dict(
+            vocab_size=embd[0],
+            block_size=meta.require(f"{arch}.context_length"),
+            n_embd=meta.require(f"{arch}.embedding_length"),
+            n_layer=meta.require(f"{arch}.block_count"),
+            n_head=heads,
+            n_kv_head=meta.get(f"{arch}.attention.head_count_kv", heads),
+            d_ff=meta.require(f"{arch}.feed_forward_length"),
+            tie_embeddings="output.weight" not in shapes,
+        )
+        settings = self.gguf_settings(meta, shapes)
+        try:
+            return ModelConfig(
+                **fields,  # type: ignore[arg-type]
+                vocab_multiple=1,  # the file's shapes as they are
+                position=self.position,
+                norm=self.norm,
+                mlp=self.mlp,
+                **settings,
+            )
+        except LmcliError as exc:
+            raise LmcliError(f"{meta.where}: {exc}") from None
+
+    def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        """The ModelConfig fields only this architecture's GGUF metadata holds (eps, rope, biases)."""
+        return {}
 
     # ------------------------------------------------------------------------- what it cannot express
 

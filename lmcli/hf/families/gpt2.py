@@ -90,3 +90,6 @@ class GPT2(FamilyAdapter):
 
     def gguf_metadata(self, writer: Any, cfg: ModelConfig) -> None:
         writer.add_layer_norm_eps(cfg.norm_eps)
+
+    def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        return {"norm_eps": meta.get("gpt2.attention.layer_norm_epsilon", 1e-5), "bias": True}

@@ -33,8 +33,8 @@ MAX_CONTEXT = 1 << 26  # 67M positions; the tables it sizes are checked against 
 @dataclass(frozen=True)
 class Rule:
     """What a field may hold: ``kind`` int, number, bool, text, table (a JSON object), names (a
-    list of text) or ids (a token id or a list of them); numbers within [lo, hi] (``above``: lo
-    excluded)."""
+    list of text), ids (a token id or a list of them) or any (checked by its reader); numbers
+    within [lo, hi] (``above``: lo excluded)."""
 
     kind: str
     lo: float | None = None
@@ -51,6 +51,7 @@ class Rule:
             "table": isinstance(value, dict),
             "names": isinstance(value, list) and all(isinstance(v, str) for v in value),
             "ids": _ids(value),
+            "any": True,
         }[self.kind]
         if not ok:
             raise LmcliError(f"{where}: {name} must be {_KINDS[self.kind]}, got {_short(value)}")
@@ -78,6 +79,7 @@ _KINDS = {
     "table": "a table (a JSON object)",
     "names": "a list of names",
     "ids": "a token id or a list of them",
+    "any": "any value",
 }
 
 
@@ -141,6 +143,47 @@ ROPE_SCHEMA: dict[str, Rule] = {
     "beta_slow": COUNT,
     "truncate": Rule("bool"),
 }
+
+# GGUF metadata keys ("{arch}." + key) and the config.json field each stands for
+GGUF_FIELDS = {
+    "vocab_size": "vocab_size",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.value_length": "head_dim",
+    "rope.dimension_count": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.layer_norm_epsilon": "layer_norm_epsilon",
+    "rope.freq_base": "rope_theta",
+}
+GGUF_ROPE = {"rope.scaling.type": "type", "rope.scaling.factor": "factor"}
+
+
+class GgufSchema(Mapping[str, Rule]):
+    """The rules of a GGUF file's metadata, read through ``HFConfig`` as ``config.json`` is: an
+    architecture's key (``llama.block_count``) has the rule of the field it stands for
+    (``GGUF_FIELDS``); ``general.*`` and ``tokenizer.*`` keys are checked by their readers (the
+    tokenizer's rebuild); any other key is a bug (``KeyError``)."""
+
+    def __getitem__(self, key: str) -> Rule:
+        group, _, rest = key.partition(".")
+        if group in ("general", "tokenizer"):
+            return Rule("any")
+        if rest in GGUF_FIELDS:
+            return SCHEMA[GGUF_FIELDS[rest]]
+        if rest in GGUF_ROPE:
+            return ROPE_SCHEMA[GGUF_ROPE[rest]]
+        raise KeyError(key)
+
+    def __iter__(self) -> Any:
+        return iter(())  # the keys depend on the architecture: looked up, never listed
+
+    def __len__(self) -> int:
+        return 0
 
 
 class HFConfig:

@@ -133,6 +133,33 @@ class Llama(FamilyAdapter):
         writer.add_rope_dimension_count(cfg.head_dim)
         writer.add_rope_freq_base(cfg.rope_base)
 
+    def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        """Norm epsilon, rope base and scaling, and the biases the tensors hold; one line for what
+        lmcli's rope cannot compute (a partial rotary dimension, frequency factors, yarn)."""
+        arch = self.gguf_arch
+        width, heads = meta.require(f"{arch}.embedding_length"), meta.require(f"{arch}.attention.head_count")
+        head_dim = width // heads if isinstance(width, int) and isinstance(heads, int) and heads else None
+        for key in (f"{arch}.rope.dimension_count", f"{arch}.attention.key_length"):
+            if meta.get(key, head_dim) != head_dim:
+                raise LmcliError(f"{meta.where}: {key} {meta.get(key)} is not the head size {head_dim}")
+        out: dict[str, Any] = {
+            "norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_base": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            "bias": "blk.0.attn_output.bias" in shapes,
+            "qkv_bias": "blk.0.attn_q.bias" in shapes,
+        }
+        if "rope_freqs.weight" in shapes:
+            raise LmcliError(
+                f"{meta.where}: rope frequency factors (rope_freqs.weight, Llama 3.1's long-context "
+                "scaling) are not supported: import the model's Hugging Face folder instead"
+            )
+        scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        if scaling == "linear":
+            out.update(rope_scaling="linear", rope_factor=float(meta.require(f"{arch}.rope.scaling.factor")))
+        elif scaling not in ("none", None):
+            raise LmcliError(f"{meta.where}: unsupported rope scaling {scaling!r} (lmcli reads none, linear)")
+        return out
+
 
 def rope_settings(hf: HFConfig) -> dict[str, Any]:
     """lmcli's rope fields from a config's ``rope_theta``/``rope_scaling`` (transformers 4) or

@@ -1,0 +1,390 @@
+"""CPU decoding against llama.cpp at each precision, and the memory of load + generation.
+
+Two model shapes with random weights (nothing is downloaded): SmolLM2-135M's (30 layers, 576
+wide, 9 heads, 3 key/value heads, MLP 1536, vocabulary 49152, tied) and Qwen2.5-0.5B's (24 x
+896, 14 heads, 2 key/value heads, MLP 4864, vocabulary 151936, query/key/value biases, tied).
+A child process writes each as an lmcli checkpoint and, through lmcli's GGUF exporter (the
+``gguf`` package's own writer and quantizers), as f32, f16, q8_0 and q4_0 GGUF files of the same
+weights. Then, for each precision pair (lmcli fp32 / llama.cpp f32, bf16 / f16, int8 / q8_0,
+int4 / q4_0) and thread count, lmcli and llama.cpp run in turn, each in a fresh process (A, B,
+A, B; the best of each): one prompt of ``PROMPT`` tokens (prefill tokens/s), then ``NEW``
+greedy tokens one at a time (decode tokens/s). lmcli's figures are the ones ``lmcli sample
+--json`` reports (``Generated.speed``); llama.cpp's are timed around ``Llama.eval`` in
+llama-cpp-python (``make check-gguf`` builds it in ~/.cache/lmcli/llama-venv; ``LLAMA_PYTHON``
+names another Python that has it; without one the rows say "skipped: llama_cpp absent").
+
+Each decode figure is also given as a fraction of the bandwidth limit: the bytes of weights a
+token reads (every matrix once, the tied vocabulary table as the head) over the machine's
+memory-copy bandwidth, measured here (bytes read + written per second by a 256 MiB copy, on
+the same threads).
+
+The memory rows (lmcli alone): a fresh process loads the Qwen2.5-shaped model (the lmcli
+checkpoint, float32, for fp32; a Hugging Face folder of it in bfloat16, as the hub's are, for
+bf16 and int8) and generates ``NEW`` tokens; peak RSS minus the RSS before loading, over the
+bytes of the weights as held (goal <= 1.3x).
+
+    python -m bench.bench_cpu_decode              # 1 thread
+    BENCH_THREADS=1,2 python -m bench.bench_cpu_decode
+    BENCH_SHAPES=smollm2 python -m bench.bench_cpu_decode
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW = 128
+PROMPT = 256
+MEMORY_GOAL = 1.3
+MEMORY_SHAPE = "qwen2.5"  # the memory rows' model (1 GB in bf16, as bench_load's)
+PAIRS = (("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
+GROUP_SIZE = 64
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2": dict(
+        label="SmolLM2-135M shape",
+        n_layer=30,
+        n_embd=576,
+        n_head=9,
+        n_kv_head=3,
+        d_ff=1536,
+        vocab_size=49152,
+    ),
+    "qwen2.5": dict(
+        label="Qwen2.5-0.5B shape",
+        n_layer=24,
+        n_embd=896,
+        n_head=14,
+        n_kv_head=2,
+        d_ff=4864,
+        vocab_size=151936,
+        qkv_bias=True,
+    ),
+}
+
+
+def llama_python() -> str | None:
+    """A Python that can import llama_cpp: $LLAMA_PYTHON, else make check-gguf's venv."""
+    path = os.environ.get("LLAMA_PYTHON") or str(Path.home() / ".cache/lmcli/llama-venv/bin/python")
+    if not Path(path).exists():
+        return None
+    ok = subprocess.run([path, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    return path if ok else None
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    """The same ``PROMPT`` ids for both sides: ids 5.. (no specials), from a fixed pattern."""
+    return [2] + [5 + (i * 7919) % (vocab - 5) for i in range(PROMPT - 1)]
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def write(folder: Path, shape: str) -> dict[str, Any]:
+    """The lmcli checkpoint (float32), a Hugging Face folder of it in bfloat16 and the GGUF
+    files of one shape."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from bench.texts import wide_tokenizer
+    from lmcli.checkpoint import save_checkpoint
+    from lmcli.config import ModelConfig, TrainConfig
+    from lmcli.hf.export import export_hf
+    from lmcli.hf.gguf import write_gguf
+    from lmcli.model import Transformer
+
+    spec = {k: v for k, v in SHAPES[shape].items() if k != "label"}
+    cfg = ModelConfig(
+        block_size=2048, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, rope_base=1e5, **spec
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    tok = wide_tokenizer(cfg.vocab_size)
+    save_checkpoint(folder / "fp32", model, TrainConfig(), tok, meta={"step": 0})
+    files = {t: str(write_gguf(model, tok, folder / f"{t}.gguf", t)) for _, t in PAIRS}
+    hf = export_hf(folder / "fp32", folder / "bf16")  # then in bfloat16, as the hub's folders are
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(str(hf / "model.safetensors")).items()}
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return {"gguf": files}
+
+
+def resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
+    """In this fresh process: load, quantize, prefill ``PROMPT`` tokens and decode ``NEW``."""
+    import torch
+
+    from lmcli import fastpath
+    from lmcli.config import SampleConfig
+    from lmcli.device import set_threads
+    from lmcli.generate.sampling import generate
+    from lmcli.quant import quantize, weight_bytes
+    from lmcli.sources import load_model
+
+    set_threads(threads)
+    before = resident()
+    t0 = time.perf_counter()
+    ckpt = load_model(run, "cpu")  # in the dtype stored: float32, or bfloat16 (the bf16 folder)
+    quantize(ckpt.model, mode if mode in ("int8", "int4") else "none", GROUP_SIZE)
+    loaded = time.perf_counter() - t0
+    model, tok = ckpt.model, ckpt.tokenizer
+    prompt = prompt_ids(model.config.vocab_size)
+    greedy = SampleConfig(temperature=0, max_new_tokens=NEW, min_new_tokens=NEW)
+    with torch.inference_mode(), fastpath.inference(model):
+        generate(model, tok, [prompt[:8]], SampleConfig(temperature=0, max_new_tokens=4, min_new_tokens=4))
+        out = generate(model, tok, [prompt], greedy)[0]
+    speed = out.speed.report()
+    held = weight_bytes(model)
+    return {
+        "prefill": speed["prefill_tokens_per_s"],
+        "decode": speed["decode_tokens_per_s"],
+        "new_tokens": len(out.ids),
+        "weight_bytes": held,
+        "bytes_per_token": held - untied_embedding_bytes(model),
+        "load_s": loaded,
+        "rss_before_load": before,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def untied_embedding_bytes(model: Any) -> int:
+    """Bytes of a token embedding that no product reads (an untied table: one row a token)."""
+    from lmcli.quant import Int8Embedding
+
+    wte = model.wte
+    if model.config.tie_embeddings:
+        return 0
+    if isinstance(wte, Int8Embedding):
+        return wte.qweight.numel() + wte.scales.numel() * wte.scales.element_size()
+    return wte.weight.numel() * wte.weight.element_size()
+
+
+def llama_side(gguf: str, threads: int, prompt: list[int]) -> dict[str, Any]:
+    """In this fresh process (a Python with llama_cpp and numpy): the same prompt and steps."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=gguf,
+        n_ctx=PROMPT + NEW + 16,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> Any:
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
+    llm.eval(prompt[:8])  # warm-up, as lmcli's
+    for _ in range(4):
+        llm.eval([int(np.argmax(last_logits()))])
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(NEW - 1):
+        llm.eval([int(np.argmax(last_logits()))])
+    decode = time.perf_counter() - t0
+    return {
+        "prefill": len(prompt) / prefill,
+        "decode": (NEW - 1) / decode,
+        "file_bytes": os.path.getsize(gguf),
+    }
+
+
+def copy_bandwidth(threads: int) -> float:
+    """Bytes read + written per second by copying a 256 MiB float32 tensor (best of 5)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(64 << 20)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * a.element_size() / best
+
+
+def child(python: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [python, "-m", "bench.bench_cpu_decode", *args], cwd=ROOT, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- the rows
+
+
+def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's best over the runs (throughputs: highest)."""
+    out = dict(runs[0])
+    for key in ("prefill", "decode"):
+        out[key] = max(r[key] for r in runs)
+    return out
+
+
+def pair_rows(
+    shape: str, mode: str, gguf_type: str, threads: int, ours: dict, theirs: dict | None, bandwidth: float
+) -> list[Any]:
+    """The decode and prefill rows of one precision pair."""
+    from bench.common import Row
+
+    label = f"{SHAPES[shape]['label']}, {mode} vs {gguf_type}, {threads} thread{'s' * (threads > 1)}"
+    limit_ours = bandwidth / ours["bytes_per_token"]
+    extra = {"lmcli": ours, "llama.cpp": theirs, "copy_bandwidth": bandwidth, "threads": threads}
+    if theirs is None:
+        note = f"skipped: llama_cpp absent; lmcli at {ours['decode'] / limit_ours:.2f} of its bandwidth limit"
+        return [
+            Row(
+                f"decode tok/s, {label}",
+                "tokens/s",
+                ours["decode"],
+                float("nan"),
+                "llama.cpp",
+                None,
+                note=note,
+            ),
+            Row(f"prefill tok/s, {label}", "tokens/s", ours["prefill"], float("nan"), "llama.cpp", None),
+        ]
+    limit_theirs = bandwidth / theirs["file_bytes"]
+    note = (
+        f"bandwidth limit {bandwidth / 1e9:.1f} GB/s copy: lmcli {ours['decode'] / limit_ours:.2f} of "
+        f"{limit_ours:.0f} tok/s ({ours['bytes_per_token'] / 1e6:.0f} MB/token), llama.cpp "
+        f"{theirs['decode'] / limit_theirs:.2f} of {limit_theirs:.0f} ({theirs['file_bytes'] / 1e6:.0f} MB)"
+    )
+    return [
+        Row(
+            f"decode tok/s, {label}",
+            "tokens/s",
+            ours["decode"],
+            theirs["decode"],
+            "llama.cpp",
+            1.0,
+            valid=ours["new_tokens"] == NEW,
+            note=note,
+            extra=extra,
+        ),
+        Row(
+            f"prefill tok/s, {label}",
+            "tokens/s",
+            ours["prefill"],
+            theirs["prefill"],
+            "llama.cpp",
+            None,
+            extra=extra,
+        ),
+    ]
+
+
+def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, llama: str | None) -> list:
+    from bench.common import log
+
+    bandwidth = child(sys.executable, "bandwidth", str(threads))["bytes_per_s"]
+    log(f"{shape}, {threads} thread(s): copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    prompt = json.dumps(prompt_ids(SHAPES[shape]["vocab_size"]))
+    for mode, gguf_type in PAIRS:
+        run = str(folder / ("bf16" if mode == "bf16" else "fp32"))
+        ours_runs, theirs_runs = [], []
+        for _ in range(2):  # A, B, A, B
+            ours_runs.append(child(sys.executable, "lmcli", run, mode, str(threads)))
+            if llama is not None:
+                theirs_runs.append(child(llama, "llama", files[gguf_type], str(threads), prompt))
+        ours, theirs = best_of(ours_runs), best_of(theirs_runs) if theirs_runs else None
+        log(
+            f"{mode}/{gguf_type}: lmcli {ours['decode']:.1f} tok/s decode, {ours['prefill']:.0f} prefill; "
+            + (f"llama.cpp {theirs['decode']:.1f}, {theirs['prefill']:.0f}" if theirs else "llama.cpp absent")
+        )
+        rows += pair_rows(shape, mode, gguf_type, threads, ours, theirs, bandwidth)
+    return rows
+
+
+def memory_rows(folder: Path, shape: str) -> list:
+    """Peak RSS of load + ``NEW`` tokens over the weights as held, fp32, bf16 and int8."""
+    from bench.common import Row, log
+
+    rows = []
+    for mode in ("fp32", "bf16", "int8"):
+        m = child(sys.executable, "lmcli", str(folder / ("fp32" if mode == "fp32" else "bf16")), mode, "1")
+        x = (m["peak_rss"] - m["rss_before_load"]) / m["weight_bytes"]
+        log(f"memory {mode}: {x:.2f}x of {m['weight_bytes'] / 1e6:.0f} MB")
+        rows.append(
+            Row(
+                f"load+generate memory / weights, {SHAPES[shape]['label']}, {mode}",
+                "x weights",
+                x,
+                MEMORY_GOAL,
+                f"goal {MEMORY_GOAL}x",
+                1.0,
+                lower_is_better=True,
+                valid=x <= MEMORY_GOAL,
+                note=f"peak RSS minus RSS before loading over {m['weight_bytes'] / 1e6:.0f} MB of weights "
+                f"as held (stored {'float32' if mode == 'fp32' else 'bfloat16'}): "
+                f"{'met' if x <= MEMORY_GOAL else 'MISSED'}",
+                extra=m,
+            )
+        )
+    return rows
+
+
+def run() -> list:
+    from bench.common import log
+
+    threads = [int(t) for t in os.environ.get("BENCH_THREADS", "1").split(",")]
+    shapes = os.environ.get("BENCH_SHAPES", ",".join(SHAPES)).split(",")
+    llama = llama_python()
+    log(f"llama.cpp: {llama or 'absent'}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            folder = Path(tmp) / shape
+            files = child(sys.executable, "write", str(folder), shape)["gguf"]
+            log(f"wrote {shape}: {', '.join(Path(f).name for f in files.values())}")
+            if shape == MEMORY_SHAPE or len(shapes) == 1:
+                rows += memory_rows(folder, shape)
+            for n in threads:
+                rows += decode_rows(folder, shape, files, n, llama)
+            for f in folder.rglob("*"):
+                if f.is_file():
+                    f.unlink()
+    return rows
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args[:1] == ["write"]:
+        print(json.dumps(write(Path(args[1]), args[2])))
+    elif args[:1] == ["lmcli"]:
+        print(json.dumps(lmcli_side(args[1], args[2], int(args[3]))))
+    elif args[:1] == ["llama"]:
+        print(json.dumps(llama_side(args[1], int(args[2]), json.loads(args[3]))))
+    elif args[:1] == ["bandwidth"]:
+        print(json.dumps({"bytes_per_s": copy_bandwidth(int(args[1]))}))
+    else:
+        from bench.common import run_suite
+
+        run_suite("cpu_decode", run)
+
+
+if __name__ == "__main__":
+    main()

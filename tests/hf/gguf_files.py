@@ -1,0 +1,285 @@
+"""GGUF files written by the ``gguf`` package alone, and logits computed from a file alone.
+
+``write_gguf_model`` writes a tiny random model of llama.cpp's ``llama``, ``qwen2`` or ``gpt2``
+architecture as llama.cpp's own converter lays it out (names, metadata, ggml shapes, F32 norms
+and biases), its matrices in one tensor type: F32/F16/BF16 and Q8_0/Q4_0/Q4_1 through
+``gguf.quants.quantize``; the K types (Q4_K, Q5_K, Q6_K), which ``gguf`` reads but does not
+write, as random blocks with sane scales. Nothing of lmcli writes these files.
+
+``reference_logits`` is a forward pass written from GGUF's side: it reads nothing but the file
+(metadata and tensors, through ``gguf.GGUFReader``, dequantized with ``gguf.quants``) and
+computes what llama.cpp's graphs compute in float64: ``gpt2`` (LayerNorm, tanh-GELU, learned
+positions), ``llama`` (rotary on adjacent pairs) and ``qwen2`` (rotary on halves, NEOX style).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from families import hf_tokenizer
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+
+T = gguf.GGMLQuantizationType
+KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# byte offsets of the f16 scales in each K block (values per block: 256), and their size
+K_SCALES = {"Q4_K": ((0, 2), 144), "Q5_K": ((0, 2), 176), "Q6_K": ((208,), 210)}
+SHAPE = dict(n_embd=256, n_head=4, n_kv=2, n_layer=2, ffn=512, context=64)  # K types: rows of 256
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+TEXTS = [  # pre-tokenization cases: contractions, digits, runs of spaces, newlines, non-ASCII
+    "It's the model's 3rd run, isn't it?  Yes:   1234567 tokens.\n\n\tindented\r\n",
+    "naïve café — “quotes” and emoji 🙂; ümlaut ß 2024-05-01\n",
+    "THE CAT'LL SAY <|im_end|> or <|endoftext|> as text   ",
+    "  leading spaces, trailing newline\n",
+]
+
+
+def field(reader: gguf.GGUFReader, key: str):
+    return reader.fields[key].contents()
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def source_tokenizer(pre: str) -> Tokenizer:
+    """A byte-level BPE with the pre-tokenizer a model of GGUF's ``pre`` has in its tokenizer.json."""
+    llama3 = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt-2", "smollm"))
+    split = {"llama-bpe": llama3, "qwen2": llama3.replace(r"\p{N}{1,3}", r"\p{N}")}
+    pre_tokenizer = {
+        "gpt-2": byte_level,
+        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
+    }.get(pre) or pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split[pre]), "isolated"), byte_level])
+    texts = (*TEXTS * 3, "12 123 1234 12345 didn't it's")
+    tok = hf_tokenizer(SPECIALS, pre_tokenizer, vocab_size=400, texts=texts)
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    return tok
+
+
+def _k_blocks(rows: int, cols: int, kind: str, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks (rows, cols / 256 * bytes) whose values spread about +-``scale``."""
+    offsets, size = K_SCALES[kind]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    if kind == "Q6_K":  # w = d * scale_j * (q - 32), |scale_j| < 128, |q - 32| <= 32
+        d = np.full((blocks.shape[0], 1), scale / 2000, dtype=np.float16)
+        blocks[:, 208:210] = d.view(np.uint8)
+    else:  # w = d * sc * q - dmin * m: sc, m 6-bit, q 4 or 5 bits; dmin centres the values
+        top = 15 if kind == "Q4_K" else 31
+        d = np.full((blocks.shape[0], 1), scale / (63 * top / 2), dtype=np.float16)
+        blocks[:, 0:2] = d.view(np.uint8)
+        blocks[:, 2:4] = (d * np.float16(top / 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, T | None]:
+    """A matrix (rows, cols) as ``kind``: (data, raw type for ``add_tensor``)."""
+    if kind == "F32":
+        return w.astype(np.float32), None
+    if kind == "F16":
+        return w.astype(np.float16), None
+    if kind in K_SCALES:
+        return _k_blocks(*w.shape, kind, float(np.abs(w).max()) / 2, rng), T[kind]
+    return gguf.quants.quantize(w.astype(np.float32), T[kind]), T[kind]
+
+
+def model_tensors(arch: str, vocab: int, rng: np.random.Generator, tied: bool) -> dict[str, np.ndarray]:
+    """Random weights under GGUF's names, PyTorch's (out, in) order, unit-variance outputs."""
+    C, H, KV, F_ = SHAPE["n_embd"], SHAPE["n_head"], SHAPE["n_kv"], SHAPE["ffn"]
+    D = C // H
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.standard_normal((rows, cols)).astype(np.float32) * (1.5 / math.sqrt(cols))
+
+    def vec(n: int, around: float) -> np.ndarray:
+        return (around + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    out = {"token_embd.weight": mat(vocab, C) * 10, "output_norm.weight": vec(C, 1.0)}
+    if arch == "gpt2":
+        out |= {"position_embd.weight": mat(SHAPE["context"], C) * 5, "output_norm.bias": vec(C, 0.0)}
+    for i in range(SHAPE["n_layer"]):
+        b = f"blk.{i}."
+        out |= {b + "attn_norm.weight": vec(C, 1.0), b + "ffn_norm.weight": vec(C, 1.0)}
+        out |= {b + "attn_output.weight": mat(C, C), b + "ffn_up.weight": mat(F_, C)}
+        out[b + "ffn_down.weight"] = mat(C, F_)
+        if arch == "gpt2":
+            out[b + "attn_qkv.weight"] = mat(C + 2 * KV * D, C)
+            for n, size in (("attn_norm", C), ("ffn_norm", C), ("attn_qkv", C + 2 * KV * D)):
+                out[b + n + ".bias"] = vec(size, 0.0)
+            for n, size in (("attn_output", C), ("ffn_up", F_), ("ffn_down", C)):
+                out[b + n + ".bias"] = vec(size, 0.0)
+        else:
+            out |= {b + "attn_q.weight": mat(C, C), b + "attn_k.weight": mat(KV * D, C)}
+            out |= {b + "attn_v.weight": mat(KV * D, C), b + "ffn_gate.weight": mat(F_, C)}
+            if arch == "qwen2":
+                for n, size in (("attn_q", C), ("attn_k", KV * D), ("attn_v", KV * D)):
+                    out[b + n + ".bias"] = vec(size, 0.0)
+    if not tied:
+        out["output.weight"] = mat(vocab, C)
+    return out
+
+
+def write_tokenizer(
+    w: gguf.GGUFWriter, tok: Tokenizer, vocab: int, pre: str, add_bos: bool | None, model: str = "gpt2"
+) -> None:
+    """The tokenizer's metadata as llama.cpp's converter writes a byte-level BPE's."""
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab)]
+    specials = {by_id[i] for i in tok.get_added_tokens_decoder()}
+    TT = gguf.TokenType
+    types = [
+        TT.CONTROL if t in specials else TT.UNUSED if t.startswith("[PAD") else TT.NORMAL for t in tokens
+    ]
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    merges = __import__("json").loads(tok.to_str())["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    ids = {t: i for i, t in by_id.items()}
+    w.add_bos_token_id(ids["<|endoftext|>"])
+    w.add_eos_token_id(ids["<|im_end|>"])
+    w.add_pad_token_id(ids["<|endoftext|>"])
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template(TEMPLATE)
+
+
+def write_gguf_model(
+    path: Path,
+    arch: str,
+    kind: str,
+    *,
+    seed: int = 0,
+    tied: bool = False,
+    pre: str = "gpt-2",
+    add_bos: bool | None = True,
+    name: str = "tiny",
+    tok: Tokenizer | None = None,
+    tokenizer_model: str = "gpt2",
+) -> Path:
+    """A tiny random ``arch`` model, its matrices ``kind``, as llama.cpp's converter lays it out
+    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text)."""
+    rng = np.random.default_rng(seed)
+    tok = tok or hf_tokenizer(SPECIALS)
+    vocab = tok.get_vocab_size() + 4  # a few unused ids, as padded vocabularies have
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    C, H = SHAPE["n_embd"], SHAPE["n_head"]
+    w.add_context_length(SHAPE["context"])
+    w.add_embedding_length(C)
+    w.add_block_count(SHAPE["n_layer"])
+    w.add_feed_forward_length(SHAPE["ffn"])
+    w.add_head_count(H)
+    w.add_head_count_kv(SHAPE["n_kv"])
+    if arch == "gpt2":
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_rope_freq_base(5000.0)
+        w.add_rope_dimension_count(C // H)
+    write_tokenizer(w, tok, vocab, pre, add_bos, tokenizer_model)
+    for tname, value in model_tensors(arch, vocab, rng, tied).items():
+        if value.ndim == 1:
+            w.add_tensor(tname, value)
+        else:
+            data, raw = encode(value, kind, rng)
+            w.add_tensor(tname, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def gguf_weights(reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
+    """Every tensor of the file as float64, dequantized, in numpy's (out, in) order."""
+    return {
+        t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).double()
+        for t in reader.tensors
+    }
+
+
+def rotate_pairs(x: torch.Tensor, base: float) -> torch.Tensor:
+    """llama.cpp's rotary positions on (T, H, D): dims (2i, 2i+1) turned by pos * base^(-2i/D)."""
+    T_, _, D = x.shape
+    angle = torch.arange(T_, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, D, 2) / D)  # (T, D/2)
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # (T, 1, D/2)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).reshape(x.shape)
+
+
+def rotate_halves(x: torch.Tensor, base: float) -> torch.Tensor:
+    """llama.cpp's NEOX rotary (qwen2) on (T, H, D): dims (i, i + D/2) turned together."""
+    D = x.size(-1)
+    # (T, H, D) -> (T, H, 2, D/2) -> (T, H, D/2, 2) -> adjacent pairs -> back
+    paired = x.reshape(*x.shape[:2], 2, D // 2).transpose(-1, -2).reshape(x.shape)
+    turned = rotate_pairs(paired, base)
+    return turned.reshape(*x.shape[:2], D // 2, 2).transpose(-1, -2).reshape(x.shape)
+
+
+def reference_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """Logits (T, V) of ``ids`` computed from the GGUF file alone, as llama.cpp's graphs do."""
+    r = gguf.GGUFReader(path)
+    arch = field(r, "general.architecture")
+    n_layer, H = field(r, f"{arch}.block_count"), field(r, f"{arch}.attention.head_count")
+    KV = field(r, f"{arch}.attention.head_count_kv")
+    w = gguf_weights(r)
+    T_ = len(ids)
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        y = x @ w[f"{name}.weight"].T
+        return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
+
+    if arch == "gpt2":
+        eps = field(r, "gpt2.attention.layer_norm_epsilon")
+
+        def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+            return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], eps)
+
+        x = w["token_embd.weight"][ids] + w["position_embd.weight"][:T_]
+    else:
+        eps = field(r, f"{arch}.attention.layer_norm_rms_epsilon")
+        base = field(r, f"{arch}.rope.freq_base")
+        rotate = rotate_pairs if arch == "llama" else rotate_halves
+
+        def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w[f"{name}.weight"]
+
+        x = w["token_embd.weight"][ids]
+    C = x.size(-1)
+    D = C // H
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        h = norm(x, b + "attn_norm")
+        if arch == "gpt2":
+            q, k, v = linear(h, b + "attn_qkv").split([H * D, KV * D, KV * D], dim=-1)
+        else:
+            q, k, v = (linear(h, b + n) for n in ("attn_q", "attn_k", "attn_v"))
+        q, k, v = q.view(T_, H, D), k.view(T_, KV, D), v.view(T_, KV, D)
+        if arch != "gpt2":
+            q, k = rotate(q, base), rotate(k, base)
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)
+        scores = scores.masked_fill(torch.ones(T_, T_).triu(1).bool(), float("-inf"))
+        att = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T_, C)
+        x = x + linear(att, b + "attn_output")
+        h = norm(x, b + "ffn_norm")
+        if arch == "gpt2":
+            h = F.gelu(linear(h, b + "ffn_up"), approximate="tanh")
+        else:
+            h = F.silu(linear(h, b + "ffn_gate")) * linear(h, b + "ffn_up")
+        x = x + linear(h, b + "ffn_down")
+    head = w.get("output.weight", w["token_embd.weight"])
+    return norm(x, "output_norm") @ head.T
