@@ -40,7 +40,7 @@ KIND_NAMES = {
     "grammar": "grammar",
 }
 MAX_CONSTRAINT_CHARS = 1 << 18  # 256 KiB of schema, regex or grammar text
-GRAMMAR_CACHE = 32  # compiled grammars kept per tokenizer (a few MiB at most each)
+GRAMMAR_CACHE = 32  # compiled grammars kept per tokenizer (least recently used dropped)
 # The parser's bounds (llguidance's ParserLimits): the grammar's size, the lexer's states and the
 # work of one mask; a constraint past them is refused, a step past them ends its row.
 LIMITS = {"max_grammar_size": 200_000, "max_lexer_states": 100_000, "step_lexer_fuel": 200_000}
