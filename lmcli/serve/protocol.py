@@ -3,7 +3,10 @@
 Parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``repetition_penalty`` and ``min_tokens`` (extensions, vLLM's names), ``stop``,
 ``seed``, ``n``, ``stream`` (with ``stream_options.include_usage``), ``logprobs`` (completions:
-an integer 0-5; chat: true, with ``top_logprobs``), ``echo`` (completions). The sampling values
+an integer 0-5; chat: true, with ``top_logprobs``), ``echo`` (completions), ``response_format``
+(a JSON schema or any JSON object: a grammar's mask per row, ``generate/constrain.py``), and for
+chat ``tools``/``tool_choice`` (``serve/tools.py``: shown by the template, calls read from the
+reply, a required call constrained to its parameters' schema). The sampling values
 are checked by ``SampleConfig``, the same declarations ``lmcli sample`` checks its flags with.
 Unknown parameters are ignored.
 
