@@ -122,7 +122,13 @@ def constraint(tools: Tools) -> Constraint | None:
         for f in tools.functions
         if tools.choice == "required" or f["function"]["name"] == tools.choice
     ]
-    schema = json.dumps({"anyOf": options, "x-guidance": JSON_OPTIONS})
+    root: dict[str, Any] = {"anyOf": options, "x-guidance": JSON_OPTIONS}
+    for f in tools.functions:  # "#/$defs/..." references resolve against the root: the defs go there
+        for key in ("$defs", "definitions"):
+            for name, definition in f["function"]["parameters"].get(key, {}).items():
+                if root.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise ToolError(f"tools: two functions define {key}/{name} differently", "tools")
+    schema = json.dumps(root)
     call = f"call: %json {schema}"
     if tools.format == "hermes":
         return Constraint("grammar", f'start: "{OPEN}\\n" call "\\n{CLOSE}"\n{call}')

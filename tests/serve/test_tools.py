@@ -296,3 +296,38 @@ def test_a_streamed_reply_reads_as_the_whole_reply() -> None:
     assert content == whole_content == "Let me see.  <tool_call>{bad}</tool_call>"
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
     assert len(calls) == 1
+
+
+def test_a_required_call_keeps_the_parameters_references() -> None:
+    """Parameters with `$defs` (as pydantic writes them) constrain the call as written."""
+    from lmcli.generate.constrain import Grammars
+
+    params = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/Place"}},
+        "required": ["where"],
+        "$defs": {
+            "Place": {
+                "type": "object",
+                "properties": {"city": {"enum": ["oslo", "rome"]}},
+                "required": ["city"],
+            }
+        },
+    }
+    spec = tools.parse_tools(
+        {
+            "tools": [{"type": "function", "function": {"name": "go", "parameters": params}}],
+            "tool_choice": "required",
+        },
+        None,
+    )
+    tok = Tokenizer.train("bpe", [TEXT + '"where" "city" "oslo" "rome" go'], vocab_size=300)
+    grammars = Grammars(tok)
+    mask = grammars.processor(tools.constraint(spec))
+    for t in tok.encode(tools.call_text("go", {"where": {"city": "rome"}})):
+        mask.accept(t)
+    assert mask.ends
+    with pytest.raises(Exception, match="grammar"):  # a city the enum does not have
+        mask = grammars.processor(tools.constraint(spec))
+        for t in tok.encode(tools.call_text("go", {"where": {"city": "paris"}})):
+            mask.accept(t)
