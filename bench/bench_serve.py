@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,51 +125,44 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+@contextmanager
+def serving(run_dir: Path, *flags: str) -> Iterator[str]:
+    """``lmcli serve RUN_DIR FLAGS`` in its own process on a free loopback port (on the CPU):
+    its base URL once ``/health`` answers; stopped when the block ends."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "lmcli", "serve", str(run_dir), "--port", str(port), "--device", "cpu"]
+    server = subprocess.Popen([*cmd, *flags], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def run() -> list[Row]:
     tok = char_tokenizer(65)
     model = lmcli_model(tok.vocab_size, 256, **TINY).eval()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "bench-serve"
         save_checkpoint(run_dir / "best", model, TrainConfig(), tok, meta={"step": 0})
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "lmcli",
-            "serve",
-            str(run_dir),
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            "--max-batch",
-            str(MAX_BATCH),
-            "--max-queue",
-            str(CLIENTS * PER_CLIENT),
-            "--grace",
-            "5",
-        ]
-        server = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    httpx.get(url + "/health", timeout=1)
-                    break
-                except httpx.TransportError:
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("the server did not start") from None
-                    time.sleep(0.2)
+        limits = ["--max-batch", str(MAX_BATCH), "--max-queue", str(CLIENTS * PER_CLIENT), "--grace", "5"]
+        with serving(run_dir, *limits) as url:
             prompts = _prompts(CLIENTS * PER_CLIENT)
             log(f"warm-up; then {CLIENTS} clients x {PER_CLIENT} streamed requests of {NEW} tokens")
             asyncio.run(_load(url, prompts[:MAX_BATCH], concurrent=True))
             together, t_together = asyncio.run(_load(url, prompts, concurrent=True))
             log(f"concurrent: {t_together:.1f} s; now the same {len(prompts)} requests one at a time")
             alone, t_alone = asyncio.run(_load(url, prompts, concurrent=False))
-        finally:
-            server.terminate()
-            server.wait(30)
     errors = sum("error" in r for r in together + alone)
     incomplete = sum(not r.get("complete", False) for r in together + alone)
     tps = sum(r.get("tokens", 0) for r in together) / t_together

@@ -24,7 +24,7 @@ import torch
 from bench.common import Row, interleaved, log, run_suite
 from bench.texts import doc_text
 from lmcli import fastpath
-from lmcli.config import ModelConfig, SampleConfig, TrainConfig
+from lmcli.config import ModelConfig, SampleConfig, TrainConfig, from_dict
 from lmcli.generate.sampling import generate
 from lmcli.generate.speculative import Draft
 from lmcli.sources import load_checkpoint
@@ -41,7 +41,7 @@ DRAFT = dict(n_layer=2, n_head=2, n_embd=128)
 
 def trained(folder: Path, corpus: Path, shape: dict[str, int], tokenizer: str) -> Path:
     """A char model of ``shape`` trained ``STEPS`` steps on ``corpus``; its run folder."""
-    cfg = TrainConfig(
+    options = dict(
         corpus=(str(corpus),),
         out=str(folder),
         tokenizer=tokenizer,
@@ -53,6 +53,7 @@ def trained(folder: Path, corpus: Path, shape: dict[str, int], tokenizer: str) -
         cache_dir=str(folder.parent / "cache"),
         seed=0,
     )
+    cfg = from_dict(TrainConfig, options, source="bench_speculative")  # flat names, as flags
     model = ModelConfig(block_size=CONTEXT, **shape)
     result = train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
     log(f"{shape}: {result.step} steps, validation loss {result.val_loss}")

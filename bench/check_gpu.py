@@ -5,6 +5,8 @@
    memory against the pre-flight estimate;
 2. ``torchrun``: a 1-process NCCL ``torchrun`` run of a smaller model, then ``resume``: the same
    run resumed under torchrun for a few more steps (the exit codes and the steps reached);
+   ``fsdp`` and ``fsdp_resume``: the same with ``--parallel fsdp`` (bf16 parameters, float32
+   gradient reduction, sharded DCP checkpoints) and ``--activation-checkpointing selective``;
 3. ``eval``, ``sample``, ``beam`` in bf16 (the commands' precision policy) with the trained
    weights: tokens/s against Hugging Face transformers' GPT-2 holding the same weights under the
    same autocast, and whether both agree (perplexity, greedy tokens).
@@ -41,8 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 TORCHRUN_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256}
-CHECKS = ("train", "torchrun", "resume", "eval", "sample", "beam")
-GPU_ONLY = ("torchrun", "resume")  # NCCL
+CHECKS = ("train", "torchrun", "resume", "fsdp", "fsdp_resume", "eval", "sample", "beam")
+GPU_ONLY = ("torchrun", "resume", "fsdp", "fsdp_resume")  # NCCL
+FSDP = ("--parallel", "fsdp", "--activation-checkpointing", "selective")
 
 
 @dataclass
@@ -180,8 +183,11 @@ def check_train(plan: Plan, work: Path, corpus: Path) -> dict[str, Any]:
     return out
 
 
-def torchrun_argv(plan: Plan, corpus: Path, run: Path, resume: bool) -> list[str]:
-    """``torchrun`` (one process, NCCL on the GPU) of ``lmcli train``, or of its resume."""
+def torchrun_argv(
+    plan: Plan, corpus: Path, run: Path, resume: bool, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """``torchrun`` (one process, NCCL on the GPU) of ``lmcli train``, or of its resume, with
+    ``extra`` flags (FSDP's)."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     if resume:
         return [
@@ -193,6 +199,7 @@ def torchrun_argv(plan: Plan, corpus: Path, run: Path, resume: bool) -> list[str
             str(run),
             "--max-steps",
             str(2 * plan.torchrun_steps),
+            *extra,
             "-q",
         ]
     shape = [f"--{k.replace('_', '-')}={v}" for k, v in plan.torchrun_shape.items()]
@@ -201,11 +208,14 @@ def torchrun_argv(plan: Plan, corpus: Path, run: Path, resume: bool) -> list[str
         *("-m", "lmcli", "train", str(corpus), "--out", str(run), "--tokenizer", "byte", *shape),
         *("--batch-size", str(plan.batch_size), "--max-steps", str(plan.torchrun_steps)),
         *("--eval-interval", str(plan.torchrun_steps), "--eval-batches", "2", "--device", plan.device, "-q"),
+        *extra,
     ]
 
 
-def check_torchrun(plan: Plan, corpus: Path, run: Path, resume: bool) -> dict[str, Any]:
-    argv = torchrun_argv(plan, corpus, run, resume)
+def check_torchrun(
+    plan: Plan, corpus: Path, run: Path, resume: bool, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    argv = torchrun_argv(plan, corpus, run, resume, extra)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["LMCLI_CACHE"] = str(run.parent / "cache")
     t0 = time.perf_counter()
@@ -346,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         if plan.torchrun:
             report["torchrun"] = check_torchrun(plan, corpus, work / "ddp", resume=False)
             report["resume"] = check_torchrun(plan, corpus, work / "ddp", resume=True)
+            report["fsdp"] = check_torchrun(plan, corpus, work / "fsdp", resume=False, extra=FSDP)
+            report["fsdp_resume"] = check_torchrun(plan, corpus, work / "fsdp", resume=True, extra=FSDP)
             write_report(plan.out, report)
         report.update(check_inference(plan, Path(report["train"]["run"]), corpus))
     report["ok"] = all(report[c]["ok"] for c in plan.checks)

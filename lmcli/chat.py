@@ -21,6 +21,10 @@ dropped together with the user's message.
 
 ``run_terminal`` is the interactive loop (``/reset``, ``/system``, ``/save``, ``/help``,
 ``/exit``); ``run_json`` answers one ``{"messages": [...]}`` read from a file object.
+
+Between turns the session keeps the keys and values of its last prompt and reply in a prefix
+cache (``generate.prefix_cache``, two context windows at most): the next prompt begins with
+them, so only the new turn is prefilled (the reply is the same as without the cache).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class ChatSession:
         self.system = system or None
         self.messages: list[Message] = []  # user and assistant messages, oldest first
         self.first = 0  # messages[first:] are in the prompt; older ones were dropped
+        self.prefixes: Any = None  # the PrefixCache of the conversation, made at the first reply
 
     def close(self) -> None:
         """Stop the template's renderer (a session that renders none holds nothing)."""
@@ -181,7 +186,7 @@ class ChatSession:
                 seed=self.reply_seed(),
             )
             rules = {"on_text": stream, "draft": self.draft, "processors": self.processors}
-            g = generate(self.model, self.tokenizer, [ids], cfg, **rules)[0]
+            g = generate(self.model, self.tokenizer, [ids], cfg, prefixes=self._prefixes(), **rules)[0]
         except KeyboardInterrupt:
             text = "".join(shown)
             if text:
@@ -193,6 +198,16 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": g.text})
         tokens = len(g.ids) + (g.finish_reason == "eos")
         return Reply(g.text, FINISH[g.finish_reason], len(ids), tokens, dropped)
+
+    def _prefixes(self) -> Any:
+        """The session's prefix cache: room for two context windows of keys and values."""
+        if self.prefixes is None:
+            from lmcli.generate.prefix_cache import PrefixCache
+
+            cfg, param = self.model.config, next(self.model.parameters())
+            window = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * param.element_size()
+            self.prefixes = PrefixCache(2 * window)
+        return self.prefixes
 
     def reply_seed(self) -> int:
         """The seed of the next reply: ``seed`` plus the replies before it in the conversation

@@ -9,6 +9,10 @@ A run folder holds ``last/``, ``best/`` and optional ``step-NNNNNNN/`` checkpoin
     trainer_state.pt    optimizer, RNG states, data position (tensors/lists only)
     meta.json           step, metrics, sha256 of every file above
 
+A sharded run's checkpoint (``--parallel fsdp``) holds the shards of its training state
+(``SHARD_INDEX`` and one ``__<rank>_0.distcp`` file per process: ``lmcli.train.sharded``) in
+place of ``trainer_state.pt``, beside the same whole weights, configs and tokenizer.
+
 A LoRA run's checkpoint holds ``adapters.safetensors`` (the adapters and any other trained
 tensor) and ``base.json`` (the base model's folder and the sha256 of its weight files) in place
 of ``model.safetensors``; ``lmcli.lora_run`` checks the base and puts the adapters on.
@@ -57,6 +61,9 @@ STATE = "trainer_state.pt"
 META = "meta.json"
 ADAPTERS = "adapters.safetensors"  # a LoRA run's trained tensors
 BASE = "base.json"  # a LoRA run's base model: {"path": folder, "sha256": {weight file: digest}}
+# a sharded checkpoint's index (torch.distributed.checkpoint's), beside one shard file per process
+# (``__<rank>_0.distcp``) in place of trainer_state.pt: lmcli.train.sharded
+SHARD_INDEX = ".metadata"
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 # parameters whose name in a checkpoint file differs from the module path (lmcli 0.1's names)
 DISK_NAMES = {"positions.wpe.weight": "wpe.weight"}
@@ -97,10 +104,13 @@ def unwrap(model: torch.nn.Module) -> Transformer:
     return getattr(raw, "module", raw)
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights to save: names as on disk, tied head stored once, contiguous CPU tensors."""
+def model_state(
+    model: torch.nn.Module, gathered: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Weights to save: names as on disk, tied head stored once, contiguous CPU tensors (of
+    ``gathered``, the model's whole state dict, when its parameters are sharded)."""
     raw = unwrap(model)
-    state = clean_state_dict(raw.state_dict())
+    state = clean_state_dict(raw.state_dict() if gathered is None else gathered)
     if raw.config.tie_embeddings:
         state.pop("lm_head.weight", None)
     return {DISK_NAMES.get(k, k): v.detach().to("cpu").contiguous() for k, v in state.items()}
@@ -201,30 +211,58 @@ def save_checkpoint(
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(dest)  # created exclusively: a planted link at any name is never followed
     try:
-        if lora.has_adapters(unwrap(model)):
-            if base is None:
-                raise ValueError("a model with adapters is saved with its base reference")
-            save_tensors(lora.adapter_state(unwrap(model)), tmp / ADAPTERS)
-            _write_json(tmp / BASE, base)
-        else:
-            save_tensors(model_state(model), tmp / WEIGHTS)
-        _write_json(
-            tmp / CONFIG,
-            {
-                "model": to_dict(unwrap(model).config),
-                "train": to_dict(train_config),
-                "lmcli_version": __version__,
-            },
-        )
-        tokenizer.save(tmp / TOKENIZER)
-        if state is not None:
-            torch.save(state, tmp / STATE)
-        files = sorted(p.name for p in tmp.iterdir())
-        _write_json(tmp / META, {**meta, "sha256": {n: sha256_of(tmp / n) for n in files}})
-        _commit(tmp, dest)
+        write_files(tmp, model, train_config, tokenizer, state=state, base=base)
+        commit_checkpoint(tmp, dest, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_files(
+    folder: Path,
+    model: torch.nn.Module,
+    train_config: TrainConfig,
+    tokenizer: Tokenizer,
+    *,
+    state: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
+    gathered: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """A checkpoint's files but ``meta.json`` into ``folder``: the weights (of ``gathered``,
+    the whole state dict, when the model's parameters are sharded), configs, tokenizer and
+    the trainer ``state`` if given."""
+    if lora.has_adapters(unwrap(model)):
+        if base is None:
+            raise ValueError("a model with adapters is saved with its base reference")
+        adapters = lora.adapter_state(unwrap(model), gathered)
+        save_tensors(adapters, folder / ADAPTERS)
+        _write_json(folder / BASE, base)
+    else:
+        save_tensors(model_state(model, gathered), folder / WEIGHTS)
+    _write_json(
+        folder / CONFIG,
+        {
+            "model": to_dict(unwrap(model).config),
+            "train": to_dict(train_config),
+            "lmcli_version": __version__,
+        },
+    )
+    tokenizer.save(folder / TOKENIZER)
+    if state is not None:
+        torch.save(state, folder / STATE)
+
+
+def commit_checkpoint(tmp: Path, dest: Path, meta: dict[str, Any]) -> None:
+    """``meta.json`` (``meta`` and the sha256 of every file in ``tmp``), then ``tmp`` flushed
+    and renamed to ``dest``, replacing the checkpoint there."""
+    files = sorted(p.name for p in tmp.iterdir())
+    _write_json(tmp / META, {**meta, "sha256": {n: sha256_of(tmp / n) for n in files}})
+    _commit(tmp, dest)
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """Whether a checkpoint folder holds its training state as shards (a ``--parallel fsdp`` run's)."""
+    return os.path.lexists(Path(ckpt) / SHARD_INDEX)
 
 
 def copy_checkpoint(src: Path, dest: Path, *, link: bool = True) -> None:

@@ -46,6 +46,8 @@ Optimizer = Literal["auto", "adamw", "muon"]
 Schedule = Literal["auto", "cosine", "wsd", "linear"]
 SELECT_METRICS = ("val_loss", "val_bleu", "val_chrf")  # --select: these, or task:NAME:METRIC
 TASK_SCORES = ("acc", "acc_norm", "exact_match")  # an --eval-task's scores --select may follow
+Parallel = Literal["auto", "ddp", "fsdp"]
+Recompute = Literal["none", "full", "selective"]
 TOKENIZER_KINDS = ("char", "byte", "bpe")
 TRACKERS = ("tensorboard", "wandb")  # --log-to: lmcli.train.tracking's backends beside metrics.jsonl
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
@@ -119,6 +121,28 @@ def parse_duration(value: str | float | int) -> float:
     if not parts or "".join(a + b for a, b in parts) != text:
         raise LmcliError(f"invalid duration {value!r}: use e.g. 90s, 30m, 2h or 1h30m")
     return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from 1048576, '512MiB', '2GiB', '300MB' or '64KiB' (0: none)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+    }
+    match = (
+        re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", value.strip().lower()) if isinstance(value, str) else None
+    )
+    if match is None or match.group(2) not in units:
+        raise LmcliError(f"invalid size {value!r}: use e.g. 512MiB, 2GiB or a number of bytes")
+    return int(float(match.group(1)) * units[match.group(2)])
 
 
 def parse_select(value: str) -> str:
@@ -619,6 +643,27 @@ class CheckpointConfig(Section):
 
 
 @dataclass(frozen=True)
+class ParallelConfig(Section):
+    """How the processes of a ``torchrun`` job share the model, and what is kept for the backward."""
+
+    TITLE: ClassVar[str] = "Parallelism and memory"
+
+    parallel: Parallel = option(
+        "auto",
+        "Under torchrun: ddp (a whole model per process), fsdp (parameters, gradients and "
+        "optimizer state sharded across the processes, FSDP2; sharded checkpoints); auto: fsdp "
+        "when the pre-flight finds that the model and its optimizer state do not fit one device.",
+        stored=False,  # how this session is launched: a resume chooses again (any world size)
+    )
+    activation_checkpointing: Recompute = option(
+        "none",
+        "Recompute activations in the backward instead of keeping them, per block: full (keep "
+        "each block's input only), selective (keep matmul and attention outputs, recompute the "
+        "cheap elementwise ops and norms), none.",
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything about a training run except the model's shape: the run's own options, then
     its sections (``cfg.optim.lr``, ``cfg.schedule.max_steps``, ...). Flags, TOML keys and the
@@ -666,6 +711,7 @@ class TrainConfig:
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    parallelism: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -952,6 +998,14 @@ class ServeConfig:
         "On SIGTERM/Ctrl-C: time to finish in-flight requests before cancelling them.",
         ge=0,
         parse=parse_duration,
+    )
+    cache_memory: int = option(
+        256 << 20,
+        "Memory of the prefix cache (keys/values of earlier prompts and replies, reused by "
+        "requests that begin alike; least recently used evicted): 512MiB, 2GiB; 0: no cache.",
+        ge=0,
+        parse=parse_size,
+        default_help="256MiB",
     )
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 
 Rank 0 alone names the run folder (``on_main``), fills caches first (``in_turn``), and every
 rank stops at the same step (``agree_to_stop``). Data parallelism itself is PyTorch's DDP
-(``lmcli.train.loop``).
+or FSDP2 (``lmcli.train.parallel``).
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
-    """Join the torchrun job described by RANK/WORLD_SIZE (gloo on CPU, nccl on CUDA)."""
+def init_distributed(device_name: str, group: bool = False) -> tuple[Dist, torch.device]:
+    """Join the torchrun job described by RANK/WORLD_SIZE (gloo on CPU, nccl on CUDA); a job of
+    one process joins only with ``group`` (FSDP shards over a process group, even of one)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and not (group and "RANK" in os.environ):
         return Dist(), pick_device(device_name)
     import torch.distributed as dist
 

@@ -51,8 +51,10 @@ class LoRALinear(nn.Linear):
         self.bias = base.bias
         self.rank, self.scale = rank, alpha / rank
         w = base.weight
-        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, dtype=w.dtype, device=w.device))
-        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, dtype=w.dtype, device=w.device))
+        # on a base built on the meta device (a sharded run's), the adapters still hold their values
+        device = torch.device("cpu") if w.is_meta else w.device
+        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, dtype=w.dtype, device=device))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, dtype=w.dtype, device=device))
         bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default init (kaiming, a=sqrt(5))
         with torch.no_grad():
             a = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
@@ -176,13 +178,15 @@ def has_adapters(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
-def adapter_state(model: Transformer) -> dict[str, Tensor]:
+def adapter_state(model: Transformer, gathered: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """What a LoRA checkpoint stores: the adapters and any other trained tensor (names as in
-    the model's state dict; a tied head once, as ``wte.weight``)."""
+    the model's state dict; a tied head once, as ``wte.weight``); their values from
+    ``gathered`` (the whole state dict) when the model's parameters are sharded."""
     state = {}
     for name, p in model.named_parameters():  # named_parameters lists a tied tensor once
         if p.requires_grad or name.endswith(ADAPTER_KEYS):
-            state[name] = p.detach().to("cpu").contiguous()
+            value = p if gathered is None else gathered[name]
+            state[name] = value.detach().to("cpu").contiguous()
     return state
 
 

@@ -9,6 +9,7 @@ later start can remove the leftovers of writers that died (``remove_stale_temps`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -16,6 +17,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from lmcli.errors import LmcliError
 
@@ -170,3 +172,19 @@ def remove_stale_temps(folder: Path) -> int:
             path.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def read_json_object(path: Path, limit: int) -> dict[str, Any]:
+    """A JSON object file of a model folder (at most ``limit`` bytes); {} when it does not exist;
+    one line when it is too large, not JSON, nested too deeply or not an object."""
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > limit:
+            raise LmcliError(f"cannot read {path}: larger than {limit >> 20} MiB")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise LmcliError(f"{path} does not hold a JSON object")
+    return data

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from lmcli.config import TOKENIZER_KINDS
 from lmcli.errors import LmcliError
+from lmcli.safe_io import read_json_object
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<sep>")
 PIECE_CHARS = 1 << 12  # the longest piece BPE trains on or encode_batch encodes (2-4 KiB: ~30% faster)
@@ -307,17 +308,7 @@ def read_config(path: Path) -> tuple[dict[str, str], str | None]:
 
 def _config_json(path: Path) -> dict[str, Any]:
     """A ``tokenizer_config.json`` as a dict ({} when absent)."""
-    if not path.is_file():
-        return {}
-    try:
-        if path.stat().st_size > CONFIG_LIMIT:
-            raise LmcliError(f"cannot read {path}: larger than {CONFIG_LIMIT >> 20} MiB")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
-    if not isinstance(data, dict):
-        raise LmcliError(f"{path} does not hold a JSON object")
-    return data
+    return read_json_object(path, CONFIG_LIMIT)
 
 
 def read_flags(path: Path) -> tuple[bool | None, bool | None]:

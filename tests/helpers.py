@@ -309,3 +309,16 @@ def run_measured(commands: list[list[str]], timeout: float = 180, file_size: int
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def saved_step(run: Path) -> int:
+    """The step of ``run/last`` now (-1 if none or in the middle of a swap)."""
+    try:
+        return json.loads((run / "last" / "meta.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def temps(run: Path) -> list[str]:
+    """The temporary folders left in a run folder (a save cut short)."""
+    return sorted(p.name for p in run.iterdir() if p.name.endswith(".lmtmp"))

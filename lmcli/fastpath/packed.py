@@ -123,9 +123,11 @@ class PackCache:
         packs = list(self._in_place.values())
         self._in_place.clear()
         with torch.inference_mode(False), torch.no_grad():
-            for i, pack in enumerate(packs):
+            for i in range(len(packs)):
+                pack = packs.pop()  # each packed copy freed once its plain weight is back
                 pack.weight.data = pack.packed.to_dense()
-                if i % TRIM_EVERY == TRIM_EVERY - 1 or i == len(packs) - 1:
+                del pack
+                if i % TRIM_EVERY == TRIM_EVERY - 1 or not packs:
                     release_freed_memory()
 
     def in_place(self, weight: Tensor, bias: Tensor | None) -> LinearFn | None:

@@ -23,7 +23,8 @@ has left (a hole), and the next-token logits of every row. ``advance`` is one st
 Rows join and leave between steps: ``start`` (prompts prefilled together, as ``generate`` does),
 ``fill`` and ``relayout`` (rows whose prompt was prefilled alone join a running batch, whose
 cache is then a ``serve.batch_cache.BatchCache``), ``drop``. ``prefill`` is the one place a
-prompt's keys and values are computed.
+prompt's keys and values are computed; with a ``PrefixCache`` (``prefixes``), a prompt prefilled
+alone starts from its longest cached prefix, and a row that ends is cached with its reply.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import Tensor
 from lmcli.config import SampleConfig
 from lmcli.generate.decoding import needs_slide, prefill, slide, step
 from lmcli.generate.kv_cache import KVCache
+from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.rules import TextTail, choose, cut_at_stop, held_back, penalize_seen, seen_mask
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
@@ -208,11 +210,14 @@ class Engine:
         prefix_lm: bool = False,
         cache: KVCache | None = None,
         isolate: bool = False,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         """``prefix_lm``: prompts attend to themselves both ways (a translation source).
         ``isolate``: a failure in one row's rules ends that row only (a server's rows belong to
-        different requests); else it is raised."""
+        different requests); else it is raised. ``prefixes``: the prefix cache prompts start
+        from and finished rows go to (not with ``prefix_lm``: a source's keys depend on all of it)."""
         self.model, self.tokenizer, self.prefix_lm, self.isolate = model, tokenizer, prefix_lm, isolate
+        self.prefixes = prefixes if not prefix_lm else None
         self.device = next(model.parameters()).device
         self.cache = cache
         self.rows: list[Row | None] = []  # one per cache row; None: a hole
@@ -227,14 +232,17 @@ class Engine:
 
     # ------------------------------------------------------------------ rows join and leave
 
-    def prefill(self, prompts: list[list[int]]) -> tuple[KVCache, Tensor]:
-        """Prompts (left-padded together) through a new cache: it, and their next-token logits (P, V)."""
-        return prefill(self.model, prompts, self.tokenizer.pad_id, prefix_lm=self.prefix_lm)
+    def prefill(self, prompts: list[list[int]]) -> tuple[KVCache, Tensor, int]:
+        """Prompts (left-padded together) through a new cache: it, their next-token logits
+        (P, V), and how many tokens came from the prefix cache (one prompt alone uses it)."""
+        if self.prefixes is not None and len(prompts) == 1:
+            return self.prefixes.prefill(self.model, prompts[0])
+        return (*prefill(self.model, prompts, self.tokenizer.pad_id, prefix_lm=self.prefix_lm), 0)
 
     def start(self, prompts: list[list[int]], rows: list[Row], reserve: int = 0) -> None:
         """Decode ``rows``, ``len(rows) // len(prompts)`` per prompt in prompt order, from the
         ``prompts`` prefilled together; the cache holds ``reserve`` more tokens without growing."""
-        cache, logits = self.prefill(prompts)
+        cache, logits, _ = self.prefill(prompts)
         cache.reserve(cache.length + reserve)
         n = len(rows) // len(prompts)
         if n > 1:
@@ -278,11 +286,20 @@ class Engine:
         """One step: every live row's next token, handed to ``emit`` (a server delivers them and
         drops the rows that ended) before the model's step (if any row goes on)."""
         emitted = self.choose()
+        if self.prefixes is not None:
+            self._keep_ended(emitted)
         if emit is not None:
             emit(emitted)
         if self.live:
             self.forward()
         return emitted
+
+    def _keep_ended(self, emitted: list[Emitted]) -> None:
+        """Rows that ended well (not in error) go to the prefix cache: prompt and reply."""
+        assert self.prefixes is not None and self.cache is not None
+        for e in emitted:
+            if e.finish_reason in ("eos", "stop", "length"):
+                self.prefixes.keep_row(self.cache, e.position, e.row.sequence)
 
     def choose(self) -> list[Emitted]:
         """The next token of every live row, rows with equal settings together."""

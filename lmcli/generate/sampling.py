@@ -23,6 +23,7 @@ from lmcli.config import SampleConfig
 from lmcli.generate.decoding import TEXT, Prompt, make_prompt
 from lmcli.generate.engine import Engine, Row, RowProcessor
 from lmcli.generate.kv_cache import check_fits
+from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.speculative import Draft, Speculator, fits
 from lmcli.model import Transformer
 from lmcli.tasks import TextPrompt
@@ -74,6 +75,7 @@ def generate(
     prefix_lm: bool = False,
     on_text: Callable[[int, str], None] | None = None,
     samples: range | None = None,
+    prefixes: PrefixCache | None = None,
     draft: Draft | None = None,
     processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
 ) -> list[Generated]:
@@ -84,8 +86,9 @@ def generate(
     ``on_text(row, piece)`` receives text as it is generated (rows are prompt-major:
     ``prompt * num_samples + sample``; text that might begin a stop string comes once it cannot).
     ``<eos>`` is never chosen before ``cfg.min_new_tokens``. ``prefix_lm``: the prompts attend
-    to themselves both ways (a translation source, ``tasks.SourcePrompt``). ``processors()``
-    gives each row its own processors (``engine.RowProcessor``: a grammar's mask).
+    to themselves both ways (a translation source, ``tasks.SourcePrompt``). ``prefixes``: a
+    prefix cache a single prompt starts from and the finished rows go to (``lmcli chat``).
+    ``processors()`` gives each row its own processors (``engine.RowProcessor``: a grammar's mask).
     """
     samples = range(cfg.num_samples) if samples is None else samples
     out = [Generated(p, j) for p in range(len(prompts)) for j in samples]
@@ -98,7 +101,7 @@ def generate(
         Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None, processors=processors())
         for g in out
     ]
-    engine = Engine(model, tokenizer, prefix_lm=prefix_lm)
+    engine = Engine(model, tokenizer, prefix_lm=prefix_lm, prefixes=prefixes)
     speed = Speed(prefill_tokens=sum(map(len, prompts)))
     with fastpath.inference(model):
         start = time.perf_counter()

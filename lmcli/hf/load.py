@@ -13,20 +13,34 @@ Whether a text starts with ``<bos>``: the config's ``add_bos_token`` when it say
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
 
 from lmcli.checkpoint import JSON_LIMIT
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.hf.families import FamilyAdapter, HFConfig, from_hf_config
-from lmcli.hf.weights import build_model, check_weights, read_headers, read_weights
+from lmcli.hf.weights import (
+    LAYER,
+    as_dtype,
+    build_model,
+    check_weights,
+    is_pytorch_bin,
+    read_headers,
+    read_weights,
+    weight_files,
+)
 from lmcli.model import Transformer
+from lmcli.safe_io import read_json_object
 from lmcli.tokenizer import Tokenizer, read_config, read_flags
 
 
@@ -49,17 +63,7 @@ def is_hf_folder(path: str | Path) -> bool:
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object file (at most ``JSON_LIMIT`` bytes); {} when it does not exist."""
-    if not path.is_file():
-        return {}
-    try:
-        if path.stat().st_size > JSON_LIMIT:
-            raise LmcliError(f"cannot read {path}: larger than {JSON_LIMIT >> 20} MiB")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise LmcliError(f"cannot read {path}: {str(exc)[:200]}") from None
-    if not isinstance(data, dict):
-        raise LmcliError(f"{path} does not hold a JSON object")
-    return data
+    return read_json_object(path, JSON_LIMIT)
 
 
 def read_tokenizer(path: Path, hf: HFConfig | None = None) -> Tokenizer:
@@ -116,11 +120,20 @@ def read_hf_config(path: Path) -> tuple[HFConfig, FamilyAdapter, ModelConfig, li
     return hf, family, cfg, notices
 
 
-def load_hf_folder(
-    path: str | Path, dtype: torch.dtype | None = None, info: Callable[[str], None] = _stderr
-) -> tuple[Transformer, Tokenizer]:
-    """A local Hugging Face model folder as our Transformer (eval mode, weights in ``dtype``;
-    None: as stored) and Tokenizer. ``info`` receives notices (e.g. a capped context)."""
+@dataclass
+class HFFolder:
+    """A Hugging Face folder opened without its weights: its family, model config and tokenizer."""
+
+    path: Path
+    family: FamilyAdapter
+    config: ModelConfig
+    tokenizer: Tokenizer
+    notices: list[str]
+
+
+def open_hf_folder(path: str | Path) -> HFFolder:
+    """A local Hugging Face model folder's config and tokenizer, its weights' headers checked
+    against the config (the weights are not read)."""
     path = Path(path)
     if not path.is_dir():
         raise LmcliError(f"no such Hugging Face model folder: {path}")
@@ -129,11 +142,44 @@ def load_hf_folder(
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
     check_weights(family, cfg, read_headers(path), path)  # before anything of the config's size
+    return HFFolder(path, family, cfg, tok, notices)
+
+
+def read_blocks(folder: HFFolder, dtype: torch.dtype) -> Iterator[dict[str, Tensor]]:
+    """The folder's weights under lmcli's names (as on disk) in ``dtype``, one Transformer block
+    at a time, then the rest: a reader that keeps only a slice of each (a sharded model's rows)
+    never holds more than one block's whole tensors."""
+    groups: dict[int | None, list[str]] = {}
+    files = weight_files(folder.path) if not is_pytorch_bin(folder.path) else []
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for file in files:
+            try:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                raise LmcliError(f"cannot read weights {file}: {str(exc).splitlines()[0][:200]}") from None
+        where = {key: f for f in handles.values() for key in f.keys()}  # noqa: SIM118
+        whole = read_weights(folder.path, dtype) if not files else {}
+        for key in [*where, *whole]:
+            found = LAYER.search(key)
+            groups.setdefault(int(found.group(1)) if found else None, []).append(key)
+        for _, keys in sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0)):
+            state = {k: as_dtype(whole[k] if k in whole else where[k].get_tensor(k), dtype) for k in keys}
+            yield folder.family.from_hf(state, folder.config)
+
+
+def load_hf_folder(
+    path: str | Path, dtype: torch.dtype | None = None, info: Callable[[str], None] = _stderr
+) -> tuple[Transformer, Tokenizer]:
+    """A local Hugging Face model folder as our Transformer (eval mode, weights in ``dtype``;
+    None: as stored) and Tokenizer. ``info`` receives notices (e.g. a capped context)."""
+    folder = open_hf_folder(path)
+    path, family, cfg, tok = folder.path, folder.family, folder.config, folder.tokenizer
     state = read_weights(path, dtype)
     if dtype is None:  # as stored; a few tensors stored otherwise follow the embeddings
         dtype = next((v.dtype for k, v in state.items() if "embed" in k or "wte" in k), None)
         state = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
     model = build_model(cfg, family.from_hf(state, cfg), f"in {path}")
-    for note in notices:
+    for note in folder.notices:
         info(f"warning: {path}: {note}")
     return model, tok

@@ -36,7 +36,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 BIN = "pytorch_model.bin"
 INDEX_LIMIT = 64 << 20  # an index is a few hundred KiB
-_LAYER = re.compile(r"(?:^|\.)(\d+)\.")  # the block number of a per-block tensor's name
+LAYER = re.compile(r"(?:^|\.)(\d+)\.")  # the block number of a per-block tensor's name
 
 
 def shard_path(folder: Path, name: object) -> Path:
@@ -97,11 +97,16 @@ def weight_files(path: Path) -> list[Path]:
     raise LmcliError(f"{path} has no {SINGLE} (or {INDEX})")
 
 
+def is_pytorch_bin(path: Path) -> bool:
+    """Whether the folder's weights are a ``pytorch_model.bin`` only (no safetensors)."""
+    return not os.path.lexists(path / SINGLE) and not os.path.lexists(path / INDEX) and (path / BIN).exists()
+
+
 def read_headers(path: Path) -> WeightsHeader:
     """The tensors (names, dtypes, shapes) of every weight file of the folder, from the headers
     alone (a ``pytorch_model.bin`` is memory-mapped: its tensors are not read); the size is the
     files' total."""
-    if not os.path.lexists(path / SINGLE) and not os.path.lexists(path / INDEX) and (path / BIN).exists():
+    if is_pytorch_bin(path):
         state = _read_bin(path)
         tensors = {k: (_DTYPE_NAMES.get(v.dtype, str(v.dtype)), tuple(v.shape)) for k, v in state.items()}
         return WeightsHeader(path / BIN, tensors, (path / BIN).stat().st_size)
@@ -135,7 +140,7 @@ def check_weights(family: FamilyAdapter, cfg: ModelConfig, header: WeightsHeader
     embedding, names, shapes, floating-point dtypes, size, and the position tables the config
     alone would make)."""
     where = f"weights in {folder}"
-    blocks = {int(m.group(1)) for name in header.tensors if (m := _LAYER.search(name))}
+    blocks = {int(m.group(1)) for name in header.tensors if (m := LAYER.search(name))}
     if blocks != set(range(cfg.n_layer)):
         raise LmcliError(
             f"{where} do not fit the model config "
@@ -167,8 +172,8 @@ def _read_bin(path: Path) -> dict[str, Tensor]:
 def read_weights(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """Every tensor of the folder by its Hugging Face name, on the CPU; floating-point ones in
     ``dtype`` (None: as stored)."""
-    if not os.path.lexists(path / SINGLE) and not os.path.lexists(path / INDEX) and (path / BIN).exists():
-        return {k: _as(v, dtype) for k, v in _read_bin(path).items()}
+    if is_pytorch_bin(path):
+        return {k: as_dtype(v, dtype) for k, v in _read_bin(path).items()}
     out: dict[str, Tensor] = {}
     for file in weight_files(path):
         try:
@@ -180,7 +185,8 @@ def read_weights(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tens
     return out
 
 
-def _as(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+def as_dtype(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``t`` in ``dtype`` if it is floating-point (None: as it is)."""
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 

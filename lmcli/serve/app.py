@@ -251,7 +251,10 @@ class Api:
                     elif isinstance(event, Done):
                         return JSONResponse(
                             choices.response(
-                                self.model.name, protocol.usage(event.prompt_tokens, event.completion_tokens)
+                                self.model.name,
+                                protocol.usage(
+                                    event.prompt_tokens, event.completion_tokens, event.cached_tokens
+                                ),
                             )
                         )
                     elif isinstance(event, Failed):
@@ -288,7 +291,8 @@ class Api:
                     out.append(
                         _sse(
                             choices.usage_chunk(
-                                name, protocol.usage(end.prompt_tokens, end.completion_tokens)
+                                name,
+                                protocol.usage(end.prompt_tokens, end.completion_tokens, end.cached_tokens),
                             )
                         )
                     )

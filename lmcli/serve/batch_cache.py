@@ -25,7 +25,10 @@ class BatchCache(KVCache):
 
     def relayout(self, keep: list[int], joining: list[tuple[KVCache, int]]) -> None:
         """Keep rows ``keep`` (in that order), then append ``copies`` rows of each prefilled
-        single-row cache in ``joining``; every row right-aligned at the narrowest common width."""
+        single-row cache in ``joining``; every row right-aligned at the narrowest common width.
+        One row joining no other (a request alone) keeps its cache's buffers as they are."""
+        if not keep and len(joining) == 1 and joining[0][1] == 1 and self._adopt(joining[0][0]):
+            return
         old_len = self.length
         kept_starts = self.padding.start[keep].tolist() if keep else []
         first = min(kept_starts, default=old_len)  # the earliest column any kept row still uses
@@ -58,6 +61,14 @@ class BatchCache(KVCache):
         self.length = width
         start = torch.tensor(starts, dtype=torch.long, device=k.device)
         self.padding = LeftPadding(start, self._max_len, max_start=max(starts, default=0))
+
+    def _adopt(self, cache: KVCache) -> bool:
+        """Become ``cache`` (one row, no padding) without a copy, when it has room for a step."""
+        if cache.batch_size != 1 or cache.padding.has_padding or cache.k.size(3) <= cache.length:
+            return False
+        self.k, self.v, self._spare, self.length = cache.k, cache.v, None, cache.length
+        self.padding = LeftPadding(cache.padding.start, self._max_len, max_start=0)
+        return True
 
     def fill(self, row: int, cache: KVCache) -> None:
         """Put a prefilled single-row cache into row ``row`` (a hole) in place; its prompt must

@@ -385,11 +385,13 @@ def _processors(body: dict[str, Any], model: Model, tools: Tools | None) -> Any:
 # ----------------------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached_tokens``: prompt tokens the prefix cache held."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -453,7 +455,7 @@ class Choices:
             ]
         }
 
-    def response(self, model: str, done_usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, model: str, done_usage: dict[str, Any]) -> dict[str, Any]:
         """The whole (non-streamed) response."""
         req = self.req
         if req.kind == "chat":
@@ -558,7 +560,7 @@ class Choices:
             obj = "text_completion"
         return {"id": req.id, "object": obj, "created": req.created, "model": model, "choices": [choice]}
 
-    def usage_chunk(self, model: str, done_usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, model: str, done_usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
         return {
             "id": self.req.id,

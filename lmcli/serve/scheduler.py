@@ -8,8 +8,10 @@ strings, ``<eos>``) and draws from its own ``torch.Generator`` seeded ``seed + j
 numbers a request sees. The scheduler keeps what a server adds:
 
 - admission: a request is admitted when rows are free (``max_batch``): each of its prompts is
-  prefilled alone (``Engine.prefill``) and its rows enter the batch, into rows left free by
-  finished requests when its prompt fits (``Engine.fill``), else appended (``Engine.relayout``);
+  prefilled alone (``Engine.prefill``; with a prefix cache, from its longest cached prefix, and
+  requests admitted together that share a prefix compute it once) and its rows enter the batch,
+  into rows left free by finished requests when its prompt fits (``Engine.fill``), else appended
+  (``Engine.relayout``);
 - the batch's layout: a row that ends, is cancelled (client gone) or times out becomes a hole
   at once: it is never sampled again, its cost is one padded row per step until the batch is
   compacted (when holes outnumber rows in use, or the window is full);
@@ -34,6 +36,8 @@ from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.device import autocast
 from lmcli.generate.engine import Emitted, Engine, Row, RowProcessor
+from lmcli.generate.kv_cache import KVCache
+from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.model import Transformer
 from lmcli.serve.batch_cache import empty_cache
 from lmcli.tokenizer import Tokenizer
@@ -81,6 +85,7 @@ class Done:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass
@@ -105,6 +110,7 @@ class Handle:
         self.ended = False
         self.rows_left = job.rows
         self.completion_tokens = 0
+        self.cached_tokens = 0
 
     def cancel(self) -> None:
         self._scheduler.cancel(self)
@@ -143,16 +149,21 @@ class Scheduler:
         max_queue: int,
         threads: int | None = None,
         prefix_lm: bool = False,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         """``threads``: torch's CPU threads for this thread's work (default: all cores but one,
         which the web server's event loop needs; more threads than free cores slow every step).
         ``prefix_lm``: prompts (translation sources) attend to themselves both ways, as in
-        training (the model's task says: ``tasks.Task.prefix_lm``)."""
+        training (the model's task says: ``tasks.Task.prefix_lm``). ``prefixes``: the prefix cache
+        (none: every prompt is prefilled whole)."""
         self.model, self.tokenizer = model, tokenizer
         self.threads = threads or max(1, torch.get_num_threads() - 1)
         self.max_batch, self.max_queue = max_batch, max_queue
         # isolate: a failure in one row's rules fails its request, not the others in the batch
-        self.engine = Engine(model, tokenizer, prefix_lm=prefix_lm, cache=empty_cache(model), isolate=True)
+        self.engine = Engine(
+            model, tokenizer, prefix_lm=prefix_lm, cache=empty_cache(model), isolate=True, prefixes=prefixes
+        )
+        self.prefixes = self.engine.prefixes
         self.queue: collections.deque[Handle] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = False
@@ -191,7 +202,14 @@ class Scheduler:
                 "queued": len(self.queue),
                 "steps": self.engine.steps,
                 "kv_cache_bytes": cache.nbytes() if cache is not None else 0,  # a BatchCache
+                **(self.prefixes.stats() if self.prefixes is not None else {}),
             }
+
+    def clear_prefixes(self) -> None:
+        """Empty the prefix cache and give its memory back to the system."""
+        if self.prefixes is not None:
+            self.prefixes.clear()
+            self._trim()
 
     def start(self) -> None:
         """Start the decoding thread, which computes under the caller's autocast (autocast is
@@ -292,10 +310,12 @@ class Scheduler:
         prefilled = []  # (cache, logits, rows) of every prompt, each prefilled alone
         for h in joining:
             try:
-                prefilled += [
-                    (*engine.prefill([ids]), [Choice(h, p, j) for j in range(h.job.cfg.num_samples)])
-                    for p, ids in enumerate(h.job.prompts)
-                ]
+                mine = []
+                for p, ids in enumerate(h.job.prompts):
+                    cache, logits, cached = self._prefill(ids)
+                    h.cached_tokens += cached
+                    mine.append((cache, logits, [Choice(h, p, j) for j in range(h.job.cfg.num_samples)]))
+                prefilled += mine
             except Exception as exc:  # this request's prompt fails, not the batch
                 h.ended = True
                 self._send(h, [Failed("internal", f"internal error: {type(exc).__name__}: {exc}")])
@@ -310,6 +330,17 @@ class Scheduler:
                     engine.fill(holes.pop(0), row, cache, logits)
             return
         engine.relayout([i for i, r in enumerate(engine.rows) if r is not None], prefilled)
+
+    def _prefill(self, ids: list[int]) -> tuple[KVCache, torch.Tensor, int]:
+        """``Engine.prefill`` of one prompt; out of memory with a prefix cache that holds
+        blocks, the cache is emptied (memory pressure evicts it) and the prompt tried again."""
+        try:
+            return self.engine.prefill([ids])
+        except (torch.OutOfMemoryError, MemoryError):
+            if self.prefixes is None or not self.prefixes.bytes:
+                raise
+        self.clear_prefixes()
+        return self.engine.prefill([ids])
 
     def _deliver(self, emitted: list[Emitted]) -> None:
         """Each request's events of this step: its choices' new text (and log-probs), the end of
@@ -338,7 +369,7 @@ class Scheduler:
         for h, events in out.items():
             if h.rows_left == 0:
                 h.ended = True
-                events.append(Done(sum(len(p) for p in h.job.prompts), h.completion_tokens))
+                events.append(Done(sum(len(p) for p in h.job.prompts), h.completion_tokens, h.cached_tokens))
             self._send(h, events)
 
     def _end_failed(self, h: Handle, message: str) -> None:

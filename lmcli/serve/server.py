@@ -27,6 +27,7 @@ from lmcli.checkpoint import Checkpoint
 from lmcli.config import ServeConfig
 from lmcli.errors import LmcliError
 from lmcli.generate.constrain import Grammars
+from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.serve.app import create_app
 from lmcli.serve.guard import ACCEPT_BURST, SWEEP_SECONDS, EventLog, Guard, guarded_protocol
 from lmcli.serve.protocol import Model
@@ -125,6 +126,7 @@ def _setup(
         max_queue=cfg.max_queue,
         threads=threads,
         prefix_lm=make_task(ckpt.train_config).prefix_lm,
+        prefixes=PrefixCache(cfg.cache_memory) if cfg.cache_memory else None,
     )
     app = create_app(model, scheduler, cfg)
     sock = bind(cfg.host, cfg.port)

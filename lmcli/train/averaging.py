@@ -51,6 +51,13 @@ class EMA:
     def module(self) -> Transformer:
         return self.averaged.module
 
+    def start_from(self, model: torch.nn.Module) -> None:
+        """The average's weights set to ``model``'s (after both were placed on the device, or
+        sharded alike: each process copies its own rows)."""
+        with torch.no_grad():
+            for mine, theirs in zip(self.module.parameters(), model.parameters(), strict=True):
+                mine.copy_(theirs)
+
     def update(self, model: torch.nn.Module) -> None:
         """Fold the model's current parameters into the average (after an optimizer step)."""
         with torch.no_grad():

@@ -3,8 +3,10 @@
 ``train(model_config, train_config)`` is what ``lmcli train`` calls; tests call it too.
 ``open_run`` builds everything a run holds (folder, data, model, optimizer, ``TrainState``) into
 a ``Run``; ``fit`` is the loop; each thing the loop does is one function of the ``Run``. Under
-``torchrun`` it trains with DDP: each rank reads its own slice of every global batch, rank 0
-alone logs and writes checkpoints.
+``torchrun`` each rank reads its own slice of every global batch and the model is replicated
+(DDP) or sharded (FSDP2) by ``run.parallel`` (``lmcli.train.parallel``), chosen once: the loop
+calls the same methods either way. Rank 0 alone logs; checkpoints are written whole by rank 0
+or sharded by every rank (``lmcli.train.sharded``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ from lmcli import lora
 from lmcli.checkpoint import (
     META,
     copy_checkpoint,
+    is_sharded,
     last_checkpoint,
     model_from_state,
     model_state,
     read_json,
-    save_checkpoint,
     step_checkpoints,
-    with_context,
 )
 from lmcli.config import ModelConfig, TrainConfig, resolve_vocab_multiple, to_dict
 from lmcli.data.examples import pad_multiple
@@ -50,17 +51,25 @@ from lmcli.device import (
 from lmcli.distributed import Dist, agree_to_stop, in_turn, init_distributed, on_main, shutdown_distributed
 from lmcli.downstream.run import describe_scores, load_eval_tasks, task_scores
 from lmcli.errors import LmcliError, Terminated
-from lmcli.hf.gguf_load import is_gguf_file, load_gguf
-from lmcli.hf.load import is_hf_folder, load_hf_folder
 from lmcli.lora_run import base_reference
 from lmcli.model import Transformer
 from lmcli.safe_io import refuse_symlinks
 from lmcli.sources import load_checkpoint
 from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
+from lmcli.train.init_from import open_init
 from lmcli.train.metrics import MetricsLog, plot_loss_curve, plot_task_scores
 from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params, peak_tflops
 from lmcli.train.optim import group_lr, lr_at, make_optimizer
+from lmcli.train.parallel import (
+    Fill,
+    Single,
+    check_launch,
+    choose_parallel,
+    clip_grad_norm,
+    make_parallel,
+    per_process_memory,
+)
 from lmcli.train.preflight import (
     Preflight,
     available_memory,
@@ -79,6 +88,7 @@ from lmcli.train.run_folder import (
     write_run_config,
 )
 from lmcli.train.scoring import batch_loss, evaluate_loss, probe_step_seconds
+from lmcli.train.sharded import open_sharded
 from lmcli.train.state import COUNTERS, RngStates, Stateful, StateRegistry, TrainState, seed_everything
 from lmcli.train.tracking import Trackers, open_trackers, require_backends
 
@@ -129,9 +139,9 @@ class Run:
     source: Path | None  # the run folder a resumed run started from (itself, or another: --out)
     data: TrainData
     sampler: Any  # a WindowSampler or an ExampleSampler
-    model: Transformer  # what is saved and evaluated
+    model: Transformer  # what is saved and evaluated (its parameters sharded under FSDP)
     trained: torch.nn.Module  # what runs forward/backward: the model, or its DDP/compiled wrapper
-    ddp: Any  # the DistributedDataParallel wrapper, or None
+    parallel: Single  # how the processes share the model: one, DDP or FSDP (lmcli.train.parallel)
     device: torch.device
     amp: torch.dtype | None  # the autocast dtype, None for float32
     dist: Dist
@@ -177,7 +187,8 @@ def train(
     a folder it created is removed; an interruption says which checkpoint was kept."""
     rep = reporter or Reporter()
     set_threads(cfg.threads)
-    dist_info, device = init_distributed(cfg.device)
+    check_launch(cfg)
+    dist_info, device = init_distributed(cfg.device, group=cfg.parallelism.parallel == "fsdp")
     held: list[RunFolder] = []  # rank 0's locked run folder
     opened: list[Run] = []
     try:
@@ -257,6 +268,7 @@ def fit(run: Run, rep: Reporter) -> TrainResult:
                 improved = stopped not in SIGNALS and marks.val_step != state.step and validate(run)
                 with stop.saving():
                     save(run, clock, improved)
+            run.parallel.finish()  # checkpoint writes still under way (sharded: in the background)
     finally:
         if bar is not None:
             bar.stop()
@@ -348,14 +360,12 @@ def train_step(run: Run) -> torch.Tensor:
     for micro in range(accum):
         batch = run.sampler.batch(state.cursor + run.dist.rank * size, size)
         state.cursor += run.global_batch
-        # DDP all-reduces gradients only on the last micro-batch of a step
-        sync = run.ddp is None or micro == accum - 1
-        with contextlib.nullcontext() if sync else run.ddp.no_sync(), autocast(run.device, run.amp):
+        with run.parallel.micro_batch(micro == accum - 1), autocast(run.device, run.amp):
             loss = batch_loss(run.trained, batch.to(run.device, run.staging), run.cfg)
         run.scaler.scale(loss / accum).backward()
         run.marks.running += loss.detach() / accum
     run.scaler.unscale_(run.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), optim.grad_clip or math.inf)
+    grad_norm = clip_grad_norm(list(run.model.parameters()), optim.grad_clip)
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
@@ -464,32 +474,35 @@ def validation_record(run: Run, loss: float) -> dict[str, Any]:
 
 def save(run: Run, clock: Clock, improved: bool) -> None:
     """Write ``last`` with every registered part's state (and ``best`` when improved, ``step-N``
-    with --keep-last, and each weight average's own folder)."""
+    with --keep-last, and each weight average's own folder): every rank calls it, rank 0 (whole
+    checkpoints) or every rank (sharded) writes."""
     state, cfg, marks = run.state, run.cfg, run.marks
     # never replace a good checkpoint with diverged weights, even between log points
     require_finite(run, float(marks.running) + (marks.val_loss or 0.0))
     marks.saved_step = state.step
     state.elapsed = clock()
-    trainer_state = run.states.state_dict()  # on every rank: the RNGs are gathered; rank 0 writes
-    if not run.dist.is_main:
-        return
     meta = {
         "step": state.step,
         "val_loss": marks.val_loss,
         "best_val_loss": state.best_val,
         "time": time.time(),
     }
+    files = {"cfg": cfg, "tokenizer": run.data.tokenizer}
     for average in run.averages:  # before last/, which holds their state
         own = {**meta, **average.meta()}
-        save_checkpoint(run.run_dir / average.name, average.module, cfg, run.data.tokenizer, meta=own)
+        run.parallel.save(run.run_dir / average.name, average.module, meta=own, **files)
+    step = state.step
+
+    def copies(last: Path) -> None:  # rank 0, once last/ is in place
+        if improved:
+            copy_checkpoint(last, run.run_dir / "best")
+        if cfg.checkpoint.keep_last and step > 0:
+            copy_checkpoint(last, run.run_dir / f"step-{step:07d}")
+            for old in step_checkpoints(run.run_dir)[: -cfg.checkpoint.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
     last = run.run_dir / "last"
-    save_checkpoint(last, run.model, cfg, run.data.tokenizer, meta=meta, state=trainer_state, base=run.base)
-    if improved:
-        copy_checkpoint(last, run.run_dir / "best")
-    if cfg.checkpoint.keep_last and state.step > 0:
-        copy_checkpoint(last, run.run_dir / f"step-{state.step:07d}")
-        for old in step_checkpoints(run.run_dir)[: -cfg.checkpoint.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    run.parallel.save(last, run.model, meta=meta, states=run.states, base=run.base, then=copies, **files)
 
 
 def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
@@ -555,22 +568,21 @@ def open_run(
 
     init = None
     if cfg.init_from and not resumed:
-        init = load_init(cfg.init_from, info, model_config.block_size)
-        model_config = init[0].config
+        init = open_init(cfg.init_from, info, model_config.block_size)
+        model_config = init.config
     base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora.lora_rank else None
-    tokenizer = resumed.tokenizer if resumed else init[1] if init else None
+    tokenizer = resumed.tokenizer if resumed else init.tokenizer if init else None
     data = open_data(cfg, model_config, tokenizer, progress, dist_info, device, info)
-    model, model_config = build_model(model_config, cfg, data, resumed, init, device)
+    model_config = run_model_config(model_config, cfg, data, resumed, init, device)
+    parallel, model, trained, averages = place_model(model_config, cfg, resumed, init, dist_info, device, amp)
     sampler = data.sampler(cfg.optim.batch_size, cfg.seed)
-    model.to(device)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
-    optimizer, scaler, state, averages, states = training_state(model, cfg, amp, dist_info, device)
+    optimizer, scaler, state, states = training_state(model, cfg, amp, dist_info, device, averages)
     if resumed is not None:
-        restore(states, resumed.state, cfg)
+        parallel.restore(resumed, model, states)
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
 
-    trained, ddp = wrap_for_training(model, cfg, dist_info, device)
     per_token = training_flops(model, cfg, data)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     in_place = resumed is not None and Path(resume) == run_dir
@@ -586,7 +598,7 @@ def open_run(
         sampler=sampler,
         model=model,
         trained=trained,
-        ddp=ddp,
+        parallel=parallel,
         device=device,
         amp=amp,
         dist=dist_info,
@@ -612,6 +624,25 @@ def open_run(
             carry_history(run)
         trackers.start({"model": to_dict(model_config), "train": to_dict(cfg)}, facts)
     return run
+
+
+def place_model(
+    model_config: ModelConfig,
+    cfg: TrainConfig,
+    resumed: Any,
+    init: Any,
+    dist_info: Dist,
+    device: torch.device,
+    amp: torch.dtype | None,
+) -> tuple[Single, Transformer, torch.nn.Module, list[EMA]]:
+    """How the processes share the model (``--parallel``, chosen here), the model, what runs
+    it (on the device, replicated or sharded, compiled) and its weight averages (``--ema``)."""
+    chosen = choose_parallel(cfg, dist_info, *replica_memory(model_config, cfg, amp, device))
+    parallel = make_parallel(chosen, cfg, dist_info, device, amp)
+    model, fill = build_model(model_config, cfg, resumed, init, meta=parallel.sharded)
+    averages = [EMA(model, cfg.optim.ema)] if cfg.optim.ema else []
+    trained = parallel.wrap(model, averages, fill)
+    return parallel, model, trained, averages
 
 
 def open_data(
@@ -646,13 +677,14 @@ def training_state(
     amp: torch.dtype | None,
     dist_info: Dist,
     device: torch.device,
-) -> tuple[Any, torch.amp.GradScaler, TrainState, list[EMA], StateRegistry]:
-    """The optimizer, grad scaler, counters and weight averages of a new run, each registered
-    once, with every rank's RNGs, in the ``StateRegistry`` that saves and restores them."""
+    averages: list[EMA] = (),  # type: ignore[assignment]
+) -> tuple[Any, torch.amp.GradScaler, TrainState, StateRegistry]:
+    """The optimizer (of the model as it trains: sharded parameters under FSDP), grad scaler
+    and counters of a new run, each registered once, with every rank's RNGs and the weight
+    ``averages``, in the ``StateRegistry`` that saves and restores them."""
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
     state = TrainState()
-    averages = [EMA(model, cfg.optim.ema)] if cfg.optim.ema else []
     parts: dict[str, Stateful] = {
         COUNTERS: state,
         "optimizer": optimizer,
@@ -660,7 +692,7 @@ def training_state(
         "rng": RngStates(dist_info, device),
     }
     states = StateRegistry({**parts, **{average.name: average for average in averages}})
-    return optimizer, scaler, state, averages, states
+    return optimizer, scaler, state, states
 
 
 def carry_history(run: Run) -> None:
@@ -687,7 +719,8 @@ def locate_run(
 ) -> tuple[Path, Any]:
     """The run folder, created or opened and locked by rank 0 (into ``held``; no other rank races
     its mkdir) and, when resuming, the last checkpoint (with trainer state) it starts from: its
-    own, or with ``--out`` another folder's, which is then only read."""
+    own, or with ``--out`` another folder's, which is then only read. A sharded checkpoint is
+    opened without its weights: they come from the shards (``Single.restore``)."""
 
     def claim(folder: Callable[[], RunFolder]) -> Path:
         held.append(folder())
@@ -702,90 +735,73 @@ def locate_run(
     run_dir = on_main(
         lambda: claim(lambda: open_run_dir(source) if in_place else create_run_dir(cfg.out)), dist_info
     )
-    resumed = load_checkpoint(last_checkpoint(source), with_state=True, merge=False)  # adapters kept apart
-    if resumed.state is None:
-        raise LmcliError(f"{resumed.path} has no trainer state to resume from")
+    ckpt = last_checkpoint(source)
+    if is_sharded(ckpt):
+        resumed = open_sharded(ckpt, dist_info)
+    else:
+        resumed = load_checkpoint(ckpt, with_state=True, merge=False)  # adapters kept apart
+        if resumed.state is None:
+            raise LmcliError(f"{resumed.path} has no trainer state to resume from")
     check_resumable(resumed.model_config, model_config)
     return (source if in_place else run_dir), resumed
 
 
-def wrap_for_training(
-    model: Transformer, cfg: TrainConfig, dist_info: Dist, device: torch.device
-) -> tuple[torch.nn.Module, Any]:
-    """What runs forward and backward: the model, in DDP under torchrun, compiled with --compile."""
-    trained: torch.nn.Module = model
-    ddp = None
-    if dist_info.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
-        # no buffer is trained (position tables are constants): no broadcast before each forward;
-        # gradients live in the all-reduce buckets, no copy in and out of them
-        trained = ddp = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            broadcast_buffers=False,
-            gradient_as_bucket_view=True,
-        )
-    if cfg.compile:
-        trained = torch.compile(trained)
-    return trained, ddp
-
-
-def build_model(
+def run_model_config(
     model_config: ModelConfig,
     cfg: TrainConfig,
     data: TrainData,
     resumed: Any,
     init: Any,
     device: torch.device,
-) -> tuple[Transformer, ModelConfig]:
-    """The model a run trains: resumed, imported (``--init-from``), or new and seeded. A new
-    model's ``--vocab-multiple auto`` becomes a number for ``device`` here, and the checkpoint
-    records it: the weights' layout never depends on the device that later loads them (a resumed
-    or imported model keeps its own)."""
-    if resumed is not None:  # the saved weights, with what a resume may change (dropout)
+) -> ModelConfig:
+    """The model config a run trains: the resumed run's (with what a resume may change:
+    dropout), the imported model's, or a new one's, whose ``--vocab-multiple auto`` becomes a
+    number for ``device`` here; the checkpoint records it: the weights' layout never depends on
+    the device that later loads them (a resumed or imported model keeps its own)."""
+    if resumed is not None:
         saved = resumed.model_config
         free = ModelConfig.on_resume("free")
-        wanted = replace(saved, **{name: getattr(model_config, name) for name in free})
-        if wanted == saved:
-            return resumed.model, saved
-        if lora.has_adapters(resumed.model):
-            raise LmcliError("a LoRA run resumes with its model options (--dropout) unchanged")
-        return model_from_state(wanted, model_state(resumed.model)), wanted
+        return replace(saved, **{name: getattr(model_config, name) for name in free})
     if init is not None:
-        return (lora.add_adapters(init[0], cfg) if cfg.lora.lora_rank else init[0]), init[0].config
+        return init.config
     model_config = replace(model_config, vocab_size=data.tokenizer.vocab_size)
-    model_config = resolve_vocab_multiple(model_config, device.type)
+    return resolve_vocab_multiple(model_config, device.type)
+
+
+def build_model(
+    model_config: ModelConfig, cfg: TrainConfig, resumed: Any, init: Any, *, meta: bool
+) -> tuple[Transformer, Fill | None]:
+    """The model a run trains, of ``model_config``: resumed, imported (``--init-from``), or new
+    and seeded; and, for a model built on the meta device (a sharded checkpoint's, whose
+    weights the shards hold; with ``meta``, a Hugging Face folder's), what puts its weights in
+    once it is placed (each process its own rows)."""
+    if resumed is not None:  # the saved weights, with what a resume may change (dropout)
+        changed = model_config != resumed.model_config
+        if changed and resumed.base is not None:
+            raise LmcliError("a LoRA run resumes with its model options (--dropout) unchanged")
+        if resumed.model is None:  # sharded: the shards hold the weights
+            return skeleton(model_config, cfg), None
+        if changed:
+            return model_from_state(model_config, model_state(resumed.model)), None
+        return resumed.model, None
+    if init is not None:
+        model, fill = init.load(meta)
+        return (lora.add_adapters(model, cfg) if cfg.lora.lora_rank else model), fill
     seed_everything(cfg.seed)
-    return Transformer(model_config), model_config
+    return Transformer(model_config), None
+
+
+def skeleton(model_config: ModelConfig, cfg: TrainConfig) -> Transformer:
+    """The run's model on the meta device (LoRA adapters included), for weights put in later."""
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    return lora.add_adapters(model, cfg) if cfg.lora.lora_rank else model
 
 
 def training_flops(model: Transformer, cfg: TrainConfig, data: TrainData) -> float:
     """Training FLOPs per token (``train/mfu.py``); a LoRA run's frozen weights get no gradient."""
     trained = matmul_params(model, trained_only=True) if cfg.lora.lora_rank else None
     return flops_per_token(model.config, matmul_params(model), round(data.tokens_per_example()), trained)
-
-
-def load_init(
-    path: str, info: Callable[[str], None], block_size: int | None = None
-) -> tuple[Transformer, Any]:
-    """The model and tokenizer ``--init-from`` names: a Hugging Face folder, a GGUF file or an
-    lmcli run or checkpoint folder (a LoRA run's adapters merged), in float32 as every model
-    trains. ``block_size`` below its context cuts it (the run trains and stores that context);
-    above it, the model keeps its own, and ``info`` says so."""
-    if is_gguf_file(path):
-        model, tok, _ = load_gguf(path, torch.float32)
-    elif is_hf_folder(path) or not Path(path).is_dir():
-        model, tok = load_hf_folder(path, torch.float32, info)
-    else:
-        ckpt = load_checkpoint(path)
-        model, tok = ckpt.model.float(), ckpt.tokenizer
-    context = model.config.block_size
-    if block_size is not None and block_size < context:
-        model = with_context(model, block_size)
-    elif block_size is not None and block_size > context:
-        info(f"note: {path} has a context of {context} tokens: block size {context}, not {block_size}")
-    return model, tok
 
 
 def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> int | None:
@@ -797,33 +813,54 @@ def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> i
     return sched.stop_steps
 
 
-def restore(states: StateRegistry, saved: dict[str, Any], cfg: TrainConfig) -> None:
-    """A resumed run's state: every registered part from ``trainer_state.pt`` (this rank's RNGs,
-    its GPU's only), once the saved optimizer is known to be this run's."""
-    was = "muon" if "muon" in saved["optimizer"] else "adamw"
-    if was != cfg.optimizer_kind:
-        raise LmcliError(
-            f"cannot resume a run trained with --optimizer {was} with --optimizer {cfg.optimizer_kind}"
-        )
-    states.load_state_dict(saved)
+def replica_memory(
+    model_config: ModelConfig, cfg: TrainConfig, amp: torch.dtype | None, device: torch.device
+) -> tuple[int, int | None]:
+    """Bytes one whole replica of the run needs (the pre-flight's estimate, from the model
+    built on the meta device) and what one process has (``--parallel auto`` compares them)."""
+    if cfg.parallelism.parallel != "auto":
+        return 0, None
+    need = estimated_memory(skeleton(model_config, cfg), cfg, amp, device, shards=1)
+    return need, per_process_memory(available_memory(device), device)
+
+
+def estimated_memory(
+    model: Transformer,
+    cfg: TrainConfig,
+    amp: torch.dtype | None,
+    device: torch.device,
+    shards: int,
+    context: int | None = None,
+) -> int:
+    """The analytic estimate of a process's bytes (no T×T scores where SDPA's flash kernels run),
+    with parameters, gradients and optimizer state split over ``shards`` processes, the
+    activations ``--activation-checkpointing`` keeps, sequences of ``context`` tokens (None: the
+    block size)."""
+    flash = device.type == "cuda" and not model.positions.biases_scores and not make_task(cfg).prefix_lm
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params, batch = model.num_parameters(), cfg.optim.batch_size
+    recompute = cfg.parallelism.activation_checkpointing
+    return estimate_memory(
+        model.config,
+        params,
+        batch,
+        amp is not None,
+        flash,
+        trainable,
+        context,
+        shards=shards,
+        recompute=recompute,
+    )
 
 
 def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
-    """Bytes the run needs: on a GPU after a probe step, its measured peak plus the optimizer
-    state of what trains; otherwise the analytic estimate (no T×T scores where SDPA's flash
-    kernels run)."""
+    """Bytes a process needs: on a GPU after a probe step, its measured peak plus the optimizer
+    state of what trains; otherwise the analytic estimate (per process: sharded state split)."""
     if probed and run.device.type == "cuda":
         return measured_memory(torch.cuda.max_memory_allocated(run.device), trainable)
-    flash = (
-        run.device.type == "cuda"
-        and not run.model.positions.biases_scores
-        and not make_task(run.cfg).prefix_lm
-    )
-    params = run.model.num_parameters()
+    shards = run.dist.world_size if run.parallel.sharded else 1
     longest = run.data.longest_example() if isinstance(run.data, ExampleData) else None
-    return estimate_memory(
-        run.model_config, params, run.cfg.optim.batch_size, run.amp is not None, flash, trainable, longest
-    )
+    return estimated_memory(run.model, run.cfg, run.amp, run.device, shards, longest)
 
 
 def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
@@ -831,7 +868,8 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
     the trackers)."""
     cfg, model = run.cfg, run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    probe = None if cfg.compile else probe_step_seconds(model, run.sampler, cfg, run.device, run.amp)
+    alone = not (cfg.compile or run.parallel.sharded)  # a sharded model steps with every rank
+    probe = probe_step_seconds(model, run.sampler, cfg, run.device, run.amp) if alone else None
     pre = Preflight(
         params=model.num_parameters(),
         params_non_embedding=model.num_parameters(non_embedding=True),
@@ -841,8 +879,9 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
         max_steps=run.max_steps,
         max_time=cfg.schedule.max_time,
         memory_bytes=preflight_memory(run, probe is not None, trainable),
-        available_bytes=available_memory(run.device),
+        available_bytes=per_process_memory(available_memory(run.device), run.device),
         step_seconds=probe * cfg.optim.grad_accum if probe is not None else None,
+        processes=run.dist.world_size,
     )
     amp = f"{str(run.amp).removeprefix('torch.')} autocast" if run.amp else "float32"
     facts = {
@@ -858,8 +897,10 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
             f"{run.model_config.padded_vocab_size} (padded to a multiple of "
             f"{run.model_config.vocab_multiple}; outputs keep {run.model_config.vocab_size})"
         )
-    if run.dist.enabled:
-        facts["processes"] = f"{run.dist.world_size} (DDP)"
+    if run.dist.enabled or run.parallel.sharded:
+        facts["processes"] = run.parallel.describe()
+    if cfg.parallelism.activation_checkpointing != "none":
+        facts["activation checkpointing"] = f"{cfg.parallelism.activation_checkpointing}, per block"
     if cfg.lora.lora_rank:
         facts["LoRA"] = (
             f"rank {cfg.lora.lora_rank} on {cfg.lora.lora_targets}: {fmt_count(trainable)} trainable "

@@ -22,6 +22,7 @@ class Preflight:
     memory_bytes: int
     available_bytes: int | None
     step_seconds: float | None  # measured on one probe step; None when not measured
+    processes: int = 1  # the memory figures are per process
 
     @property
     def epochs(self) -> float | None:
@@ -47,23 +48,47 @@ def estimate_memory(
     flash: bool = False,
     trainable: int | None = None,
     context: int | None = None,
+    *,
+    shards: int = 1,
+    recompute: str = "none",
 ) -> int:
-    """Bytes for weights, gradients, AdamW moments and activations of one micro-batch (rough);
-    gradients and moments for the ``trainable`` parameters alone (LoRA; None: all of them);
-    ``context``: the longest sequence a batch holds (None: the block size; SFT and translation
-    examples are often far shorter than an imported model's context).
+    """Bytes of one process for weights, gradients, AdamW moments and activations of one
+    micro-batch (rough); gradients and moments for the ``trainable`` parameters alone (LoRA;
+    None: all of them); ``context``: the longest sequence a batch holds (None: the block size;
+    SFT and translation examples are often far shorter than an imported model's context).
+
+    With ``shards`` processes sharing the parameters (FSDP), each holds 1/shards of the
+    weights, gradients and moments, plus the unsharded parameters in use: the root's
+    (embeddings, head) and two blocks' (one computing, one prefetched).
 
     Activations follow Korthikanti et al. (34·B·T·C + 5·H·B·T² values per layer, halved
     under 16-bit autocast; with ``flash`` attention, which never stores the T×T scores, the
     second term goes) plus the logits: the logits, their float32 copy or log-softmax kept for
-    the backward, and their gradient (12 bytes a value).
+    the backward, and their gradient (12 bytes a value). ``recompute`` (activation
+    checkpointing): ``full`` keeps each block's input (2·B·T·C) and one block's whole
+    activations at a time; ``selective`` keeps each block's input and the outputs of its linear
+    layers and attention kernel (2·B·T·(5C + 2·kv + ffn, twice ffn when gated) at 16 bits) plus
+    one block's recomputed ops.
     """
     B, T, C, H = batch_size, context or cfg.block_size, cfg.n_embd, cfg.n_head
     trained = params if trainable is None else trainable
-    state = params * 4 + trained * 4 * 3  # fp32 weights; grads and two Adam moments of what trains
+    state = (params * 4 + trained * 4 * 3) // shards  # fp32 weights; grads and two Adam moments
+    if shards > 1:
+        root = cfg.padded_vocab_size * C * (1 if cfg.tie_embeddings else 2) + cfg.block_size * C
+        block = max(params - root, 0) // cfg.n_layer
+        state += (root + 2 * block) * 4
     act_bytes = 2 if autocast else 4
     scores = 0 if flash else 5 * H * B * T * T
-    activations = cfg.n_layer * (34 * B * T * C + scores) * act_bytes // 2
+    layer = 34 * B * T * C + scores  # bytes of one block's activations at 16 bits
+    if recompute == "full":
+        kept = cfg.n_layer * 2 * B * T * C + layer
+    elif recompute == "selective":
+        kv = cfg.n_kv_head * cfg.head_dim
+        ffn = cfg.ffn_dim * (2 if cfg.mlp == "swiglu" else 1)
+        kept = cfg.n_layer * 2 * B * T * (5 * C + 2 * kv + ffn) + layer
+    else:
+        kept = cfg.n_layer * layer
+    activations = kept * act_bytes // 2
     logits = B * T * cfg.padded_vocab_size * 12  # the head computes the padded rows too
     return state + activations + logits
 
@@ -131,7 +156,7 @@ def preflight_rows(p: Preflight, device: str, extra: dict[str, str]) -> list[tup
         mem += f" of {_fmt_bytes(p.available_bytes)} available"
         if p.memory_bytes > p.available_bytes:
             mem += "  [!] may not fit: lower --batch-size (raise --grad-accum) or --block-size"
-    rows.append(("estimated memory", mem))
+    rows.append(("estimated memory" + (" per process" if p.processes > 1 else ""), mem))
     if p.step_seconds is not None:
         rows.append(("step time", f"{p.step_seconds * 1000:.0f} ms (one probe step)"))
     eta = p.eta_seconds

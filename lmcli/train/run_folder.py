@@ -248,7 +248,7 @@ def resolve_configs(
 ) -> tuple[ModelConfig, TrainConfig]:
     """Configs from dataclass defaults < the resumed run's config < a config file < CLI flags. A
     run ``--init-from`` a model takes that model's context unless ``--block-size`` is given
-    (``train.loop.load_init`` cuts the model to a shorter one)."""
+    (``train.init_from.open_init`` cuts the model to a shorter one)."""
     model: dict[str, Any] = {}
     train: dict[str, Any] = {}
     if resume is not None:

@@ -15,7 +15,7 @@ def test_the_plan_of_a_gpu_run_and_of_a_cpu_dry_run(tmp_path: Path) -> None:
     gpu = check_gpu.build_plan(check_gpu.parse_args(["--out", str(tmp_path / "r.json"), "--steps", "250"]))
     assert gpu.device == "cuda" and gpu.compile and gpu.torchrun and gpu.steps == 250
     assert gpu.shape == {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}  # GPT-2 small
-    assert gpu.checks == ["train", "torchrun", "resume", "eval", "sample", "beam"]
+    assert gpu.checks == ["train", "torchrun", "resume", "fsdp", "fsdp_resume", "eval", "sample", "beam"]
     dry = check_gpu.build_plan(check_gpu.parse_args(["--device", "cpu", "--tiny"]))
     assert not dry.torchrun and not dry.compile and dry.steps <= 4
     assert dry.checks == ["train", "eval", "sample", "beam"]
@@ -29,6 +29,9 @@ def test_torchrun_commands_run_one_nccl_process_then_resume(tmp_path: Path) -> N
     assert "--device" in first and first[first.index("--device") + 1] == "cuda"
     assert again[again.index("--resume") + 1] == str(tmp_path / "run")
     assert again[again.index("--max-steps") + 1] == str(2 * plan.torchrun_steps)
+    sharded = check_gpu.torchrun_argv(plan, tmp_path / "c.txt", tmp_path / "run", True, check_gpu.FSDP)
+    assert sharded[sharded.index("--parallel") + 1] == "fsdp", "a resume chooses its parallelism again"
+    assert sharded[sharded.index("--activation-checkpointing") + 1] == "selective"
 
 
 def test_the_report_is_written_whole(tmp_path: Path) -> None:

@@ -5,11 +5,13 @@ still give exactly the text ``generate`` gives them alone."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import tiny_model, tiny_tokenizer
 
 from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.generate.decoding import make_prompt
+from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.rules import PENDING_TOKENS
 from lmcli.generate.sampling import generate
 from lmcli.quant import quantize
@@ -110,3 +112,62 @@ def test_a_2000_token_reply_decodes_a_few_tokens_per_step(monkeypatch) -> None:
     tokens = [e.token for u in updates[:-1] for e in u.logprobs]
     assert len(tokens) == n == updates[-1].completion_tokens
     assert "".join(u.text for u in updates[:-1]) == original(tokens)  # streamed whole
+
+
+def test_a_reply_that_ended_in_a_running_batch_is_reused_exactly() -> None:
+    """With a prefix cache: a request whose prompt is an earlier request's prompt and reply
+    (that row ended in a batch with padding and holes) starts from its cached keys and values
+    and gives the text ``generate`` gives it alone; out of memory, the cache is given up."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok.vocab_size, block_size=96)
+    sched = Scheduler(model, tok, max_batch=4, max_queue=8, prefixes=PrefixCache(1 << 26))
+    first = make_prompt("the cat sat on the", tok, 96).ids
+    cfg = SampleConfig(max_new_tokens=30, min_new_tokens=30, temperature=0.9, seed=1)
+    with fastpath.inference(model):
+        reply = generate(model, tok, [first], cfg)[0]
+        follow = first + reply.ids + tok.encode(" and the dog")
+        follow_cfg = SampleConfig(max_new_tokens=10, min_new_tokens=10, temperature=0.0)
+        expected = generate(model, tok, [follow], follow_cfg)[0]
+    plan = [  # (iteration, prompt, settings): the first row ends beside longer and shorter rows
+        (0, make_prompt("a", tok, 96).ids, SampleConfig(max_new_tokens=40, temperature=1.0, seed=4)),
+        (1, first, cfg),
+        (3, make_prompt("the sun rose over the hill and the", tok, 96).ids, SampleConfig(max_new_tokens=50)),
+        (40, follow, follow_cfg),
+    ]
+    results: list[dict] = [{} for _ in plan]
+    logprobs: list[float] = []  # of the last request's tokens
+
+    def follow_deliver(events: list) -> None:
+        logprobs.extend(t.logprob for e in events if isinstance(e, Update) for t in e.logprobs)
+        _collect(results[3])(events)
+
+    with fastpath.inference(model):
+        for it in range(300):
+            for k, (at, ids, c) in enumerate(plan):
+                if at == it:
+                    top = 0 if k == 3 else None
+                    sched.submit(
+                        Job([ids], c, top_logprobs=top), follow_deliver if k == 3 else _collect(results[k])
+                    )
+            sched._iteration()
+            if all("end" in r for r in results):
+                break
+    assert results[1][0] == reply.text
+    assert results[3][0] == expected.text
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected.logprobs), atol=1e-4)
+    assert results[3]["end"].cached_tokens >= len(first) + 29 - 15  # the reply's whole blocks too
+    assert sched.stats()["prefix_cache_hits"] >= 1
+
+    def out_of_memory(prompts):
+        raise torch.OutOfMemoryError("no room")
+
+    original = sched.engine.prefill
+    calls = iter([out_of_memory, original])
+    sched.engine.prefill = lambda prompts: next(calls)(prompts)
+    result: dict = {}
+    sched.submit(Job([follow], follow_cfg), _collect(result))
+    with fastpath.inference(model):
+        while "end" not in result:
+            sched._iteration()
+    assert result[0] == expected.text and result["end"].cached_tokens == 0
+    assert sched.stats()["prefix_cache_bytes"] > 0  # emptied, then this request's blocks

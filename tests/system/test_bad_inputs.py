@@ -98,3 +98,14 @@ def test_unwritable_beam_output_folder(tmp_path: Path, capsys) -> None:
         capsys,
     )
     assert_one_line_error(code, err, "Not a directory")
+
+
+def test_parallel_ddp_or_fsdp_without_torchrun_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "c.txt").write_text(TINY_TEXT)
+    for kind in ("ddp", "fsdp"):
+        argv = ["train", str(tmp_path / "c.txt"), "--out", str(tmp_path / "run"), "--parallel", kind, *FAST]
+        code, _, err = run(argv, capsys)
+        assert_one_line_error(code, err, f"--parallel {kind} needs torchrun: torchrun --nproc_per_node=N")
+        assert not (tmp_path / "run").exists()

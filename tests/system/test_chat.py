@@ -86,6 +86,22 @@ def test_full_context_drops_the_oldest_turns(checkpoint: Checkpoint) -> None:
     assert (s.messages, s.first) == before  # nothing lost to a message that cannot fit
 
 
+def test_turns_reuse_the_history_and_reply_the_same(checkpoint: Checkpoint) -> None:
+    """The session's prefix cache: each turn prefills only what is new, replies as without it."""
+    from lmcli.generate.prefix_cache import PrefixCache
+
+    replies = {}
+    for cached in (True, False):
+        s = session(checkpoint, max_new_tokens=6, min_new_tokens=6, temperature=1.0, seed=5)
+        if not cached:
+            s.prefixes = PrefixCache(0)  # holds nothing
+        s.set_system("the cat sat")
+        replies[cached] = [s.say(f"dog {i}").text for i in range(4)]  # the last turns drop the oldest
+        reused = s.prefixes.cached_tokens
+        assert reused > 3 * 16 if cached else reused == 0
+    assert replies[True] == replies[False]
+
+
 def test_interrupted_reply_keeps_what_was_shown(checkpoint: Checkpoint) -> None:
     s = session(checkpoint, max_new_tokens=40, min_new_tokens=40, temperature=1.0)
     pieces: list[str] = []

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_TEXT
+from helpers import TINY_TEXT, saved_step, temps
 
 from lmcli.cli import main
 from lmcli.sources import load_checkpoint
@@ -31,18 +31,6 @@ ARGS = [
     *("--eval-interval", "3", "--eval-batches", "1", "--warmup-steps", "1", "--log-interval", "1"),
     *("--save-interval", "1", "--keep-last", "2", "-q"),
 ]
-
-
-def saved_step(run: Path) -> int:
-    """The step of ``run/last`` now (-1 if none or in the middle of a swap)."""
-    try:
-        return json.loads((run / "last" / "meta.json").read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return -1
-
-
-def temps(run: Path) -> list[str]:
-    return sorted(p.name for p in run.iterdir() if p.name.endswith(".lmtmp"))
 
 
 @pytest.mark.slow

@@ -17,11 +17,12 @@ from lmcli.distributed import SETUP_TIMEOUT, STEP_TIMEOUT, Dist, init_distribute
 from lmcli.model import Transformer
 from lmcli.train import Reporter, train
 from lmcli.train.display import TrainProgress
-from lmcli.train.loop import restore, wrap_for_training
 from lmcli.train.metrics import MetricsLog
 from lmcli.train.mfu import flops_per_token, gpu_peak_tflops, matmul_params, measured_cpu_tflops, mfu
 from lmcli.train.optim import make_optimizer
+from lmcli.train.parallel import make_parallel
 from lmcli.train.preflight import estimate_memory, measured_memory
+from lmcli.train.sharded import restore
 from lmcli.train.state import COUNTERS, RngStates, StateRegistry, TrainState, rng_state, set_rng_state
 
 MODEL = ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -135,8 +136,10 @@ def test_ddp_neither_broadcasts_buffers_nor_copies_gradients(monkeypatch) -> Non
 
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", FakeDDP)
     model = Transformer(ModelConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16))
-    trained, ddp = wrap_for_training(model, train_config(corpus=("x",)), Dist(0, 0, 2), torch.device("cpu"))
-    assert ddp is trained and seen["broadcast_buffers"] is False and seen["gradient_as_bucket_view"] is True
+    parallel = make_parallel("ddp", train_config(corpus=("x",)), Dist(0, 0, 2), torch.device("cpu"), None)
+    trained = parallel.wrap(model, [])
+    assert parallel.ddp is trained
+    assert seen["broadcast_buffers"] is False and seen["gradient_as_bucket_view"] is True
 
 
 def test_preflight_memory_without_scores_under_flash_and_from_a_measured_peak() -> None:

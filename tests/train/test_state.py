@@ -42,13 +42,14 @@ def test_the_layout_is_lmcli_0_1s_and_any_part_round_trips() -> None:
 def test_a_new_runs_parts_are_registered_once_and_an_average_added_on_resume_starts_fresh() -> None:
     model = Transformer(MODEL)
     cpu = torch.device("cpu")
-    _, _, state, averages, states = training_state(model, train_config(), None, Dist(), cpu)
-    assert list(states.parts) == [COUNTERS, "optimizer", "scaler", "rng"] and averages == []
+    _, _, state, states = training_state(model, train_config(), None, Dist(), cpu)
+    assert list(states.parts) == [COUNTERS, "optimizer", "scaler", "rng"]
     state.step = 7
     saved = states.state_dict()
     assert set(saved) == {*TrainState().state_dict(), "optimizer", "scaler", "rng"}
 
-    _, _, resumed, averages, states = training_state(model, train_config(ema=0.9), None, Dist(), cpu)
+    averages = [EMA(model, 0.9)]
+    _, _, resumed, states = training_state(model, train_config(ema=0.9), None, Dist(), cpu, averages)
     assert isinstance(averages[0], EMA) and states.parts["ema"] is averages[0]
     fresh = {k: v.clone() for k, v in averages[0].state_dict().items()}
     states.load_state_dict(saved)  # saved without an average: it starts from here

@@ -1,0 +1,96 @@
+"""What ``--init-from`` names, opened for training: a Hugging Face folder, a GGUF file or an lmcli
+run or checkpoint folder (a LoRA run's adapters merged), in float32 as every model trains.
+
+``open_init`` reads the config and tokenizer first; ``Init.load`` then gives the model: whole, or,
+for a Hugging Face folder whose model will be sharded (``--parallel fsdp``), built on the meta
+device with what reads each process's rows of its weights, one block at a time
+(``lmcli.train.parallel.fill_from_hf``), so no process ever holds the whole model.
+
+A ``block_size`` below the model's context cuts it (the run trains and stores that context: the
+same weights, learned positions cut to their first rows); above it, the model keeps its own, and
+a note says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcli.checkpoint import with_context
+from lmcli.config import ModelConfig
+from lmcli.hf.gguf_load import is_gguf_file, load_gguf
+from lmcli.hf.load import is_hf_folder, load_hf_folder, open_hf_folder
+from lmcli.model import Transformer
+from lmcli.sources import load_checkpoint
+from lmcli.train.parallel import Fill, fill_from_hf
+
+Load = Callable[[bool], tuple[Transformer, Fill | None]]
+
+
+@dataclass
+class Init:
+    """An opened ``--init-from``: the config the run trains (its context cut to the run's block
+    size), the tokenizer, and ``load(meta)``: the model and, when built on the meta device, what
+    puts its weights in once it is placed."""
+
+    config: ModelConfig
+    tokenizer: Any
+    load: Load
+
+
+def open_init(path: str, info: Callable[[str], None], block_size: int | None = None) -> Init:
+    """``path`` opened for training with a context of ``block_size`` (None: the model's own)."""
+    if is_gguf_file(path):
+        model, tok, _ = load_gguf(path, torch.float32)
+        return _whole(model, tok, path, info, block_size)
+    if not (is_hf_folder(path) or not Path(path).is_dir()):
+        ckpt = load_checkpoint(path)
+        return _whole(ckpt.model.float(), ckpt.tokenizer, path, info, block_size)
+    folder = open_hf_folder(path)
+    config = _fitted_config(folder.config, block_size)
+
+    def load(meta: bool) -> tuple[Transformer, Fill | None]:
+        if not meta:
+            model = load_hf_folder(path, torch.float32, info)[0]
+            return _fitted(model, path, info, block_size), None
+        for note in folder.notices:
+            info(f"warning: {folder.path}: {note}")
+        _note_context(folder.config, path, info, block_size)
+        with torch.device("meta"):
+            model = Transformer(config)
+        return model, lambda placed: fill_from_hf(placed, folder)
+
+    return Init(config, folder.tokenizer, load)
+
+
+def _whole(
+    model: Transformer, tok: Any, path: str, info: Callable[[str], None], block_size: int | None
+) -> Init:
+    model = _fitted(model, path, info, block_size)
+    return Init(model.config, tok, lambda meta: (model, None))
+
+
+def _fitted_config(cfg: ModelConfig, block_size: int | None) -> ModelConfig:
+    return (
+        replace(cfg, block_size=block_size) if block_size is not None and block_size < cfg.block_size else cfg
+    )
+
+
+def _note_context(cfg: ModelConfig, path: str, info: Callable[[str], None], block_size: int | None) -> None:
+    if block_size is not None and block_size > cfg.block_size:
+        context = cfg.block_size
+        info(f"note: {path} has a context of {context} tokens: block size {context}, not {block_size}")
+
+
+def _fitted(
+    model: Transformer, path: str, info: Callable[[str], None], block_size: int | None
+) -> Transformer:
+    """``model`` with the run's context: cut to ``block_size`` when that is shorter."""
+    _note_context(model.config, path, info, block_size)
+    if block_size is not None and block_size < model.config.block_size:
+        return with_context(model, block_size)
+    return model
