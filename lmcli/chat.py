@@ -40,6 +40,7 @@ from lmcli import chat_template
 from lmcli.chat_template import Message, Renderer, RenderTooLong, Template, check_roles
 from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
+from lmcli.generate.engine import RowProcessor
 from lmcli.model import Transformer
 from lmcli.safe_io import atomic_write, refuse_special
 from lmcli.tasks import make_task
@@ -72,12 +73,14 @@ class ChatSession:
         template: Template | str | None = None,
         system: str | None = None,
         draft: Any = None,
+        processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
     ) -> None:
         """``template``: the model folder's Hugging Face chat template, or None for lmcli's.
-        ``draft``: a ``speculative.Draft`` that replies are decoded with (the same replies)."""
+        ``draft``: a ``speculative.Draft`` that replies are decoded with (the same replies).
+        ``processors()``: each reply's own processors (a grammar's mask: ``--json-schema``)."""
         if cfg.num_samples != 1:
             raise LmcliError("a chat reply is one sample: num-samples must be 1")
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model, self.tokenizer, self.cfg, self.processors = model, tokenizer, cfg, processors
         self.template = chat_template.as_template(template)
         self.renderer = Renderer() if self.template is not None else None
         self.draft = draft
@@ -93,14 +96,19 @@ class ChatSession:
 
     @classmethod
     def from_checkpoint(
-        cls, ckpt: Any, cfg: SampleConfig, system: str | None = None, draft: Any = None
+        cls,
+        ckpt: Any,
+        cfg: SampleConfig,
+        system: str | None = None,
+        draft: Any = None,
+        processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
     ) -> ChatSession:
         """A session with a loaded checkpoint, rendered with its folder's template (as serve does)."""
         task = make_task(ckpt.train_config)
         if not task.chat:
             raise LmcliError(task.refusal("use lmcli sample or lmcli beam"))
         template = chat_template.template_of(ckpt)
-        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system, draft)
+        return cls(ckpt.model, ckpt.tokenizer, cfg, template, system, draft, processors)
 
     @property
     def context(self) -> int:
@@ -177,15 +185,8 @@ class ChatSession:
                 max_new_tokens=min(self.cfg.max_new_tokens, self.context - len(ids)),
                 seed=self.reply_seed(),
             )
-            g = generate(
-                self.model,
-                self.tokenizer,
-                [ids],
-                cfg,
-                on_text=stream,
-                draft=self.draft,
-                prefixes=self._prefixes(),
-            )[0]
+            rules = {"on_text": stream, "draft": self.draft, "processors": self.processors}
+            g = generate(self.model, self.tokenizer, [ids], cfg, prefixes=self._prefixes(), **rules)[0]
         except KeyboardInterrupt:
             text = "".join(shown)
             if text:

@@ -47,7 +47,7 @@ from lmcli.template_render import (
 )
 from lmcli.tokenizer import CONFIG_LIMIT, Tokenizer
 
-Message = dict[str, str]  # {"role": ..., "content": ...}
+Message = dict[str, Any]  # {"role": ..., "content": ...} (and a tool call's fields: _tool_fields)
 ROLES = ("system", "user", "assistant")
 
 __all__ = [
@@ -164,19 +164,46 @@ def check_messages(messages: Any) -> list[Message]:
         if not isinstance(content, str):
             raise LmcliError(f"messages[{i}].content must be text")
         check_text(m["role"], f"messages[{i}].role")
-        out.append({"role": m["role"], "content": check_text(content, f"messages[{i}].content")})
+        message = {"role": m["role"], "content": check_text(content, f"messages[{i}].content")}
+        out.append(message | _tool_fields(m, i))
     return out
 
 
-def check_roles(messages: list[Message]) -> list[Message]:
+def _tool_fields(m: dict[str, Any], i: int) -> dict[str, Any]:
+    """A message's tool fields, checked: an assistant's ``tool_calls`` (functions, each with a
+    name and its arguments as JSON text or an object), a tool message's ``tool_call_id``/``name``."""
+    out: dict[str, Any] = {}
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise LmcliError(f"messages[{i}].{key} must be text")
+            out[key] = check_text(m[key], f"messages[{i}].{key}")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return out
+    if m["role"] != "assistant" or not isinstance(calls, list):
+        raise LmcliError(f"messages[{i}].tool_calls must be a list, in an assistant message")
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise LmcliError(f"messages[{i}].tool_calls[{j}] must be a function call with a name")
+        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise LmcliError(f"messages[{i}].tool_calls[{j}].function.arguments must be JSON text")
+    out["tool_calls"] = calls
+    return out
+
+
+def check_roles(messages: list[Message], tools: bool = False) -> list[Message]:
     """``messages`` whose roles are system (first only), user or assistant, ending with the
-    user's: the rule of ``lmcli chat`` and of the server's chat completions alike."""
+    user's: the rule of ``lmcli chat`` and of the server's chat completions alike. ``tools``
+    (the server): ``tool`` messages too (a call's result), and the last may be one."""
+    roles = (*ROLES, "tool") if tools else ROLES
     for i, m in enumerate(messages):
-        if m["role"] not in ROLES:
-            raise LmcliError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}")
+        if m["role"] not in roles:
+            raise LmcliError(f"messages[{i}].role must be one of {', '.join(roles)}, got {m['role']!r}")
         if m["role"] == "system" and i > 0:
             raise LmcliError(f"messages[{i}]: a system message may only come first")
-    if messages[-1]["role"] != "user":
+    if messages[-1]["role"] not in (("user", "tool") if tools else ("user",)):
         raise LmcliError("the last message must be the user's: it is the one the reply answers")
     return messages
 

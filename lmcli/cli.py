@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from lmcli.config import (
     AverageConfig,
     BeamConfig,
     ChatConfig,
+    ConstraintConfig,
     DeviceConfig,
     DownstreamConfig,
     DraftConfig,
@@ -260,7 +261,7 @@ def _warn_inputs(unknown: int, cut: int) -> None:
 
 
 @app.command()
-@config_options(SampleConfig, DraftConfig, DeviceConfig)
+@config_options(SampleConfig, ConstraintConfig, DraftConfig, DeviceConfig)
 def sample(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
@@ -285,6 +286,7 @@ def sample(
 
     cfg = build(SampleConfig, options)
     with _loaded(run_dir, options) as ckpt:
+        processors = _constraint(build(ConstraintConfig, options), ckpt.tokenizer)
         task = make_task(ckpt.train_config)
         form = _chat_form(ckpt, task) if chat else task.prompt  # how this model reads a prompt
         draft = _load_draft(options, ckpt)
@@ -298,9 +300,8 @@ def sample(
             typer.echo(texts[0], nl=False)
         on_text = (lambda row, piece: (sys.stdout.write(piece), sys.stdout.flush())) if stream else None
         unknown = cut = ended = 0
-        samples = iter_samples(
-            ckpt.model, ckpt.tokenizer, texts, cfg, form=form, on_text=on_text, draft=draft
-        )
+        rules = {"form": form, "on_text": on_text, "draft": draft, "processors": processors}
+        samples = iter_samples(ckpt.model, ckpt.tokenizer, texts, cfg, **rules)
         for g, p in samples:
             # printed as each batch finishes: memory flat in the number of prompts
             if g.sample_index == 0:
@@ -317,6 +318,19 @@ def sample(
                 f"warning: {ended} sample(s) ended at once: the model's first token was its end{hint}",
                 file=sys.stderr,
             )
+
+
+def _constraint(cfg: ConstraintConfig, tokenizer: Any) -> Callable[[], tuple[Any, ...]]:
+    """Each row's processors for the options' constraint (none without one); the constraint is
+    compiled here, so a bad one fails before any decoding."""
+    from lmcli.generate.constrain import Grammars, read_constraint
+
+    constraint = read_constraint(cfg.json_schema, cfg.regex, cfg.grammar)
+    if constraint is None:
+        return tuple
+    grammars = Grammars(tokenizer, cache=1)
+    grammars.compile(constraint)
+    return lambda: (grammars.processor(constraint),)
 
 
 def _chat_form(ckpt: Any, task: Any) -> Any:
@@ -679,7 +693,9 @@ def serve(
 
 
 @app.command()
-@config_options(ChatConfig, SampleConfig, DraftConfig, DeviceConfig, exclude=("num_samples",))
+@config_options(
+    ChatConfig, SampleConfig, ConstraintConfig, DraftConfig, DeviceConfig, exclude=("num_samples",)
+)
 def chat(
     run_dir: Path | None = typer.Argument(None, help=RUN_DIR_HELP),
     json_io: bool = typer.Option(
@@ -700,7 +716,9 @@ def chat(
     cfg = build(SampleConfig, options)
     chat_cfg = build(ChatConfig, options)
     with _loaded(run_dir, options) as ckpt:
-        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system, draft=_load_draft(options, ckpt))
+        processors = _constraint(build(ConstraintConfig, options), ckpt.tokenizer)
+        draft = _load_draft(options, ckpt)
+        session = ChatSession.from_checkpoint(ckpt, cfg, chat_cfg.system, draft=draft, processors=processors)
         try:
             if json_io or not sys.stdin.isatty():
                 result = run_json(session, sys.stdin)

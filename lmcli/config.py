@@ -822,6 +822,22 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class ConstraintConfig:
+    """What the generated text must be (`lmcli sample`, `lmcli chat`): at most one of a JSON
+    schema, a regular expression or a grammar (docs/structured-output.md)."""
+
+    json_schema: str | None = option(None, "The text is JSON valid against this JSON schema file.")
+    regex: str | None = option(None, "The text matches this regular expression.")
+    grammar: str | None = option(None, "The text follows this Lark grammar file (llguidance's Lark).")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        given = [f"--{f.name.replace('_', '-')}" for f in fields(self) if getattr(self, f.name) is not None]
+        if len(given) > 1:
+            raise LmcliError(f"give one constraint at most: {' and '.join(given)} were given together")
+
+
+@dataclass(frozen=True)
 class DraftConfig:
     """Speculative decoding in `lmcli sample` and `lmcli chat`: a small model proposes tokens."""
 

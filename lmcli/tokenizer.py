@@ -57,6 +57,17 @@ def _byte_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+def _plain_bytes(text: str) -> bytes:
+    """A token's bytes when its text is not byte-level: ``<0xNN>`` (byte fallback) is byte NN,
+    ``\u2581`` (SentencePiece's word start) a space, anything else its UTF-8."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return bytes([int(text[3:5], 16)])
+        except ValueError:
+            pass
+    return text.replace("\u2581", " ").encode("utf-8")
+
+
 def split_pieces(text: str, target: int = PIECE_CHARS) -> Iterator[str]:
     """``text`` in pieces of at most ``target`` characters, cut after a line break, or else
     before a space (where a byte-level BPE word starts), or else anywhere.
@@ -254,6 +265,24 @@ class Tokenizer:
         """Characters of the longest token: a text of ``n * longest_token`` characters or more
         holds at least ``n`` tokens (a bound found without tokenizing it)."""
         return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
+
+    def token_bytes(self) -> tuple[list[bytes], list[int]]:
+        """Every token's bytes as its text holds them, by id, and the ids of the special tokens
+        (whose bytes are their names): what a grammar library matches tokens with. Byte-level
+        tokens (bpe, byte, GPT-2-like Hugging Face) map their characters back to bytes; others
+        (char, SentencePiece-like) are their UTF-8, ``\u2581`` a space, ``<0xNN>`` byte NN."""
+        vocab = self.hf.get_vocab(with_added_tokens=True)
+        added = self.hf.get_added_tokens_decoder()
+        specials = sorted(i for i, t in added.items() if t.special)
+        decoder = json.dumps(json.loads(self.to_json()).get("decoder"))
+        alphabet = {c: b for b, c in enumerate(_byte_alphabet())} if '"ByteLevel"' in decoder else None
+        out = [b""] * self.vocab_size
+        for text, i in vocab.items():
+            if i in added or alphabet is None:
+                out[i] = _plain_bytes(text) if i not in added else text.encode("utf-8")
+            else:
+                out[i] = b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode("utf-8") for c in text)
+        return out, specials
 
     def count_unknown(self, ids: Iterable[int]) -> int:
         """How many ids are ``<unk>`` (characters the tokenizer could not encode)."""

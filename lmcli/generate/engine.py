@@ -59,6 +59,9 @@ class RowProcessor(Protocol):
         """The row took ``token`` (e.g. the grammar moves on)."""
         ...
 
+    # Optionally, ``ends``: true when the processor allows nothing but ``<eos>`` next (then
+    # ``min_new_tokens`` does not ban it for the row).
+
 
 class Row:
     """One sequence being decoded (see the module docstring)."""
@@ -188,6 +191,12 @@ def apply_processors(logits: Tensor, rows: list[Row]) -> Tensor:
             index = torch.tensor(at, device=logits.device)
             logits = logits.index_put((index,), kind.apply(logits[index], procs))
     return logits
+
+
+def _must_end(row: Row) -> bool:
+    """A processor of the row allows nothing but ``<eos>`` (a complete grammar): ``min_new_tokens``
+    cannot hold it back (a processor says so with a true ``ends``)."""
+    return any(getattr(p, "ends", False) for p in row.processors)
 
 
 class Engine:
@@ -337,7 +346,7 @@ class Engine:
         cfg = rows[0].cfg
         whole = len(idx) == len(self.rows)
         logits = row_rules(self.logits if whole else self.logits[idx], rows)  # (G, V)
-        early = [g for g, r in enumerate(rows) if len(r.ids) < r.cfg.min_new_tokens]  # no <eos> yet
+        early = [g for g, r in enumerate(rows) if len(r.ids) < r.cfg.min_new_tokens and not _must_end(r)]
         partly = 0 < len(early) < len(rows)
         tokens, logprobs = choose(
             logits,

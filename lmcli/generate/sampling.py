@@ -21,7 +21,7 @@ import torch
 from lmcli import fastpath
 from lmcli.config import SampleConfig
 from lmcli.generate.decoding import TEXT, Prompt, make_prompt
-from lmcli.generate.engine import Engine, Row
+from lmcli.generate.engine import Engine, Row, RowProcessor
 from lmcli.generate.kv_cache import check_fits
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.speculative import Draft, Speculator, fits
@@ -77,6 +77,7 @@ def generate(
     samples: range | None = None,
     prefixes: PrefixCache | None = None,
     draft: Draft | None = None,
+    processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
 ) -> list[Generated]:
     """Sample ``cfg.num_samples`` continuations of every prompt (token ids), all in one batch
     (or only the samples numbered ``samples``, e.g. ``range(64, 128)``); with ``draft``, one
@@ -87,15 +88,19 @@ def generate(
     ``<eos>`` is never chosen before ``cfg.min_new_tokens``. ``prefix_lm``: the prompts attend
     to themselves both ways (a translation source, ``tasks.SourcePrompt``). ``prefixes``: a
     prefix cache a single prompt starts from and the finished rows go to (``lmcli chat``).
+    ``processors()`` gives each row its own processors (``engine.RowProcessor``: a grammar's mask).
     """
     samples = range(cfg.num_samples) if samples is None else samples
     out = [Generated(p, j) for p in range(len(prompts)) for j in samples]
     if cfg.max_new_tokens == 0 or not out:
         return out
-    if draft is not None and not prefix_lm:
+    if draft is not None and not prefix_lm and not processors():  # a grammar follows no drafted token
         return _drafted(model, tokenizer, prompts, cfg, out, draft, on_text)
     check_fits(model, len(out), f"{len(prompts)} prompt(s) x {len(samples)} sample(s)")
-    rows = [Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None) for g in out]
+    rows = [
+        Row(cfg, prompts[g.prompt_index], g.sample_index, stream=on_text is not None, processors=processors())
+        for g in out
+    ]
     engine = Engine(model, tokenizer, prefix_lm=prefix_lm, prefixes=prefixes)
     speed = Speed(prefill_tokens=sum(map(len, prompts)))
     with fastpath.inference(model):
@@ -190,13 +195,15 @@ def iter_samples(
     on_text: Callable[[int, str], None] | None = None,
     rows: int = BATCH_ROWS,
     draft: Draft | None = None,
+    processors: Callable[[], tuple[RowProcessor, ...]] = tuple,
 ) -> Iterator[tuple[Generated, Prompt]]:
     """Encode prompt texts in the model's prompt ``form`` (its task's: ``<bos> text``, or
     ``<bos> source <sep>`` for a translation model) and sample ``cfg.num_samples`` continuations
     of each, ``rows`` (prompt, sample) rows at a time; yields each sample with its prompt, in
     order (prompt-major), as its block finishes. Memory stays bounded however many prompts and
     samples are asked for; the same seed gives the same text whatever the blocks (each sample
-    draws from its own generator). ``draft``: decode with speculative decoding (``generate``)."""
+    draws from its own generator). ``draft``: decode with speculative decoding (``generate``).
+    ``processors``: as ``generate``'s."""
     with fastpath.inference(model):  # one scope for every block
         for block, samples in row_blocks(len(texts), cfg.num_samples, rows):
             prompts = [make_prompt(texts[i], tokenizer, model.config.block_size, form) for i in block]
@@ -217,6 +224,7 @@ def iter_samples(
                 on_text=row_text,
                 samples=samples,
                 draft=draft,
+                processors=processors,
             )
             for g in out:
                 prompt = prompts[g.prompt_index]

@@ -3,7 +3,10 @@
 Parameters: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``repetition_penalty`` and ``min_tokens`` (extensions, vLLM's names), ``stop``,
 ``seed``, ``n``, ``stream`` (with ``stream_options.include_usage``), ``logprobs`` (completions:
-an integer 0-5; chat: true, with ``top_logprobs``), ``echo`` (completions). The sampling values
+an integer 0-5; chat: true, with ``top_logprobs``), ``echo`` (completions), ``response_format``
+(a JSON schema or any JSON object: a grammar's mask per row, ``generate/constrain.py``), and for
+chat ``tools``/``tool_choice`` (``serve/tools.py``: shown by the template, calls read from the
+reply, a required call constrained to its parameters' schema). The sampling values
 are checked by ``SampleConfig``, the same declarations ``lmcli sample`` checks its flags with.
 Unknown parameters are ignored.
 
@@ -26,7 +29,10 @@ from lmcli import chat_template
 from lmcli.chat_template import Renderer, RendererClosed, RenderTooLong, Template, check_text
 from lmcli.config import SEED_MAX, SampleConfig
 from lmcli.errors import LmcliError
+from lmcli.generate.constrain import Constraint, ConstraintError, Grammars
+from lmcli.serve import tools as tool_calls
 from lmcli.serve.scheduler import Job, TokenLogprob, Update
+from lmcli.serve.tools import CallStream, ToolError, Tools
 from lmcli.tasks import TextPrompt
 from lmcli.tokenizer import Tokenizer
 
@@ -77,6 +83,7 @@ class Model:
     created: int
     form: TextPrompt = TextPrompt()  # how a prompt text is read (the task's, as `lmcli sample` reads it)
     no_chat: str | None = None  # why chat completions do not apply (a translation model), or None
+    grammars: Grammars | None = None  # the compiler of response_format and tool_choice constraints
 
     @property
     def max_chars(self) -> int:
@@ -95,6 +102,7 @@ class Request:
     echo: list[str]  # completions with echo: each prompt's text, put before its choices' text
     id: str
     created: int
+    tools: Tools | None = None  # chat: the request's tools (the reply is read for calls)
 
 
 def _param(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -238,15 +246,26 @@ def _prompts(body: dict[str, Any], model: Model) -> tuple[list[list[int]], list[
     return framed, texts
 
 
-def _chat_prompt(body: dict[str, Any], model: Model, renderer: Renderer | None) -> list[int]:
-    """The chat messages' prompt: checked (the roles as ``lmcli chat`` checks them), rendered
-    within the renderer's bounds, refused before tokenizing when longer than the context holds."""
+def _chat_prompt(
+    body: dict[str, Any], model: Model, renderer: Renderer | None, tools: Tools | None
+) -> list[int]:
+    """The chat messages' prompt: checked (the roles as ``lmcli chat`` checks them, and tool
+    messages), the tools shown (``tools.for_template``), rendered within the renderer's bounds,
+    refused before tokenizing when longer than the context holds."""
     if model.no_chat is not None:
         raise ApiError(400, model.no_chat)
     try:
-        messages = chat_template.check_roles(chat_template.check_messages(body.get("messages")))
+        messages = chat_template.check_roles(chat_template.check_messages(body.get("messages")), tools=True)
+        hf = model.template is not None
+        messages = tool_calls.for_template(messages, tools, hf)
+        extra = {"tools": list(tools.functions)} if tools is not None and hf else None
         return chat_template.encode(
-            messages, model.template, model.tokenizer, renderer=renderer, max_chars=model.max_chars
+            messages,
+            model.template,
+            model.tokenizer,
+            renderer=renderer,
+            extra=extra,
+            max_chars=model.max_chars,
         )
     except RenderTooLong as exc:
         message = f"{exc}: more than this model's context of {model.block_size} tokens can hold"
@@ -279,8 +298,13 @@ def parse(
         raise ApiError(400, f"n must be between 1 and {max_batch} (this server's rows), got {n}", param="n")
     vocab = model.tokenizer.vocab_size
     echo: list[str] = []
+    tools = None
     if kind == "chat":
-        prompts = [_chat_prompt(body, model, renderer)]
+        try:
+            tools = tool_calls.parse_tools(body, model.template)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        prompts = [_chat_prompt(body, model, renderer, tools)]
         default = None
         top: int | None = None
         if _param(body, "logprobs", bool, False):
@@ -301,13 +325,61 @@ def parse(
             echo = texts
     n, new, seed = _common(body, max(len(p) for p in prompts), model, max_tokens, default)
     cfg = _sample_config(body, n, new, seed)
-    job = Job(prompts, cfg, top, timeout)
+    job = Job(prompts, cfg, top, timeout, processors=_processors(body, model, tools))
     if job.rows > max_batch:
         raise ApiError(
             400, f"this request needs {job.rows} rows (prompts x n); the server has {max_batch}", param="n"
         )
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    return Request(kind, job, stream, include_usage, echo, prefix + secrets.token_hex(12), int(time.time()))
+    rid = prefix + secrets.token_hex(12)
+    tools = tools if tools is not None and tools.parsed else None
+    return Request(kind, job, stream, include_usage, echo, rid, int(time.time()), tools)
+
+
+def _response_format(body: dict[str, Any]) -> Constraint | None:
+    """``response_format``: ``text`` (none), ``json_object``, or ``json_schema`` (its ``schema``)."""
+    rf = _param(body, "response_format", dict, None)
+    if rf is None or rf.get("type") == "text":
+        return None
+    if rf.get("type") == "json_object":
+        return Constraint("json_object")
+    spec = rf.get("json_schema")
+    if rf.get("type") != "json_schema" or not isinstance(spec, dict):
+        raise ApiError(
+            400,
+            'response_format must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+            param="response_format",
+        )
+    schema = spec.get("schema")
+    if schema is None:
+        return Constraint("json_object")
+    if not isinstance(schema, dict):
+        raise ApiError(
+            400, "response_format.json_schema.schema must be a JSON object", param="response_format"
+        )
+    return Constraint.json_schema(schema)
+
+
+def _processors(body: dict[str, Any], model: Model, tools: Tools | None) -> Any:
+    """Each row's processors: the grammar of ``response_format`` or of a call the request
+    requires (compiled now: a constraint that fails is this request's 400)."""
+    constraint, param = _response_format(body), "response_format"
+    required = tool_calls.constraint(tools) if tools is not None else None
+    if required is not None:
+        if constraint is not None:
+            raise ApiError(400, "response_format cannot be given with a required tool call", param=param)
+        constraint, param = required, "tools"
+    if constraint is None:
+        return tuple
+    if model.grammars is None:
+        raise ApiError(400, "this server does not constrain replies", param=param)
+    grammars = model.grammars
+    try:
+        grammars.compile(constraint)
+    except ConstraintError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+    return lambda: (grammars.processor(constraint),)
 
 
 # ----------------------------------------------------------------------------- responses
@@ -336,6 +408,8 @@ class Choices:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(self.count)]
         self.finish: list[str | None] = [None] * self.count
         self.started = [False] * self.count
+        tools = req.tools
+        self.calls = [CallStream(tools.format) for _ in range(self.count)] if tools is not None else None
 
     def text(self, i: int) -> str:
         return "".join(self.pieces[i])
@@ -385,15 +459,15 @@ class Choices:
         """The whole (non-streamed) response."""
         req = self.req
         if req.kind == "chat":
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": self.text(i)},
-                    "logprobs": self.chat_logprobs(self.logprobs[i]),
-                    "finish_reason": self.finish[i],
-                }
-                for i in range(self.count)
-            ]
+            choices = []
+            for i in range(self.count):
+                message, reason = self._message(i), self.finish[i]
+                if reason == "stop" and "tool_calls" in message:
+                    reason = "tool_calls"
+                logprobs = self.chat_logprobs(self.logprobs[i])
+                choices.append(
+                    {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
+                )
             obj = "chat.completion"
         else:
             n = req.job.cfg.num_samples
@@ -418,20 +492,51 @@ class Choices:
             "usage": done_usage,
         }
 
+    def _message(self, i: int) -> dict[str, Any]:
+        """Choice ``i``'s message: its text, or, with tools, its content and calls."""
+        if self.req.tools is None:
+            return {"role": "assistant", "content": self.text(i)}
+        content, calls = tool_calls.parse_reply(self.text(i), self.req.tools.format)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"role": "assistant", "content": content or ""}
+
+    def _finish(self, reason: str | None, i: int) -> str | None:
+        """A streamed choice's finish reason: ``tool_calls`` once it has called a tool."""
+        if reason == "stop" and self.calls is not None and self.calls[i].calls:
+            return "tool_calls"
+        return reason
+
+    def _chat_delta(self, u: Update) -> dict[str, Any]:
+        """A streamed update's delta: its text, or, with tools, its content and the calls that
+        closed (each whole, as ``{"index", "id", "type", "function": {"name", "arguments"}}``)."""
+        if self.calls is None:
+            return {"content": u.text} if u.text or u.finish_reason is None else {}
+        stream = self.calls[u.index]
+        first = stream.calls
+        content, calls = stream.feed(u.text)
+        if u.finish_reason is not None:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": first + k, **c} for k, c in enumerate(calls)]
+        return delta
+
     def chunk(self, model: str, u: Update | None = None, *, echo_index: int | None = None) -> dict[str, Any]:
         """One streamed chunk for update ``u`` (or, with ``echo_index``, that choice's echoed prompt)."""
         req = self.req
         if req.kind == "chat":
             assert u is not None
-            delta: dict[str, Any] = {"content": u.text} if u.text or u.finish_reason is None else {}
+            delta = self._chat_delta(u)
             if not self.started[u.index]:
-                delta = {"role": "assistant", "content": u.text}
+                delta = {"role": "assistant", "content": delta.get("content", "")} | delta
                 self.started[u.index] = True
             choice = {
                 "index": u.index,
                 "delta": delta,
                 "logprobs": self.chat_logprobs(u.logprobs),
-                "finish_reason": u.finish_reason,
+                "finish_reason": self._finish(u.finish_reason, u.index),
             }
             obj = "chat.completion.chunk"
         else:

@@ -26,6 +26,7 @@ import uvicorn
 from lmcli.checkpoint import Checkpoint
 from lmcli.config import ServeConfig
 from lmcli.errors import LmcliError
+from lmcli.generate.constrain import Grammars
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.serve.app import create_app
 from lmcli.serve.guard import ACCEPT_BURST, SWEEP_SECONDS, EventLog, Guard, guarded_protocol
@@ -45,7 +46,8 @@ def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
     no_chat = None if task.chat else task.refusal("use /v1/completions with the source as prompt")
     template = template_of(ckpt)
     block_size = ckpt.model.config.block_size
-    return Model(name, ckpt.tokenizer, block_size, template, int(time.time()), task.prompt, no_chat)
+    grammars = Grammars(ckpt.tokenizer)
+    return Model(name, ckpt.tokenizer, block_size, template, int(time.time()), task.prompt, no_chat, grammars)
 
 
 def bind(host: str, port: int) -> socket.socket:
