@@ -1,16 +1,13 @@
 """A GGUF file in: its header checked, its tensors dequantized, its tokenizer rebuilt.
 
 ``read_gguf_header`` is the one check before anything is built, as a run folder's safetensors
-header is checked against its config: the header is first scanned with bounds and its values
-checked by the ``config.json`` rules (``hf.gguf_check.check_gguf``), then the file is read with
-``gguf``'s own reader (the file
-memory-mapped; the metadata and the tensor table parsed, no tensor read), then
+header is checked against its config:
 
-- a truncated or damaged file, an unknown tensor type, a type lmcli does not read (``TYPES``),
-  an architecture no family adapter reads (``hf.families.from_gguf_arch``): one line each;
-- the family adapter turns the metadata into a ``ModelConfig`` (``config_from_gguf``), and the
-  tensors' names and shapes, under lmcli's names (the adapter's GGUF map read backwards, on
-  the meta device), must be exactly the model's (``checkpoint.check_header``);
+- ``hf.gguf_check.check_gguf`` scans the header with bounds, reads the config through the family
+  adapter (``config_from_gguf``, each value by the rule of the ``config.json`` field it stands
+  for) and checks every tensor's name and shape, under lmcli's names, against it;
+- then ``gguf``'s own reader maps the file (metadata and tensor table parsed, no tensor read): a
+  tensor type lmcli does not read (``TYPES``) is one line;
 - the tokenizer is rebuilt from the metadata (``gguf_vocab.tokenizer_from_gguf``) and must fit
   the vocabulary.
 
@@ -39,10 +36,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmcli.checkpoint import WeightsHeader, check_header, model_from_state
+from lmcli.checkpoint import model_from_state
 from lmcli.config import ModelConfig
 from lmcli.errors import LmcliError
-from lmcli.hf.families import FamilyAdapter, HFConfig, from_gguf_arch
+from lmcli.hf.families import FamilyAdapter, HFConfig
 from lmcli.hf.families.hf_config import GgufSchema
 from lmcli.hf.gguf_check import check_gguf
 from lmcli.hf.gguf_vocab import tokenizer_from_gguf
@@ -157,35 +154,19 @@ def _tensors(reader: Any, where: str) -> dict[str, GgufTensor]:
     return out
 
 
-def _check_shapes(
-    family: FamilyAdapter, cfg: ModelConfig, tensors: dict[str, GgufTensor], path: Path
-) -> None:
-    """The tensors under lmcli's names (the map read backwards on the meta device) must be
-    exactly the model's, shape for shape."""
-    meta = {name: torch.empty(t.shape, device="meta") for name, t in tensors.items()}
-    try:
-        mapped = family.from_gguf(meta, cfg)
-    except RuntimeError:  # a query/key matrix whose rows do not split into the config's heads
-        raise LmcliError(f"weights {path} do not fit the model config (attention shapes)") from None
-    shapes = {name: ("F32", tuple(t.shape)) for name, t in mapped.items()}
-    size = sum(4 * int(np.prod(s)) for _, s in shapes.values())
-    check_header(cfg, WeightsHeader(path, shapes, size), stored_dtypes=True)
-
-
 def read_gguf_header(path: str | Path) -> GgufHeader:
     """A GGUF file's metadata, tensor table, config and tokenizer, every one checked (see the
     module doc) before anything is built; one line naming the first problem."""
     path = Path(path)
     if not path.is_file():
         raise LmcliError(f"no such GGUF file: {path}")
-    check_gguf(path)  # the header scanned with bounds first: gguf's reader trusts its counts
+    # the header scanned with bounds, its config read and every tensor's shape checked against
+    # it first: gguf's reader trusts the file's counts
+    _, family, cfg, _ = check_gguf(path)
     reader = _open(path)
     where = str(path)
     meta = _metadata(reader, where)
     tensors = _tensors(reader, where)
-    family = from_gguf_arch(str(meta.require("general.architecture")), where)
-    cfg = family.config_from_gguf(meta, {name: t.shape for name, t in tensors.items()})
-    _check_shapes(family, cfg, tensors, path)
     tok = tokenizer_from_gguf(meta)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
