@@ -111,3 +111,84 @@ def test_a_resume_keeps_its_data_unless_allowed(runs: dict[str, Path], capsys, t
     assert code == 0, err
     assert config_of(run)["corpus"] == [d]
     assert json.loads((run / "last" / "meta.json").read_text())["step"] == 4
+
+
+# ----------------------------------------------------------------------------- 7: tokenize retries
+
+
+def tokenize(capsys, corpus: Path, out: Path, *extra: str) -> tuple[int, str]:
+    argv = ["tokenize", str(corpus), "--out", str(out), "--tokenizer", "byte", "--shard-tokens", "500"]
+    code, _, err = run_cli([*argv, *extra, "-q"], capsys)
+    return code, err
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """What a token folder holds, file by file (the plan and index name the corpus's path)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".bin", ".docs")}
+
+
+def rows(n: int, bad: int | None = None) -> str:
+    lines = [{"text": f"the cat sat on the mat {i}"} for i in range(n)]
+    if bad is not None:
+        lines[bad] = {"txt": "no text column"}
+    return "".join(json.dumps(r) + "\n" for r in lines)
+
+
+def test_a_tokenize_that_failed_on_a_bad_row_never_blocks_the_fixed_retry(tmp_path: Path, capsys) -> None:
+    """Row 401: a bad row, after shards were finished or before: the fixed corpus tokenizes
+    into the same --out, and the folder equals one tokenized at once; no .lock is left."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(rows(200))
+    code, err = tokenize(capsys, corpus, tmp_path / "clean")
+    assert code == 0, err
+    for bad, out in ((1, tmp_path / "o1"), (150, tmp_path / "o2")):
+        corpus.write_text(rows(200, bad))
+        code, err = tokenize(capsys, corpus, out)
+        assert_one_line_error(code, err, f'c.jsonl:{bad + 1}: expected a "text" field (found: txt)')
+        if bad == 1:  # nothing finished: nothing left, not even the folder
+            assert not out.exists()
+        else:
+            assert (out / "shard-00000.bin").exists() and not (out / ".lock").exists()
+        corpus.write_text(rows(200))
+        code, err = tokenize(capsys, corpus, out)
+        assert code == 0, err
+        assert folder_bytes(out) == folder_bytes(tmp_path / "clean")
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_tokenize_on_a_full_disk_is_retried_keeping_its_finished_shards(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Row 401: the disk fills at the third shard; the same command then keeps the two finished
+    shards and ends with the folder an uninterrupted run writes; another corpus may start over."""
+    import errno
+
+    from lmcli.data import tokenize as tokenize_module
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(rows(200))
+    code, err = tokenize(capsys, corpus, tmp_path / "clean")
+    assert code == 0, err
+    commit = tokenize_module.ShardSink.commit
+
+    def full_at_the_third(self, position: int) -> None:
+        if self.index == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        commit(self, position)
+
+    for out in (tmp_path / "same", tmp_path / "other"):
+        monkeypatch.setattr(tokenize_module.ShardSink, "commit", full_at_the_third)
+        code, err = tokenize(capsys, corpus, out)
+        assert_one_line_error(code, err, f"cannot write tokens in {out}: No space left on device")
+        monkeypatch.setattr(tokenize_module.ShardSink, "commit", commit)
+        assert not (out / ".lock").exists() and (out / "shard-00001.bin").exists()
+        if out.name == "same":
+            code, err = tokenize(capsys, corpus, out)
+            assert code == 0 and "resuming, 2 finished shard(s) kept" in err, err
+            assert folder_bytes(out) == folder_bytes(tmp_path / "clean")
+        else:  # the failed run's corpus changed meanwhile: its shards are redone, not refused
+            other = tmp_path / "d.jsonl"
+            other.write_text(rows(100))
+            code, err = tokenize(capsys, other, out)
+            assert code == 0, err
+            assert json.loads((out / "index.json").read_text())["corpus"].endswith("d.jsonl")
