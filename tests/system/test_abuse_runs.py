@@ -192,3 +192,142 @@ def test_a_tokenize_on_a_full_disk_is_retried_keeping_its_finished_shards(
             code, err = tokenize(capsys, other, out)
             assert code == 0, err
             assert json.loads((out / "index.json").read_text())["corpus"].endswith("d.jsonl")
+
+
+# ----------------------------------------------------------------------------- 8: unsatisfiable schemas
+
+ENDLESS = [  # each admits no finite JSON value (the grammar library failed on them while decoding)
+    ({"$ref": "#"}, "#"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#/$defs/a"),
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, "#"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "#"),
+]
+
+
+def endless(ref: str) -> str:
+    return f"no finite JSON value satisfies it ($ref {ref!r} recurses without end)"
+
+
+FINITE = [  # recursion with a way out: satisfiable, taken (with a value of each)
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}}, '{"x": {}}'),
+    (
+        {
+            "type": "object",
+            "properties": {"x": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["x"],
+        },
+        '{"x": {"x": null}}',
+    ),
+    ({"type": "array", "items": {"$ref": "#"}}, "[[], [[]]]"),
+    ({"properties": {"x": {"$ref": "#"}}, "required": ["x"]}, "7"),  # no type: a number is one
+]
+
+
+@pytest.mark.parametrize("schema, ref", ENDLESS, ids=["self", "mutual", "required-self", "min-items"])
+def test_an_endless_schema_is_refused_in_one_short_line(schema: dict, ref: str) -> None:
+    """Row 402, at the root of the constraint (sample, chat, serve share ``Grammars``)."""
+    from helpers import tiny_tokenizer
+
+    from lmcli.generate.constrain import Constraint, ConstraintError, Grammars
+    from lmcli.generate.schemas import no_finite_value
+
+    reason = no_finite_value(schema)
+    assert reason == endless(ref)
+    with pytest.raises(ConstraintError) as info:
+        Grammars(tiny_tokenizer(kind="byte")).compile(Constraint.json_schema(schema))
+    assert str(info.value) == f"invalid JSON schema: {reason}"
+
+
+@pytest.mark.parametrize("schema, value", FINITE)
+def test_a_recursive_schema_with_a_way_out_compiles_and_takes_its_values(schema: dict, value: str) -> None:
+    """The check refuses only what it proves empty: each of these compiles, and its mask lets
+    a value of it through to the end (the value valid, checked by jsonschema)."""
+    import jsonschema
+    import torch
+    from helpers import tiny_tokenizer
+
+    from lmcli.generate.constrain import Constraint, GrammarMask, Grammars
+    from lmcli.generate.schemas import no_finite_value
+
+    jsonschema.validate(json.loads(value), schema)
+    assert no_finite_value(schema) is None
+    tok = tiny_tokenizer(kind="byte")
+    mask = Grammars(tok).processor(Constraint.json_schema(schema))
+    for token in tok.encode(value):
+        allowed = GrammarMask.apply(torch.zeros(1, tok.vocab_size), [mask])[0] > -1e9
+        assert allowed[token], (value, tok.decode([token]))
+        mask.accept(token)
+    assert mask.complete
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny byte-level model served on 127.0.0.1 (its URL)."""
+    pytest.importorskip("uvicorn")
+    from helpers import make_run
+
+    from lmcli.config.commands import ServeConfig
+    from lmcli.formats.sources import load_model
+    from lmcli.serve.server import running
+
+    run = make_run(tmp_path_factory.mktemp("serve") / "run", kind="byte", block_size=512)
+    with running(load_model(run), ServeConfig(port=0, max_batch=4, max_queue=4, grace=2)) as (url, _):
+        yield url
+
+
+def chat(url: str, **body):
+    import httpx2 as httpx
+
+    messages = [{"role": "user", "content": "hi"}]
+    return httpx.post(
+        url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4, **body}, timeout=60
+    )
+
+
+def assert_400(response, param: str, message: str) -> None:
+    """A 400 naming ``param``, its message one short line (no parser state of the library)."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert len(error["message"]) < 200 and "\n" not in error["message"] and "<state>" not in error["message"]
+
+
+@pytest.mark.parametrize("schema, ref", ENDLESS, ids=["self", "mutual", "required-self", "min-items"])
+def test_an_endless_schema_is_a_400_in_serve_naming_its_param(served: str, schema: dict, ref: str) -> None:
+    """Row 402: in response_format, and in a tool's parameters when a call is required (a
+    500 with the library's parser state before); the server answers the next request."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert_400(chat(served, response_format=response_format), "response_format", endless(ref))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"} | schema}}]
+    if schema.get("type", "object") == "object":
+        r = chat(served, tools=tools, tool_choice="required")
+        assert_400(r, "tools", "tools[0].function.parameters: no finite JSON value satisfies it ($ref ")
+    assert chat(served).status_code == 200
+
+
+def test_a_json_schema_format_without_a_schema_is_a_400(served: str) -> None:
+    """Row 403 (it was a 200, decoded as any JSON object)."""
+    r = chat(served, response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert_400(r, "response_format", 'response_format.json_schema has no "schema"')
+
+
+def test_an_endless_schema_is_one_line_in_sample(tmp_path: Path, capsys) -> None:
+    """Row 402 in the CLI: one line, exit 2 (it printed ~600 characters of parser state)."""
+    from helpers import make_run
+
+    run = make_run(tmp_path / "run", kind="byte")
+    for i, (schema, ref) in enumerate(ENDLESS):
+        (tmp_path / f"s{i}.json").write_text(json.dumps(schema))
+        argv = [
+            "sample",
+            str(run),
+            "-p",
+            "",
+            "--json-schema",
+            str(tmp_path / f"s{i}.json"),
+            "--max-new-tokens",
+            "8",
+        ]
+        code, out, err = run_cli(argv, capsys)
+        assert_one_line_error(code, err, f"invalid JSON schema: {endless(ref)}")
+        assert out == "" and len(err) < 200
