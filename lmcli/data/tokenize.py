@@ -395,7 +395,7 @@ def _forget_failed(folder: Path, plan: dict[str, Any]) -> None:
     if (folder / INDEX).exists():
         return
     if kept_shards(folder, plan["dtype"]):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, LmcliError):
             atomic_write(folder / PLAN, json_text({**plan, "failed": True}))
             return
     for name in (PLAN, "tokenizer.json", CONFIG):

@@ -13,7 +13,8 @@
   shard's header against the config (``hf.weights.check_weights``).
 - A GGUF file: its header scanned with bounds and its tensors against its metadata
   (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
-  checked against the vocabulary (``hf.gguf_load.read_gguf_header``).
+  checked against the vocabulary (``hf.gguf_load.read_gguf_header``), and every value of
+  every tensor finite (dequantized a chunk at a time: a NaN scale of a Q8_0 block counts).
 
 The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
 the ones that were trained (a checksum recomputed by whoever edited a file matches again), and
@@ -46,7 +47,7 @@ from lmcli.formats.checkpoint import (
     resolve_checkpoint,
     verify_checksums,
 )
-from lmcli.formats.gguf.load import read_gguf_header
+from lmcli.formats.gguf.load import GgufTensor, read_gguf_header
 from lmcli.formats.hf.load import is_hf_folder, read_hf_config, read_tokenizer
 from lmcli.formats.hf.weights import check_weights, read_headers
 from lmcli.formats.lora_base import checked_base
@@ -57,6 +58,7 @@ from lmcli.safe_io import checked_file, refuse_symlinks
 from lmcli.text.tokenizer import Tokenizer
 
 REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)
+CHUNK_VALUES = 1 << 22  # values of a GGUF tensor dequantized at a time by the finiteness scan
 REQUIRED_LORA = (ADAPTERS, BASE, CONFIG, TOKENIZER)  # a LoRA run's checkpoint: adapters and a base
 
 
@@ -161,9 +163,25 @@ def verify_hf(path: Path) -> CheckpointReport:
     return CheckpointReport(path, None, header.n_params, 0, what)
 
 
+def nonfinite_tensor(tensors: dict[str, GgufTensor], chunk: int = CHUNK_VALUES) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity (quantized ones dequantized,
+    about ``chunk`` values at a time: memory stays small however large the file), or None."""
+    for name, t in tensors.items():
+        rows = t.data.reshape(t.shape[0], -1)  # (rows, values or bytes per row)
+        step = max(1, chunk // max(1, math.prod(t.shape[1:])))
+        for i in range(0, t.shape[0], step):
+            part = GgufTensor(name, t.kind, (len(rows[i : i + step]), *t.shape[1:]), rows[i : i + step])
+            if not torch.isfinite(part.dequantized()).all():
+                return name
+    return None
+
+
 def verify_gguf(path: Path) -> CheckpointReport:
-    """A GGUF file: its header and its tensors against its metadata."""
+    """A GGUF file: its header and its tensors against its metadata, and every value finite."""
     header = read_gguf_header(path)
+    bad = nonfinite_tensor(header.tensors)
+    if bad is not None:
+        raise LmcliError(f"{path} holds NaN or infinite weights ({bad}): the model would compute nothing")
     params = sum(math.prod(t.shape) for t in header.tensors.values())
     kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
     vocab = header.tokenizer.vocab_size

@@ -331,3 +331,132 @@ def test_an_endless_schema_is_one_line_in_sample(tmp_path: Path, capsys) -> None
         code, out, err = run_cli(argv, capsys)
         assert_one_line_error(code, err, f"invalid JSON schema: {endless(ref)}")
         assert out == "" and len(err) < 200
+
+
+# ----------------------------------------------------------------------------- 9: smaller ones
+
+LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+
+
+def gguf_of(tmp: Path, name: str, dtype: str, capsys) -> Path:
+    """A GGUF file lmcli exports from a tiny byte-level Llama run."""
+    from helpers import make_run
+
+    run = make_run(tmp / f"{name}-run", kind="byte", **LLAMA)
+    out = tmp / f"{name}.gguf"
+    code, _, err = run_cli(["export", str(run), str(out), "--format", "gguf", "--dtype", dtype], capsys)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+def test_a_gguf_with_nan_weights_fails_verify_and_eval(tmp_path: Path, capsys, dtype: str) -> None:
+    """Row 404: one NaN (a value of an F32 tensor, the scale of a Q8_0 block): verify names the
+    tensor (it said "ok"); eval refuses its nan score (it printed "bits per byte nan")."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = gguf_of(tmp_path, "m", dtype, capsys)
+    (tmp_path / "t.txt").write_text(TINY_TEXT[:200])
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 0 and out.startswith("ok "), err
+    reader = gguf.GGUFReader(path, "r+")
+    tensor = next(
+        t for t in reader.tensors if t.name.startswith("blk.1.") and t.tensor_type.name == dtype.upper()
+    )
+    if dtype == "f32":
+        tensor.data.reshape(-1)[7] = np.nan
+    else:  # a Q8_0 block: a float16 scale, then 32 int8 values
+        tensor.data.reshape(-1)[34:36] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    reader.data.flush()
+    name = tensor.name
+    del reader, tensor
+    code, _, err = run_cli(["verify", str(path)], capsys)
+    assert_one_line_error(code, err, f"{path} holds NaN or infinite weights ({name})")
+    code, _, err = run_cli(["eval", str(path), str(tmp_path / "t.txt")], capsys)
+    assert_one_line_error(code, err, f"{path} gives a loss of nan on 1 file(s)")
+    assert f"lmcli verify {path} checks its weights" in err
+
+
+def test_a_gguf_of_empty_tokens_is_refused_by_verify_and_sample(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Row 405: its tokens all empty text (sample printed nothing, verify said "ok")."""
+    gguf = pytest.importorskip("gguf")
+    add_token_list = gguf.GGUFWriter.add_token_list
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "add_token_list", lambda w, tokens: add_token_list(w, [""] * len(tokens))
+    )
+    path = gguf_of(tmp_path, "empty", "f32", capsys)
+    monkeypatch.undo()
+    for argv in (["verify", str(path)], ["sample", str(path), "-p", "the", "--max-new-tokens", "4"]):
+        code, out, err = run_cli(argv, capsys)
+        assert_one_line_error(code, err, f"{path}: 256 of its 261 tokens are empty text (the first: id 5)")
+        assert out == ""
+
+
+def test_export_into_a_read_only_folder_names_the_folder(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Row 406: the folder that refuses the output is named, never the temporary name beside it
+    (``imm/.hf.19134.f4yoxv1x.lmtmp``). As root a read-only mode does not stop writes: there the
+    kernel's answer to an immutable folder is given to tempfile's calls instead."""
+    import errno
+    import os
+    import tempfile
+
+    from helpers import make_run
+
+    run = make_run(tmp_path / "run", kind="byte", **LLAMA)
+    imm = tmp_path / "imm"
+    imm.mkdir()
+    imm.chmod(0o555)
+    if os.access(imm, os.W_OK):  # root
+        for name in ("mkdtemp", "mkstemp"):
+            real = getattr(tempfile, name)
+
+            def refuse(*args, _real=real, **kwargs):
+                if Path(kwargs.get("dir", "")) == imm:
+                    raise PermissionError(errno.EPERM, "Operation not permitted", str(imm / ".x.1.y.lmtmp"))
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(tempfile, name, refuse)
+    try:
+        for fmt, out in (("hf", imm / "hf"), ("gguf", imm / "m.gguf"), ("lmcli", imm / "ck")):
+            code, _, err = run_cli(["export", str(run), str(out), "--format", fmt], capsys)
+            assert_one_line_error(
+                code, err, f"cannot write {out}: its folder {imm} is read-only or immutable"
+            )
+            assert ".lmtmp" not in err
+    finally:
+        imm.chmod(0o755)
+    assert list(imm.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {"ctx_a": "a man", "ctx_b": "sits", "endings": ["a", "b", "c", "d"], "label": "x"},
+            "t.jsonl:1: HellaSwag label 'x' is not the index of one of its 4 endings (0 to 3)",
+        ),
+        (
+            {"ctx_a": "a man", "ctx_b": "sits", "endings": ["a", "b", "c", "d"], "label": 4},
+            "t.jsonl:1: HellaSwag label 4 is not the index of one of its 4 endings (0 to 3)",
+        ),
+        (
+            {"question": "why?", "choices": {"text": ["yes", "no"], "label": ["A"]}, "answerKey": "A"},
+            "t.jsonl:1: an ARC row with 2 choice texts and 1 labels: one label a text",
+        ),
+        (
+            {"question": "why?", "choices": {"text": ["yes", "no"], "label": ["A", "A"]}, "answerKey": "A"},
+            "t.jsonl:1: an ARC row whose labels repeat (['A', 'A'])",
+        ),
+    ],
+    ids=["hellaswag-text-label", "hellaswag-out-of-range", "arc-2-texts-1-label", "arc-repeated-labels"],
+)
+def test_a_bad_hellaswag_or_arc_row_is_named(tmp_path: Path, capsys, row: dict, message: str) -> None:
+    """Row 407: the row and its label named (it said "context must be text, got None"; the ARC
+    row was taken with 2 choices)."""
+    from helpers import make_run
+
+    run = make_run(tmp_path / "run")
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    code, _, err = run_cli(["eval", str(run), "--task", str(tmp_path / "t.jsonl")], capsys)
+    assert_one_line_error(code, err, message)
