@@ -460,3 +460,35 @@ def test_a_bad_hellaswag_or_arc_row_is_named(tmp_path: Path, capsys, row: dict, 
     (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
     code, _, err = run_cli(["eval", str(run), "--task", str(tmp_path / "t.jsonl")], capsys)
     assert_one_line_error(code, err, message)
+
+
+# ----------------------------------------------------------------------------- 10: MFU
+
+
+def test_a_probed_peak_is_raised_by_what_the_run_achieves() -> None:
+    """Row 408: a CPU's measured peak is a lower bound: a rate above it raises it (MFU 1, then
+    relative to the run's best); a datasheet's or --peak-tflops' peak is taken as given."""
+    from lmcli.train.mfu import PROBE_RAISED, MfuBasis
+
+    probed = MfuBasis(flops_per_token=1e6, peak_tflops=1e-6, peak_source="float32 matmul", probed=True)
+    assert probed.of(tokens_per_s=0.5) == pytest.approx(0.5)  # 0.5e6 FLOP/s of a 1e6 peak
+    assert probed.of(tokens_per_s=4.0) == pytest.approx(1.0)  # 4e6 FLOP/s: the probe was too low
+    assert probed.peak_tflops == pytest.approx(4e-6) and probed.peak_source == PROBE_RAISED
+    assert probed.of(tokens_per_s=2.0) == pytest.approx(0.5)
+    given = MfuBasis(flops_per_token=1e6, peak_tflops=1e-6, peak_source="--peak-tflops")
+    assert given.of(tokens_per_s=4.0) == pytest.approx(4.0) and given.peak_tflops == 1e-6
+
+
+def test_mfu_on_the_cpu_never_passes_100_percent(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Row 408 end to end: a probe far below the CPU's speed (the Multi30k recipe showed
+    110.7%) leaves every logged MFU at most 1, and the best of them 1."""
+    import lmcli.train.mfu
+
+    monkeypatch.setattr(lmcli.train.mfu, "measured_cpu_tflops", lambda: 1e-9)  # 1 kFLOP/s
+    (tmp_path / "c.txt").write_text(TINY_TEXT)
+    argv = ["train", str(tmp_path / "c.txt"), "--out", str(tmp_path / "run"), *FAST_TRAIN_ARGS]
+    code, _, err = run_cli([*argv, "--max-steps", "6", "--log-interval", "1", "--device", "cpu"], capsys)
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mfus = [r["mfu"] for r in records if r.get("mfu") is not None]
+    assert len(mfus) == 6 and max(mfus) == pytest.approx(1.0) and all(0 < m <= 1.0 + 1e-12 for m in mfus)
