@@ -4,11 +4,26 @@ export into a read-only folder, bad task rows, and an MFU above 100%."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
+import httpx2 as httpx
+import jsonschema
+import numpy as np
 import pytest
-from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, run_cli
+import torch
+from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run, run_cli, tiny_tokenizer
+
+import lmcli.train.mfu
+from lmcli.cli.app import main
+from lmcli.data import tokenize as tokenize_module
+from lmcli.generate.constrain import Constraint, ConstraintError, GrammarMask, Grammars
+from lmcli.generate.schemas import no_finite_value
+from lmcli.train.mfu import PROBE_RAISED, MfuBasis
 
 # ----------------------------------------------------------------------------- 6: resume
 
@@ -17,10 +32,6 @@ from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, run_cli
 def runs(tmp_path_factory) -> dict[str, Path]:
     """An lm run from scratch (c.txt), a second copy of it, and an sft run ``--init-from`` the
     first: tiny models, 2 steps each."""
-    import shutil
-
-    from lmcli.cli.app import main
-
     tmp = tmp_path_factory.mktemp("runs")
     (tmp / "c.txt").write_text(TINY_TEXT)
     (tmp / "d.txt").write_text(TINY_TEXT.upper())
@@ -91,8 +102,6 @@ def test_a_resume_that_would_train_another_run_is_refused_naming_the_flag(
 def test_a_resume_keeps_its_data_unless_allowed(runs: dict[str, Path], capsys, tmp_path: Path) -> None:
     """The run's own corpus given again (by a relative path) resumes; another one resumes with
     ``--allow-new-data`` only, and the run's config then records it."""
-    import os
-    import shutil
 
     run = tmp_path / "lm"
     shutil.copytree(runs["lm"], run)
@@ -161,9 +170,6 @@ def test_a_tokenize_on_a_full_disk_is_retried_keeping_its_finished_shards(
 ) -> None:
     """Row 401: the disk fills at the third shard; the same command then keeps the two finished
     shards and ends with the folder an uninterrupted run writes; another corpus may start over."""
-    import errno
-
-    from lmcli.data import tokenize as tokenize_module
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(rows(200))
@@ -226,10 +232,6 @@ FINITE = [  # recursion with a way out: satisfiable, taken (with a value of each
 @pytest.mark.parametrize("schema, ref", ENDLESS, ids=["self", "mutual", "required-self", "min-items"])
 def test_an_endless_schema_is_refused_in_one_short_line(schema: dict, ref: str) -> None:
     """Row 402, at the root of the constraint (sample, chat, serve share ``Grammars``)."""
-    from helpers import tiny_tokenizer
-
-    from lmcli.generate.constrain import Constraint, ConstraintError, Grammars
-    from lmcli.generate.schemas import no_finite_value
 
     reason = no_finite_value(schema)
     assert reason == endless(ref)
@@ -242,12 +244,6 @@ def test_an_endless_schema_is_refused_in_one_short_line(schema: dict, ref: str) 
 def test_a_recursive_schema_with_a_way_out_compiles_and_takes_its_values(schema: dict, value: str) -> None:
     """The check refuses only what it proves empty: each of these compiles, and its mask lets
     a value of it through to the end (the value valid, checked by jsonschema)."""
-    import jsonschema
-    import torch
-    from helpers import tiny_tokenizer
-
-    from lmcli.generate.constrain import Constraint, GrammarMask, Grammars
-    from lmcli.generate.schemas import no_finite_value
 
     jsonschema.validate(json.loads(value), schema)
     assert no_finite_value(schema) is None
@@ -264,7 +260,6 @@ def test_a_recursive_schema_with_a_way_out_compiles_and_takes_its_values(schema:
 def served(tmp_path_factory):
     """A tiny byte-level model served on 127.0.0.1 (its URL)."""
     pytest.importorskip("uvicorn")
-    from helpers import make_run
 
     from lmcli.config.commands import ServeConfig
     from lmcli.formats.sources import load_model
@@ -276,7 +271,6 @@ def served(tmp_path_factory):
 
 
 def chat(url: str, **body):
-    import httpx2 as httpx
 
     messages = [{"role": "user", "content": "hi"}]
     return httpx.post(
@@ -313,7 +307,6 @@ def test_a_json_schema_format_without_a_schema_is_a_400(served: str) -> None:
 
 def test_an_endless_schema_is_one_line_in_sample(tmp_path: Path, capsys) -> None:
     """Row 402 in the CLI: one line, exit 2 (it printed ~600 characters of parser state)."""
-    from helpers import make_run
 
     run = make_run(tmp_path / "run", kind="byte")
     for i, (schema, ref) in enumerate(ENDLESS):
@@ -340,7 +333,6 @@ LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False)
 
 def gguf_of(tmp: Path, name: str, dtype: str, capsys) -> Path:
     """A GGUF file lmcli exports from a tiny byte-level Llama run."""
-    from helpers import make_run
 
     run = make_run(tmp / f"{name}-run", kind="byte", **LLAMA)
     out = tmp / f"{name}.gguf"
@@ -354,7 +346,6 @@ def test_a_gguf_with_nan_weights_fails_verify_and_eval(tmp_path: Path, capsys, d
     """Row 404: one NaN (a value of an F32 tensor, the scale of a Q8_0 block): verify names the
     tensor (it said "ok"); eval refuses its nan score (it printed "bits per byte nan")."""
     gguf = pytest.importorskip("gguf")
-    import numpy as np
 
     path = gguf_of(tmp_path, "m", dtype, capsys)
     (tmp_path / "t.txt").write_text(TINY_TEXT[:200])
@@ -397,11 +388,6 @@ def test_export_into_a_read_only_folder_names_the_folder(tmp_path: Path, capsys,
     """Row 406: the folder that refuses the output is named, never the temporary name beside it
     (``imm/.hf.19134.f4yoxv1x.lmtmp``). As root a read-only mode does not stop writes: there the
     kernel's answer to an immutable folder is given to tempfile's calls instead."""
-    import errno
-    import os
-    import tempfile
-
-    from helpers import make_run
 
     run = make_run(tmp_path / "run", kind="byte", **LLAMA)
     imm = tmp_path / "imm"
@@ -454,7 +440,6 @@ def test_export_into_a_read_only_folder_names_the_folder(tmp_path: Path, capsys,
 def test_a_bad_hellaswag_or_arc_row_is_named(tmp_path: Path, capsys, row: dict, message: str) -> None:
     """Row 407: the row and its label named (it said "context must be text, got None"; the ARC
     row was taken with 2 choices)."""
-    from helpers import make_run
 
     run = make_run(tmp_path / "run")
     (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
@@ -468,7 +453,6 @@ def test_a_bad_hellaswag_or_arc_row_is_named(tmp_path: Path, capsys, row: dict, 
 def test_a_probed_peak_is_raised_by_what_the_run_achieves() -> None:
     """Row 408: a CPU's measured peak is a lower bound: a rate above it raises it (MFU 1, then
     relative to the run's best); a datasheet's or --peak-tflops' peak is taken as given."""
-    from lmcli.train.mfu import PROBE_RAISED, MfuBasis
 
     probed = MfuBasis(flops_per_token=1e6, peak_tflops=1e-6, peak_source="float32 matmul", probed=True)
     assert probed.of(tokens_per_s=0.5) == pytest.approx(0.5)  # 0.5e6 FLOP/s of a 1e6 peak
@@ -482,7 +466,6 @@ def test_a_probed_peak_is_raised_by_what_the_run_achieves() -> None:
 def test_mfu_on_the_cpu_never_passes_100_percent(tmp_path: Path, capsys, monkeypatch) -> None:
     """Row 408 end to end: a probe far below the CPU's speed (the Multi30k recipe showed
     110.7%) leaves every logged MFU at most 1, and the best of them 1."""
-    import lmcli.train.mfu
 
     monkeypatch.setattr(lmcli.train.mfu, "measured_cpu_tflops", lambda: 1e-9)  # 1 kFLOP/s
     (tmp_path / "c.txt").write_text(TINY_TEXT)
