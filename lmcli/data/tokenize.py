@@ -272,6 +272,7 @@ def locked(folder: Path) -> Iterator[None]:
 
     path = folder / LOCK
     for _ in range(100):
+        folder.mkdir(parents=True, exist_ok=True)  # a failed writer before us may have removed it
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -244,7 +244,8 @@ def _same_value(field: Any, given: Any, saved: Any) -> bool:
         if isinstance(value, list | tuple):
             return tuple(norm(v) for v in value)
         if isinstance(value, str) and field.metadata.get("path") and value not in TOKENIZER_KINDS:
-            return os.path.realpath(value) if Path(value).exists() else os.path.normpath(value)
+            local = Path(value).exists() or glob.has_magic(value)  # as absolute_paths stores it
+            return os.path.realpath(value) if local else value
         return value
 
     return norm(given) == norm(saved)
