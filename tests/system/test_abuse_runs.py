@@ -369,6 +369,35 @@ def test_a_gguf_with_nan_weights_fails_verify_and_eval(tmp_path: Path, capsys, d
     assert f"lmcli verify {path} checks its weights" in err
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_nan_scan_reads_a_quantized_block_by_its_scales_as_dequantizing_would(kind: str) -> None:
+    """Row 404's scan of quantized tensors reads only each block's float16 scales: on blocks of
+    random bytes, with finite scales and then one NaN or infinite scale, it finds what gguf's
+    own dequantizer finds (so the table of where the scales are is the file format's)."""
+    gguf = pytest.importorskip("gguf")
+    from lmcli.formats.gguf.load import GgufTensor
+    from lmcli.formats.verify import BLOCK_SCALES, nonfinite_tensor
+
+    size, offsets = BLOCK_SCALES[kind]
+    values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    assert nbytes == size
+    rng = np.random.default_rng(0)
+    rows, per_row = 6, 2  # blocks of a row
+    data = rng.integers(0, 256, (rows, per_row * size), dtype=np.uint8)
+    for o in offsets:
+        data.reshape(-1, size)[:, o : o + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    tensor = GgufTensor("w", kind, (rows, per_row * values), data)
+    assert torch.isfinite(tensor.dequantized()).all() and nonfinite_tensor({"w": tensor}) is None
+    for bad in (np.nan, np.inf):
+        for o in offsets:
+            spoiled = data.copy()
+            spoiled.reshape(-1, size)[7, o : o + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
+            tensor = GgufTensor("w", kind, (rows, per_row * values), spoiled)
+            with np.errstate(invalid="ignore", over="ignore"):
+                assert not torch.isfinite(tensor.dequantized()).all()
+            assert nonfinite_tensor({"w": tensor}, chunk=4) == "w"
+
+
 def test_a_gguf_of_empty_tokens_is_refused_by_verify_and_sample(tmp_path: Path, capsys, monkeypatch) -> None:
     """Row 405: its tokens all empty text (sample printed nothing, verify said "ok")."""
     gguf = pytest.importorskip("gguf")
