@@ -272,27 +272,25 @@ def check_same_run(
             was = saved.get(name, f.default)
             if value is None or _same_value(f, value, was):
                 continue
-            what = "the corpus" if f.metadata["argument"] else f"--{flag_name(name)}"
-            if source != "flag":
-                what = f"{what} (config file key {name})"
+            flag = "the corpus" if f.metadata["argument"] else f"--{flag_name(name)}"
+            what = f"{flag} {_shown(value)}" if source == "flag" else f"{name} = {value!r} (config file)"
             if name == "task":
                 raise LmcliError(
-                    f"{what} {value}: {run} is a --task {was} run, and a resume keeps its task "
+                    f"{what}: {run} is a --task {was} run, and a resume keeps its task "
                     f"(to train it as {value}: a new run with --init-from {run})"
                 )
             if name == "init_from":
                 base = f"was started from {was}" if was else "was trained from scratch"
                 raise LmcliError(
-                    f"{what} {value}: {run} {base}, and a resume keeps its base "
-                    f"(to start from {value}: a new run)"
+                    f"{what}: {run} {base}, and a resume keeps its base (to start from {value}: a new run)"
                 )
             if name in fixed:
-                raise LmcliError(f"{what}: {run} has its own tokenizer, and a resume keeps it: drop {what}")
-            was_shown = _shown(was) if was or was == 0 else "none"
+                raise LmcliError(f"{what}: {run} has its own tokenizer, and a resume keeps it: drop {flag}")
+            stored = f"{flag} {_shown(was)}" if was or was == 0 else f"no {flag}"
             if name == "corpus" and not was:
-                was_shown = "the built-in corpus"
+                stored = "the built-in corpus"
             raise LmcliError(
-                f"{what} {_shown(value)}: {run} trained on {name.replace('_', ' ')} {was_shown}; "
+                f"{what}: {run} trained with {stored}; "
                 "give --allow-new-data to resume on other (or moved) data"
             )
 

@@ -78,10 +78,14 @@ def config_of(run: Path) -> dict:
         (
             "lm",
             ["{tmp}/d.txt"],
-            "the corpus {tmp}/d.txt: {lm} trained on corpus {tmp}/c.txt; give --allow-new-data",
+            "the corpus {tmp}/d.txt: {lm} trained with the corpus {tmp}/c.txt; give --allow-new-data",
         ),
-        ("lm", ["--val-fraction", "0.5"], "--val-fraction 0.5: {lm} trained on val fraction 0.1"),
-        ("lm", ["--tokenizer", "byte"], "--tokenizer: {lm} has its own tokenizer, and a resume keeps it"),
+        ("lm", ["--val-fraction", "0.5"], "--val-fraction 0.5: {lm} trained with --val-fraction 0.1"),
+        (
+            "lm",
+            ["--tokenizer", "byte"],
+            "--tokenizer byte: {lm} has its own tokenizer, and a resume keeps it: drop --tokenizer",
+        ),
         ("lm", ["--allow-new-data", "--task", "sft"], "--task sft: {lm} is a --task lm run"),
     ],
     ids=["sft-as-lm", "lm-as-sft", "other-base", "a-base-added", "corpus", "val-split", "tokenizer", "allow"],
@@ -504,3 +508,12 @@ def test_mfu_on_the_cpu_never_passes_100_percent(tmp_path: Path, capsys, monkeyp
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     mfus = [r["mfu"] for r in records if r.get("mfu") is not None]
     assert len(mfus) == 6 and max(mfus) == pytest.approx(1.0) and all(0 < m <= 1.0 + 1e-12 for m in mfus)
+
+
+def test_a_config_file_that_would_change_the_run_is_named_by_its_key(runs: dict[str, Path], capsys) -> None:
+    """Row 400 through ``--config``: the key is named (a flag overrides the file as ever)."""
+    config = runs["tmp"] / "other.toml"
+    config.write_text('task = "sft"\n')
+    argv = ["train", "--resume", str(runs["lm"]), "--config", str(config), "--max-steps", "3", "-q"]
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, f"task = 'sft' (config file): {runs['lm']} is a --task lm run")
