@@ -76,12 +76,6 @@ class DataConfig(Section):
     val_fraction: float = option(
         0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1, resume="data"
     )
-    allow_new_data: bool = option(
-        False,
-        "With --resume: continue on another corpus (or dataset, columns, validation data) than "
-        "the run's own, which a resume otherwise refuses.",
-        stored=False,  # asked each time: a resume of a resumed run is checked again
-    )
     tokenizer: str = option(
         "char",
         "char, byte, bpe (trained on the corpus) or a tokenizer.json path.",
@@ -292,6 +286,12 @@ class TrainConfig:
         "fine-tuning, with its tokenizer and chat template.",
         path=True,
         resume="fixed",
+    )
+    allow_new_data: bool = option(
+        False,
+        "With --resume: continue on another corpus (or dataset, columns, validation data) than "
+        "the run's own, which a resume otherwise refuses.",
+        stored=False,  # asked each time: a resume of a resumed run is checked again
     )
     seed: int = option(1337, "Random seed (weights, data order, dropout).", ge=0, le=SEED_MAX)
     log_interval: int = option(10, "Log metrics every N steps.", gt=0)
