@@ -116,7 +116,7 @@ void quantize_act(const float* x, int64_t k, int block, int sum_block, int8_t* q
 // ---------------------------------------------------------------- scalar dot products
 
 // one weight row (nb blocks) . one activation row
-float dot_q8_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+float dot1_q8_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 34;
@@ -129,7 +129,7 @@ float dot_q8_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   return acc;
 }
 
-float dot_q4_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+float dot1_q4_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 18;
@@ -143,7 +143,7 @@ float dot_q4_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   return acc;
 }
 
-float dot_q4_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+float dot1_q4_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 144;
@@ -167,7 +167,7 @@ float dot_q4_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   return acc;
 }
 
-float dot_q5_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+float dot1_q5_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 176;
@@ -195,7 +195,7 @@ float dot_q5_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   return acc;
 }
 
-float dot_q6_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+float dot1_q6_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 210;
@@ -223,29 +223,42 @@ float dot_q6_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   return acc;
 }
 
+// a product of R rows, `one` row at a time (the scalar and NEON versions)
+using Dot1 = float (*)(const uint8_t*, const ActRow&, int64_t);
+template <Dot1 one, int R>
+void rows(const uint8_t* w, const ActRow* a, int64_t nb, float* out) {
+  for (int r = 0; r < R; ++r) out[r] = one(w, a[r], nb);
+}
+
 // ---------------------------------------------------------------- SIMD versions
 
 #if defined(LM_X86)
 namespace avx2 {
 #define LM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define LM_DOT(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#define LM_VNNI 0
 #include "simd_body.inc"
 #undef LM_TARGET
 #undef LM_DOT
+#undef LM_VNNI
 }  // namespace avx2
 namespace avxvnni {
 #define LM_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define LM_DOT(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#define LM_VNNI 1
 #include "simd_body.inc"
 #undef LM_TARGET
 #undef LM_DOT
+#undef LM_VNNI
 }  // namespace avxvnni
 namespace avx512vnni {  // the EVEX (AVX512-VNNI + VL) vpdpbusd on 256-bit registers
 #define LM_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define LM_DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define LM_VNNI 1
 #include "simd_body.inc"
 #undef LM_TARGET
 #undef LM_DOT
+#undef LM_VNNI
 }  // namespace avx512vnni
 #endif
 
@@ -275,38 +288,52 @@ bool isa_supported(int isa) {
   }
 }
 
-using DotFn = float (*)(const uint8_t*, const ActRow&, int64_t);
+// one weight row . R activation rows -> out[R]
+using DotFn = void (*)(const uint8_t*, const ActRow*, int64_t, float*);
+using QuantFn = void (*)(const float*, int64_t, int, int, int8_t*, float*, int32_t*);
 
-DotFn pick_dot(int wtype, int isa) {
-#define LM_TABLE(ns)                 \
-  switch (wtype) {                   \
-    case Q8_0: return ns::dot_q8_0;  \
-    case Q4_0: return ns::dot_q4_0;  \
-    case Q4_K: return ns::dot_q4_K;  \
-    case Q5_K: return ns::dot_q5_K;  \
-    case Q6_K: return ns::dot_q6_K;  \
-    default: return nullptr;         \
-  }
-  switch (isa) {
+struct Kernels {
+  DotFn dot1, dot4;  // one row, four rows
+  QuantFn quantize;
+};
+
+Kernels pick(int wtype, int isa) {
 #if defined(LM_X86)
-    case AVX2: LM_TABLE(avx2)
-    case AVX_VNNI: LM_TABLE(avxvnni)
-    case AVX512_VNNI: LM_TABLE(avx512vnni)
+  if (isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI) {
+    switch (isa * 100 + wtype) {
+#define LM_X86_ISA(ns, i)                            \
+  case i * 100 + Q8_0: return {ns::dot_q8_0, ns::dot4_q8_0, ns::quantize}; \
+  case i * 100 + Q4_0: return {ns::dot_q4_0, ns::dot4_q4_0, ns::quantize}; \
+  case i * 100 + Q4_K: return {ns::dot_q4_K, ns::dot4_q4_K, ns::quantize}; \
+  case i * 100 + Q5_K: return {ns::dot_q5_K, ns::dot4_q5_K, ns::quantize}; \
+  case i * 100 + Q6_K: return {ns::dot_q6_K, ns::dot4_q6_K, ns::quantize};
+      LM_X86_ISA(avx2, AVX2)
+      LM_X86_ISA(avxvnni, AVX_VNNI)
+      LM_X86_ISA(avx512vnni, AVX512_VNNI)
+#undef LM_X86_ISA
+      default: return {nullptr, nullptr, nullptr};
+    }
+  }
 #endif
 #if defined(__aarch64__)
-    case NEON_DOT: LM_TABLE(neon)
-#endif
-    default:
-      break;
+  if (isa == NEON_DOT) {
+    switch (wtype) {
+      case Q8_0: return {rows<neon::dot_q8_0, 1>, rows<neon::dot_q8_0, 4>, quantize_act};
+      case Q4_0: return {rows<neon::dot_q4_0, 1>, rows<neon::dot_q4_0, 4>, quantize_act};
+      case Q4_K: return {rows<neon::dot_q4_K, 1>, rows<neon::dot_q4_K, 4>, quantize_act};
+      case Q5_K: return {rows<neon::dot_q5_K, 1>, rows<neon::dot_q5_K, 4>, quantize_act};
+      case Q6_K: return {rows<neon::dot_q6_K, 1>, rows<neon::dot_q6_K, 4>, quantize_act};
+      default: return {nullptr, nullptr, nullptr};
+    }
   }
-#undef LM_TABLE
+#endif
   switch (wtype) {
-    case Q8_0: return dot_q8_0_scalar;
-    case Q4_0: return dot_q4_0_scalar;
-    case Q4_K: return dot_q4_K_scalar;
-    case Q5_K: return dot_q5_K_scalar;
-    case Q6_K: return dot_q6_K_scalar;
-    default: return nullptr;
+    case Q8_0: return {rows<dot1_q8_0_scalar, 1>, rows<dot1_q8_0_scalar, 4>, quantize_act};
+    case Q4_0: return {rows<dot1_q4_0_scalar, 1>, rows<dot1_q4_0_scalar, 4>, quantize_act};
+    case Q4_K: return {rows<dot1_q4_K_scalar, 1>, rows<dot1_q4_K_scalar, 4>, quantize_act};
+    case Q5_K: return {rows<dot1_q5_K_scalar, 1>, rows<dot1_q5_K_scalar, 4>, quantize_act};
+    case Q6_K: return {rows<dot1_q6_K_scalar, 1>, rows<dot1_q6_K_scalar, 4>, quantize_act};
+    default: return {nullptr, nullptr, nullptr};
   }
 }
 
@@ -419,7 +446,7 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   const int sum_block = k_quant(wtype) ? 16 : QK;
   const int64_t bb = block_bytes(wtype);
   if (bb == 0 || !isa_supported(isa) || n < 0 || m < 0 || k <= 0 || k % block != 0) return -1;
-  const DotFn dot = pick_dot(wtype, isa);
+  const Kernels kern = pick(wtype, isa);
   const int64_t nb = k / block;
   const int64_t row_bytes = nb * bb;
 
@@ -427,7 +454,7 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   std::vector<float> d((size_t)(m * nb));
   std::vector<int32_t> s((size_t)(m * (k / sum_block)));
   for (int64_t i = 0; i < m; ++i)
-    quantize_act(x + i * k, k, block, sum_block, q.data() + i * k, d.data() + i * nb, s.data() + i * (k / sum_block));
+    kern.quantize(x + i * k, k, block, sum_block, q.data() + i * k, d.data() + i * nb, s.data() + i * (k / sum_block));
 
   // rows of activations taken together: their int8 copies stay in L2 while weight rows stream by
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(m, (256 * 1024) / k));
@@ -439,9 +466,14 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
       const int64_t m1 = std::min(m, m0 + tile);
       for (int64_t j = lo; j < hi; ++j) {
         const uint8_t* wr = w + j * row_bytes;
-        for (int64_t i = m0; i < m1; ++i) {
-          const ActRow a{q.data() + i * k, d.data() + i * nb, s.data() + i * (k / sum_block)};
-          y[i * n + j] = dot(wr, a, nb);
+        for (int64_t i = m0; i < m1;) {
+          const int r = m1 - i >= 4 ? 4 : 1;
+          ActRow a[4];
+          float out[4];
+          for (int t = 0; t < r; ++t) a[t] = {q.data() + (i + t) * k, d.data() + (i + t) * nb, s.data() + (i + t) * (k / sum_block)};
+          (r == 4 ? kern.dot4 : kern.dot1)(wr, a, nb, out);
+          for (int t = 0; t < r; ++t) y[(i + t) * n + j] = out[t];
+          i += r;
         }
       }
     }
