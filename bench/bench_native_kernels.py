@@ -53,6 +53,10 @@ def blocks_for(fmt: str, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(raw)  # random bits: the speed does not depend on the values
 
 
+def report(case: str, kind: str, bytes_streamed: int, t: float) -> None:
+    print(f"{case} {kind:12} {bytes_streamed / t / 1e9:6.1f} GB/s  {t * 1e6:8.1f} us")
+
+
 def main() -> None:
     threads = int(os.environ.get("BENCH_THREADS", "1"))
     torch.set_num_threads(threads)
@@ -60,30 +64,18 @@ def main() -> None:
     for shape, (n, k) in SHAPES.items():
         for rows in (1, 64):
             x = torch.randn(rows, k)
-            what = "decode" if rows == 1 else f"{rows} rows"
-
-            def line(kind: str, nbytes: int, t: float) -> None:
-                print(
-                    f"{shape} {n}x{k} {what:8} {kind:12} {nbytes * rows / t / 1e9:6.1f} GB/s  {t * 1e6:8.1f} us"
-                )  # noqa: B023
-
+            case = f"{shape} {n}x{k} {'decode' if rows == 1 else f'{rows} rows':8}"
             for fmt in ops.FORMATS:
                 b = blocks_for(fmt, n, k)
                 t = best_time(lambda: ops.matmul(x, b, fmt, k, threads=threads))  # noqa: B023
-                print(
-                    f"{shape} {n}x{k} {what:8} native {fmt:5} {b.numel() * rows / t / 1e9:6.1f} GB/s  {t * 1e6:8.1f} us"
-                )
+                report(case, f"native {fmt}", b.numel() * rows, t)
             w = torch.randn(n, k)
             t = best_time(lambda: F.linear(x, w))  # noqa: B023
-            print(
-                f"{shape} {n}x{k} {what:8} torch  f32   {w.numel() * 4 * rows / t / 1e9:6.1f} GB/s  {t * 1e6:8.1f} us"
-            )
+            report(case, "torch f32", w.numel() * 4 * rows, t)
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
             s, xb = torch.rand(n, dtype=torch.bfloat16), x.bfloat16()
             t = best_time(lambda: torch.ops.aten._weight_int8pack_mm(xb, q, s))  # noqa: B023
-            print(
-                f"{shape} {n}x{k} {what:8} torch  int8  {q.numel() * rows / t / 1e9:6.1f} GB/s  {t * 1e6:8.1f} us"
-            )
+            report(case, "torch int8", q.numel() * rows, t)
 
 
 if __name__ == "__main__":
