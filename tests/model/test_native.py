@@ -12,9 +12,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lmcli.errors import LmcliError
 from lmcli.model.native import ops
+from lmcli.model.native.linear import BlockLinear, dequantize_blocks, quantize_blocks
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
 
@@ -170,3 +172,57 @@ def test_disabled_or_unbuildable_falls_back_to_torch(tmp_path, monkeypatch) -> N
         assert line.startswith("quantized products: torch (") and "compiler" in line
     finally:
         ops._load.cache_clear()  # the next test loads the real library again
+
+
+# ----------------------------------------------------------------------------- BlockLinear
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantize_blocks_writes_gguf_bytes(fmt: str) -> None:
+    w = torch.randn(70, 96, generator=torch.Generator().manual_seed(6)) * 0.1
+    w[0, :32] = 0  # an all-zero block
+    w[1, 5] = -w[1].abs().max() * 2  # a negative peak (q4_0's scale sign)
+    ours = quantize_blocks(w, fmt)
+    theirs = gguf.quants.quantize(w.numpy(), QT[fmt.upper()])
+    assert np.array_equal(ours.numpy(), theirs)
+    np.testing.assert_array_equal(
+        dequantize_blocks(ours, fmt, 96).numpy(), gguf.quants.dequantize(theirs, QT[fmt.upper()])
+    )
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_block_linear_decode_and_prefill(fmt: str) -> None:
+    n, k = 24, 512
+    blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=7))
+    bias = torch.randn(n)
+    layer = BlockLinear(blocks, fmt, k, bias)
+    assert layer.blocks.untyped_storage().nbytes() == blocks.numel()  # memory = the file's bytes
+    w = torch.from_numpy(dequantized(blocks.numpy(), fmt)).float()
+    for shape in [(1, 1, k), (2, 17, k)]:  # one row (decode), many (a prompt)
+        x = torch.randn(*shape)
+        ref = F.linear(x, w, bias)
+        y = layer(x)
+        assert y.shape == ref.shape
+        torch.testing.assert_close(y, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    ids = torch.tensor([[3, 0], [23, 3]])
+    torch.testing.assert_close(layer.weight_rows(ids), w[ids])
+
+
+def test_block_linear_from_linear_and_fallback(monkeypatch) -> None:
+    lin = torch.nn.Linear(64, 10)
+    layer = BlockLinear.from_linear(lin, "q8_0")
+    x = torch.randn(3, 64)
+    native = layer(x)
+    torch.testing.assert_close(native, lin(x), rtol=0.02, atol=0.02)
+    try:
+        monkeypatch.setenv("LMCLI_NATIVE", "0")
+        ops._load.cache_clear()
+        fallback = BlockLinear.from_linear(lin, "q8_0")(x)  # dequantized weight, torch's product
+        w = dequantize_blocks(layer.blocks, "q8_0", 64)
+        torch.testing.assert_close(fallback, F.linear(x, w, lin.bias))
+    finally:
+        ops._load.cache_clear()
+    with pytest.raises(LmcliError):
+        BlockLinear(layer.blocks[:, :-2].contiguous(), "q8_0", 64)
+    with pytest.raises(LmcliError):
+        quantize_blocks(torch.randn(4, 40), "q4_0")
