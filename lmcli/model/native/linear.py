@@ -88,9 +88,10 @@ class BlockLinear(nn.Module):
 
     def __init__(self, blocks: Tensor, fmt: str, in_features: int, bias: Tensor | None = None) -> None:
         super().__init__()
-        ops.check_blocks(blocks, fmt, in_features)
+        self.format = ops.check_blocks(blocks, fmt, in_features)
         self.fmt, self.in_features, self.out_features = fmt, in_features, blocks.size(0)
         self.register_buffer("blocks", blocks)
+        self._checked = blocks  # the tensor check_blocks passed (a new one is checked before use)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._dequantized: Tensor | None = None  # the fallback's float weight, made on first use
 
@@ -106,7 +107,12 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if ops.available():
-            y = ops.matmul(x, self.blocks, self.fmt, self.in_features, threads=torch.get_num_threads())
+            if self.blocks is not self._checked:  # replaced since: checked before a kernel reads it
+                self.format, self._checked = (
+                    ops.check_blocks(self.blocks, self.fmt, self.in_features),
+                    self.blocks,
+                )
+            y = ops.product(x, self.blocks, self.format, self.in_features, torch.get_num_threads())
             y = y.to(x.dtype)
         else:
             if self._dequantized is None:

@@ -50,7 +50,7 @@ ISAS = ("scalar", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod")
 PREFERENCE = ("avx512_vnni", "avx_vnni", "neon_dotprod", "avx2", "scalar")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Library:
     """The loaded library, where it is and the instruction sets this CPU runs."""
 
@@ -61,6 +61,10 @@ class Library:
     @property
     def best(self) -> str:
         return next(i for i in PREFERENCE if i in self.isas)
+
+    @functools.cached_property
+    def best_index(self) -> int:
+        return ISAS.index(self.best)
 
 
 def _open(path: Path) -> Library:
@@ -143,33 +147,36 @@ def matmul(x: Tensor, blocks: Tensor, fmt: str, k: int, threads: int = 1, isa: s
     """``x (..., k) @ W.T -> (..., n)`` float32, W the (n, k) weight stored as ``blocks``
     (n, row bytes) in GGUF format ``fmt``; ``threads`` share W's rows, ``isa`` forces an
     instruction set (default: the best this CPU has). Raises LmcliError on any bad size."""
+    return product(x, blocks, check_blocks(blocks, fmt, k), k, threads, isa)
+
+
+def product(
+    x: Tensor, blocks: Tensor, f: BlockFormat, k: int, threads: int = 1, isa: str | None = None
+) -> Tensor:
+    """``matmul`` for ``blocks`` that ``check_blocks`` passed (``f`` its answer): the inputs are
+    checked here. A layer checks its blocks once and calls this a step."""
     lib = library()
     if lib is None:
         raise LmcliError(f"native kernels are not available: {_load()[1]}")
-    f = check_blocks(blocks, fmt, k)
     if not x.is_floating_point() or x.device.type != "cpu" or x.dim() < 1 or x.size(-1) != k:
         raise LmcliError(
-            f"{fmt} product: inputs must be float CPU (..., {k}), not {x.dtype} {tuple(x.shape)}"
+            f"{f.name} product: inputs must be float CPU (..., {k}), not {x.dtype} {tuple(x.shape)}"
         )
-    if not isinstance(threads, int) or threads < 1:
+    if type(threads) is not int or threads < 1:
         raise LmcliError(f"threads must be a positive integer, not {threads!r}")
-    isa = isa or lib.best
-    if isa not in lib.isas:
+    if isa is None:
+        isa_index = lib.best_index
+    elif isa in lib.isas:
+        isa_index = ISAS.index(isa)
+    else:
         raise LmcliError(f"instruction set {isa!r} is not available (this CPU: {', '.join(lib.isas)})")
     n = blocks.size(0)
-    x2 = x.reshape(-1, k).to(torch.float32).contiguous()  # (m, k)
+    x2 = x.reshape(-1, k)  # (m, k)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.size(0), n, dtype=torch.float32)  # (m, n)
-    rc = lib.lib.lmcli_native_matmul(
-        f.ggml_type,
-        blocks.data_ptr(),
-        n,
-        k,
-        x2.data_ptr(),
-        x2.size(0),
-        y.data_ptr(),
-        threads,
-        ISAS.index(isa),
-    )
+    m, fn = x2.size(0), lib.lib.lmcli_native_matmul
+    rc = fn(f.ggml_type, blocks.data_ptr(), n, k, x2.data_ptr(), m, y.data_ptr(), threads, isa_index)
     if rc != 0:
-        raise LmcliError(f"native {fmt} product refused its sizes (n={n}, k={k}, rows={x2.size(0)})")
+        raise LmcliError(f"native {f.name} product refused its sizes (n={n}, k={k}, rows={x2.size(0)})")
     return y.reshape(*x.shape[:-1], n)
