@@ -102,6 +102,11 @@ def test_batched_and_threaded_equal_one_row_at_a_time(fmt: str) -> None:
     assert torch.equal(ops.matmul(x, blocks, fmt, k, threads=64), batched)  # more threads than rows
 
 
+def test_threads_are_distinct() -> None:
+    lib = ops.library().lib
+    assert [lib.lmcli_native_pool_threads(t) for t in (1, 3, 2, 5)] == [1, 3, 2, 5]
+
+
 def test_zero_and_huge_activations() -> None:
     k = 64
     blocks = torch.from_numpy(random_blocks("q8_0", 4, k))

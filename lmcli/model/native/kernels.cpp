@@ -438,6 +438,14 @@ int lmcli_native_version() { return 1; }
 
 int lmcli_native_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
 
+// how many distinct threads ran the parts of a `threads`-part job (the pool's own check)
+int lmcli_native_pool_threads(int threads) {
+  std::vector<std::thread::id> ids((size_t)std::max(threads, 1));
+  pool().run(std::max(threads, 1), [&](int t, int) { ids[(size_t)t] = std::this_thread::get_id(); });
+  std::sort(ids.begin(), ids.end());
+  return (int)(std::unique(ids.begin(), ids.end()) - ids.begin());
+}
+
 // y (m, n) = x (m, k) . w (n, k)^T, w as n rows of k / block elements in GGUF block layout `wtype`.
 // Returns 0, or -1 for an unknown type, instruction set or size (sizes are checked by the caller).
 int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m, float* y,

@@ -84,6 +84,8 @@ def _open(path: Path) -> Library:
         ctypes.c_int,
     ]
     lib.lmcli_native_matmul.restype = ctypes.c_int
+    lib.lmcli_native_pool_threads.argtypes = [ctypes.c_int]
+    lib.lmcli_native_pool_threads.restype = ctypes.c_int
     isas = tuple(name for n, name in enumerate(ISAS) if lib.lmcli_native_supported(n))
     return Library(lib, path, isas)
 
