@@ -122,3 +122,33 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class StackedBlockLinear(nn.Module):
+    """A linear layer whose output rows come in parts of different block formats (a GGUF file's
+    q, k and v as one fused projection, v often in another format): the parts' products side
+    by side, then the bias."""
+
+    def __init__(self, parts: list[BlockLinear], bias: Tensor | None = None) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise LmcliError("stacked block layers need parts of one width and no bias of their own")
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.cat([p(x) for p in self.parts], -1)  # (..., out)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding looked up in a BlockLinear's rows (a tied model's head, or an untied
+    table kept as stored): each row dequantized as it is looked up, in ``dtype``."""
+
+    def __init__(self, table: BlockLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.table.weight_rows(idx).to(self.dtype)  # (..., C)

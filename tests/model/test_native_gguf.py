@@ -1,0 +1,93 @@
+"""GGUF files run as stored: their block matrices multiplied by the native kernels, compared with
+a float64 forward of the same file (``gguf_files.reference_logits``, gguf's own dequantization)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))  # gguf_files and its helpers
+from gguf_files import reference_logits, write_gguf_model  # noqa: E402
+
+from lmcli.hf.gguf_load import read_gguf_header  # noqa: E402
+from lmcli.model.native import ops  # noqa: E402
+from lmcli.model.native.from_gguf import load_as_stored  # noqa: E402
+from lmcli.model.native.linear import (  # noqa: E402
+    BlockEmbedding,
+    BlockLinear,
+    StackedBlockLinear,
+    dequantize_blocks,
+    quantize_blocks,
+)
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
+TEXT = "the cat sat on the mat. 12 birds sang, didn't they?\n"
+
+
+@pytest.mark.parametrize(
+    "arch,kind,tied",
+    [
+        ("llama", "Q4_K", False),
+        ("qwen2", "Q6_K", True),
+        ("llama", "Q8_0", True),
+        ("qwen2", "Q4_0", False),
+        ("qwen2", "Q5_K", False),
+    ],
+)
+def test_logits_of_a_file_run_as_stored(tmp_path: Path, arch: str, kind: str, tied: bool) -> None:
+    path = write_gguf_model(tmp_path / "m.gguf", arch, kind, tied=tied)
+    header = read_gguf_header(path)
+    model = load_as_stored(header, torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert isinstance(model.wte, BlockEmbedding) and isinstance(model.lm_head, BlockLinear)
+    assert (model.lm_head is model.wte.table) == tied
+    # every matrix as stored: the blocks held are the file's bytes, most of them views of the file
+    held = sum(m.blocks.numel() for m in linears)
+    stored = sum(t.data.nbytes for t in header.tensors.values() if t.kind == kind)
+    assert held == stored
+    file = header.tensors["blk.0.ffn_up.weight"].data.ctypes.data
+    assert model.h[0].mlp.c_fc.blocks.data_ptr() == file  # a view of the memory-mapped file
+    ids = torch.tensor([header.tokenizer.with_bos(header.tokenizer.encode(TEXT))])
+    ref = reference_logits(path, ids[0].tolist())  # float64 of the dequantized file, from GGUF's side
+    assert ref.abs().max() > 3  # logits that tell a wrong layout from a right one
+    seen = []  # every product of the forward: (layer, input, output)
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.append((m, i[0], o))) for m in linears]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(linears) - (not tied)  # an untied table is only looked up
+    for layer, x, y in seen:  # each product: the dequantized weight times the rounded activations
+        ref_y = reference_product(layer, x, rounded=True)
+        torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4 * ref_y.abs().max().item())
+    # the layers as loaded, each product on its dequantized blocks: the file's model exactly
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BlockLinear, "forward", lambda self, x: reference_product(self, x, rounded=False))
+        torch.testing.assert_close(model(ids)[0].double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def reference_product(self: BlockLinear, x: torch.Tensor, rounded: bool) -> torch.Tensor:
+    """x (``rounded``: to int8 per block as the kernels do) times the dequantized weight, in
+    float64."""
+    block = ops.FORMATS[self.fmt].block
+    xb = x.float().reshape(-1, x.size(-1) // block, block)  # (..., K) -> (M, K/b, b)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    xq = torch.round(xb * inv).clamp(-127, 127) * d if rounded else xb
+    xq = xq.reshape(x.shape).double()
+    w = dequantize_blocks(self.blocks, self.fmt, self.in_features).double()
+    y = (xq @ w.T).to(x.dtype)
+    return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def test_stacked_parts_of_two_formats() -> None:
+    k = 256
+    a = BlockLinear(quantize_blocks(torch.randn(8, k), "q8_0"), "q8_0", k)
+    b = BlockLinear(quantize_blocks(torch.randn(4, k), "q4_0"), "q4_0", k)
+    bias = torch.randn(12)
+    layer = StackedBlockLinear([a, b], bias)
+    x = torch.randn(3, k)
+    torch.testing.assert_close(layer(x), torch.cat([a(x), b(x)], -1) + bias)
