@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))  # gguf_files and its helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # gguf_files and its helpers
 from gguf_files import reference_logits, write_gguf_model  # noqa: E402
 
-from lmcli.hf.gguf_load import read_gguf_header  # noqa: E402
+from lmcli.formats.gguf.as_stored import load_as_stored  # noqa: E402
+from lmcli.formats.gguf.load import read_gguf_header  # noqa: E402
 from lmcli.model.native import ops  # noqa: E402
-from lmcli.model.native.from_gguf import load_as_stored  # noqa: E402
 from lmcli.model.native.linear import (  # noqa: E402
     BlockEmbedding,
     BlockLinear,
@@ -91,3 +91,23 @@ def test_stacked_parts_of_two_formats() -> None:
     layer = StackedBlockLinear([a, b], bias)
     x = torch.randn(3, k)
     torch.testing.assert_close(layer(x), torch.cat([a(x), b(x)], -1) + bias)
+
+
+def test_commands_run_a_gguf_file_as_stored(tmp_path: Path, capsys) -> None:
+    from helpers import run_cli
+
+    from lmcli.cli.common import load_source
+
+    path = write_gguf_model(tmp_path / "m.gguf", "llama", "Q4_K", tied=False)
+    ckpt = load_source(path, {})
+    assert isinstance(ckpt.model.h[0].mlp.c_fc, BlockLinear)
+    assert ckpt.meta["products"].startswith("quantized products: native kernels")
+    int8 = load_source(path, {"quantize": "int8"})  # --quantize: the file dequantized, then lmcli's own
+    assert not isinstance(int8.model.h[0].mlp.c_fc, StackedBlockLinear)
+    (tmp_path / "t.txt").write_text(TEXT * 4)
+    for argv in (
+        ["sample", str(path), "-p", "the cat", "--temperature", "0", "--max-new-tokens", "5", "--json"],
+        ["eval", str(path), str(tmp_path / "t.txt"), "--json", "--context", "32"],
+    ):
+        code, out, err = run_cli(argv, capsys)
+        assert code == 0, err

@@ -1,6 +1,7 @@
-"""A GGUF file's matrices kept as stored: its q8_0/q4_0/q4_K/q5_K/q6_K tensors become
-``BlockLinear`` layers over the memory-mapped file's bytes (no dequantize, no requantize), so the
-model takes the file's size in memory; norms, biases and float matrices load as usual.
+"""A GGUF file's matrices kept as stored (``load_gguf_as_stored``, what a CPU decode loads): its
+q8_0/q4_0/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the memory-mapped file's
+bytes (no dequantize, no requantize), so the model takes the file's size in memory; norms,
+biases and float matrices load as usual.
 
 The family adapter maps GGUF's tensors to lmcli's names by moving whole rows (the fused q/k/v
 projection, llama's rotary row order). Here it maps row numbers instead of values: each stored
@@ -12,14 +13,25 @@ q4_K, v in q6_K) become the parts of a ``StackedBlockLinear``.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from lmcli.errors import check_names
-from lmcli.hf.gguf_load import GgufHeader, GgufTensor
-from lmcli.model import Transformer
+from lmcli.formats.gguf.load import (
+    GgufHeader,
+    GgufTensor,
+    default_dtype,
+    gguf_meta,
+    load_gguf,
+    read_gguf_header,
+)
 from lmcli.model.native import ops
 from lmcli.model.native.linear import BlockEmbedding, BlockLinear, StackedBlockLinear
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 
 KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K"}
 
@@ -98,3 +110,16 @@ def load_as_stored(header: GgufHeader, dtype: torch.dtype) -> Transformer:
     if left:  # a tensor the file does not hold and nothing computed: a bug, not bad input
         raise RuntimeError(f"not materialized after loading: {', '.join(left[:3])}")
     return model.eval()
+
+
+def load_gguf_as_stored(
+    path: str | Path, dtype: torch.dtype | None = None
+) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """``load_gguf`` with the block matrices as stored where the native kernels run (else, or
+    when the file has none, ``load_gguf`` itself); ``meta["products"]`` says which path."""
+    header = read_gguf_header(path)
+    if not ops.available() or not any(keeps_blocks(t) for t in header.tensors.values()):
+        model, tok, meta = load_gguf(path, dtype)
+        return model, tok, {**meta, "products": ops.backend_line()}
+    model = load_as_stored(header, dtype or default_dtype(header))
+    return model, header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}
