@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from lmcli.errors import LmcliError
 from lmcli.model.native import ops
-from lmcli.model.native.linear import BlockLinear, dequantize_blocks, quantize_blocks
+from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks
+from lmcli.model.quant import BlockLinear
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
 
@@ -215,14 +216,14 @@ def test_block_linear_decode_and_prefill(fmt: str) -> None:
 
 def test_block_linear_from_linear_and_fallback(monkeypatch) -> None:
     lin = torch.nn.Linear(64, 10)
-    layer = BlockLinear.from_linear(lin, "q8_0")
+    layer = BlockLinear.quantized(lin, "q8_0")
     x = torch.randn(3, 64)
     native = layer(x)
     torch.testing.assert_close(native, lin(x), rtol=0.02, atol=0.02)
     try:
         monkeypatch.setenv("LMCLI_NATIVE", "0")
         ops._load.cache_clear()
-        fallback = BlockLinear.from_linear(lin, "q8_0")(x)  # dequantized weight, torch's product
+        fallback = BlockLinear.quantized(lin, "q8_0")(x)  # dequantized weight, torch's product
         w = dequantize_blocks(layer.blocks, "q8_0", 64)
         torch.testing.assert_close(fallback, F.linear(x, w, lin.bias))
     finally:

@@ -15,13 +15,8 @@ from gguf_files import reference_logits, write_gguf_model  # noqa: E402
 from lmcli.formats.gguf.as_stored import load_as_stored  # noqa: E402
 from lmcli.formats.gguf.load import read_gguf_header  # noqa: E402
 from lmcli.model.native import ops  # noqa: E402
-from lmcli.model.native.linear import (  # noqa: E402
-    BlockEmbedding,
-    BlockLinear,
-    StackedBlockLinear,
-    dequantize_blocks,
-    quantize_blocks,
-)
+from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks  # noqa: E402
+from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
 TEXT = "the cat sat on the mat. 12 birds sang, didn't they?\n"
@@ -54,24 +49,25 @@ def test_logits_of_a_file_run_as_stored(tmp_path: Path, arch: str, kind: str, ti
     ref = reference_logits(path, ids[0].tolist())  # float64 of the dequantized file, from GGUF's side
     assert ref.abs().max() > 3  # logits that tell a wrong layout from a right one
     seen = []  # every product of the forward: (layer, input, output)
-    hooks = [m.register_forward_hook(lambda m, i, o: seen.append((m, i[0], o))) for m in linears]
-    with torch.no_grad():
+    product = BlockLinear.product
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            BlockLinear, "product", lambda self, x: seen.append((self, x, product(self, x))) or seen[-1][2]
+        )
         model(ids)
-    for h in hooks:
-        h.remove()
     assert len(seen) == len(linears) - (not tied)  # an untied table is only looked up
     for layer, x, y in seen:  # each product: the dequantized weight times the rounded activations
         ref_y = reference_product(layer, x, rounded=True)
         torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4 * ref_y.abs().max().item())
     # the layers as loaded, each product on its dequantized blocks: the file's model exactly
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(BlockLinear, "forward", lambda self, x: reference_product(self, x, rounded=False))
+        mp.setattr(BlockLinear, "product", lambda self, x: reference_product(self, x, rounded=False))
         torch.testing.assert_close(model(ids)[0].double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def reference_product(self: BlockLinear, x: torch.Tensor, rounded: bool) -> torch.Tensor:
-    """x (``rounded``: to int8 per block as the kernels do) times the dequantized weight, in
-    float64."""
+    """``BlockLinear.product`` in float64: x (``rounded``: to int8 per block as the kernels do)
+    times the dequantized weight."""
     block = ops.FORMATS[self.fmt].block
     xb = x.float().reshape(-1, x.size(-1) // block, block)  # (..., K) -> (M, K/b, b)
     d = xb.abs().amax(-1, keepdim=True) / 127
@@ -79,8 +75,7 @@ def reference_product(self: BlockLinear, x: torch.Tensor, rounded: bool) -> torc
     xq = torch.round(xb * inv).clamp(-127, 127) * d if rounded else xb
     xq = xq.reshape(x.shape).double()
     w = dequantize_blocks(self.blocks, self.fmt, self.in_features).double()
-    y = (xq @ w.T).to(x.dtype)
-    return y if self.bias is None else y + self.bias.to(y.dtype)
+    return (xq @ w.T).to(x.dtype)  # (M, out), without the bias (as product is)
 
 
 def test_stacked_parts_of_two_formats() -> None:
@@ -89,8 +84,9 @@ def test_stacked_parts_of_two_formats() -> None:
     b = BlockLinear(quantize_blocks(torch.randn(4, k), "q4_0"), "q4_0", k)
     bias = torch.randn(12)
     layer = StackedBlockLinear([a, b], bias)
-    x = torch.randn(3, k)
+    x = torch.randn(2, 3, k)
     torch.testing.assert_close(layer(x), torch.cat([a(x), b(x)], -1) + bias)
+    torch.testing.assert_close(layer.dequantized(), torch.cat([a.dequantized(), b.dequantized()]))
 
 
 def test_commands_run_a_gguf_file_as_stored(tmp_path: Path, capsys) -> None:

@@ -29,7 +29,7 @@ from lmcli.formats.gguf.load import (
     read_gguf_header,
 )
 from lmcli.model.native import ops
-from lmcli.model.native.linear import BlockEmbedding, BlockLinear, StackedBlockLinear
+from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear
 from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
 
@@ -41,7 +41,7 @@ def keeps_blocks(t: GgufTensor) -> bool:
     return t.kind in KINDS and len(t.shape) == 2 and t.shape[1] % ops.FORMATS[KINDS[t.kind]].block == 0
 
 
-def _parts(ids: Tensor, sources: list[GgufTensor], starts: Tensor) -> list[BlockLinear]:
+def _parts(ids: Tensor, sources: list[GgufTensor], starts: Tensor, dtype: torch.dtype) -> list[BlockLinear]:
     """The BlockLinear parts holding file rows ``ids`` (global row ids), in order."""
     which = torch.searchsorted(starts, ids, right=True) - 1  # (n,) index of each row's tensor
     runs: list[tuple[str, Tensor]] = []  # (format, rows)
@@ -62,12 +62,14 @@ def _parts(ids: Tensor, sources: list[GgufTensor], starts: Tensor) -> list[Block
     k = {sources[int(i)].shape[1] for i in which.unique()}
     if len(k) != 1:  # the adapter only stacks rows of one width: a bug, not bad input
         raise RuntimeError(f"rows of widths {sorted(k)} stacked into one matrix")
-    return [BlockLinear(rows, fmt, k.pop()) for fmt, rows in runs]
+    width = k.pop()
+    return [BlockLinear(rows, fmt, width, dtype=dtype) for fmt, rows in runs]
 
 
 def _layer(parts: list[BlockLinear], bias: Tensor | None) -> nn.Module:
     if len(parts) == 1:
-        return BlockLinear(parts[0].blocks, parts[0].fmt, parts[0].in_features, bias)
+        p = parts[0]
+        return BlockLinear(p.blocks, p.fmt, p.in_features, bias, p.dtype)
     return StackedBlockLinear(parts, bias)
 
 
@@ -88,7 +90,7 @@ def load_as_stored(header: GgufHeader, dtype: torch.dtype) -> Transformer:
         model = Transformer(cfg)
     for name, ids in blocks.items():
         module = name.removesuffix(".weight")
-        parts = _parts(ids, sources, starts)
+        parts = _parts(ids, sources, starts, dtype)
         if module == "wte":
             table = _layer(parts, None)
             model.wte = BlockEmbedding(table, dtype)
