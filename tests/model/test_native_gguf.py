@@ -107,3 +107,14 @@ def test_commands_run_a_gguf_file_as_stored(tmp_path: Path, capsys) -> None:
     ):
         code, out, err = run_cli(argv, capsys)
         assert code == 0, err
+
+
+@pytest.mark.parametrize("keep", [0.97, 0.5])
+def test_a_truncated_k_quant_file_is_one_line_before_any_kernel(tmp_path: Path, capsys, keep: float) -> None:
+    from helpers import assert_one_line_error, run_cli
+
+    data = write_gguf_model(tmp_path / "whole.gguf", "qwen2", "Q6_K").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])  # the last tensors' blocks cut short
+    code, _, err = run_cli(["sample", str(cut), "-p", "the", "--max-new-tokens", "2"], capsys)
+    assert_one_line_error(code, err, "truncated or damaged")
