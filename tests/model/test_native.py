@@ -214,6 +214,19 @@ def test_block_linear_decode_and_prefill(fmt: str) -> None:
     torch.testing.assert_close(layer.weight_rows(ids), w[ids])
 
 
+def test_block_linear_prompt_rows_take_a_bfloat16_gemm() -> None:
+    from lmcli.model.quant import BLOCK_GEMM_ROWS
+
+    lin = torch.nn.Linear(256, 40)
+    layer = BlockLinear.quantized(lin, "q4_0")
+    x = torch.randn(BLOCK_GEMM_ROWS + 3, 256)
+    w = dequantize_blocks(layer.blocks, "q4_0", 256)
+    ref = F.linear(x.double(), w.double(), lin.bias.double())
+    torch.testing.assert_close(layer(x).double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    rows = torch.cat([layer(r) for r in x.split(BLOCK_GEMM_ROWS - 1)])  # the kernels' rows
+    torch.testing.assert_close(rows.double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+
+
 def test_block_linear_from_linear_and_fallback(monkeypatch) -> None:
     lin = torch.nn.Linear(64, 10)
     layer = BlockLinear.quantized(lin, "q8_0")
