@@ -118,3 +118,25 @@ def test_a_truncated_k_quant_file_is_one_line_before_any_kernel(tmp_path: Path, 
     cut.write_bytes(data[: int(len(data) * keep)])  # the last tensors' blocks cut short
     code, _, err = run_cli(["sample", str(cut), "-p", "the", "--max-new-tokens", "2"], capsys)
     assert_one_line_error(code, err, "truncated or damaged")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantize_and_gguf_export_write_the_same_blocks(tmp_path: Path, fmt: str) -> None:
+    """``--quantize int8|int4`` holds the very bytes ``export --format gguf`` writes (q8_0/q4_0):
+    a model quantized in lmcli and its exported file run the same blocks, no round trip."""
+    from helpers import tiny_model, tiny_tokenizer
+
+    from lmcli.formats.export.gguf import write_gguf
+    from lmcli.model.quant import quantize
+
+    tok = tiny_tokenizer(kind="bpe", vocab_size=300)  # GGUF writes byte-level BPE vocabularies
+    cfg = dict(
+        position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, n_embd=64, d_ff=128
+    )
+    model = tiny_model(tok.vocab_size, **cfg)
+    path = write_gguf(model, tok, tmp_path / "m.gguf", fmt)
+    stored = load_as_stored(read_gguf_header(path), torch.float32)
+    quantize(model, "int8" if fmt == "q8_0" else "int4")
+    for name in ("mlp.c_fc", "mlp.c_gate", "mlp.c_proj", "attn.c_proj"):
+        ours, theirs = model.h[1].get_submodule(name), stored.h[1].get_submodule(name)
+        assert ours.fmt == theirs.fmt == fmt and torch.equal(ours.blocks, theirs.blocks), name
