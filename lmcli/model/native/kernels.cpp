@@ -50,7 +50,28 @@ struct ActRow {
   const int8_t* q;
   const float* d;
   const int32_t* s;
+  // q4_0 on x86, blocks 2p and 2p + 1 laid out for one register each (pair_layout): the values
+  // 0-15 of both, then 16-31 of both (64 bytes); -8 sum(a) in 32-bit lanes 0 and 4; the scales
+  // in lanes 0-3 and 4-7. Null for the other formats and paths.
+  const int8_t* qp = nullptr;
+  const int32_t* ip = nullptr;
+  const float* dp = nullptr;
 };
+
+// the pair layout of one activation row (nb blocks of 32; pairs = nb / 2)
+void pair_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, int8_t* qp, int32_t* ip, float* dp) {
+  for (int64_t p = 0; p < nb / 2; ++p) {
+    const int8_t* a = q + 64 * p;  // blocks 2p (a[0:32]) and 2p + 1 (a[32:64])
+    int8_t* o = qp + 64 * p;
+    for (int t = 0; t < 16; ++t) {
+      o[t] = a[t], o[16 + t] = a[32 + t], o[32 + t] = a[16 + t], o[48 + t] = a[48 + t];
+    }
+    for (int l = 0; l < 8; ++l) {
+      ip[8 * p + l] = l == 0 ? -8 * s[2 * p] : l == 4 ? -8 * s[2 * p + 1] : 0;
+      dp[8 * p + l] = d[2 * p + l / 4];
+    }
+  }
+}
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -463,6 +484,14 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   std::vector<int32_t> s((size_t)(m * (k / sum_block)));
   for (int64_t i = 0; i < m; ++i)
     kern.quantize(x + i * k, k, block, sum_block, q.data() + i * k, d.data() + i * nb, s.data() + i * (k / sum_block));
+  const bool pairs = wtype == Q4_0 && (isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI);
+  const int64_t np = pairs ? nb / 2 : 0;
+  std::vector<int8_t> qp((size_t)(m * np * 64));
+  std::vector<int32_t> ip((size_t)(m * np * 8));
+  std::vector<float> dp((size_t)(m * np * 8));
+  for (int64_t i = 0; i < m && np > 0; ++i)
+    pair_layout(q.data() + i * k, d.data() + i * nb, s.data() + i * nb, nb, qp.data() + i * np * 64,
+                ip.data() + i * np * 8, dp.data() + i * np * 8);
 
   // rows of activations taken together: their int8 copies stay in L2 while weight rows stream by
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(m, (256 * 1024) / k));
@@ -478,7 +507,11 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
           const int r = m1 - i >= 4 ? 4 : 1;
           ActRow a[4];
           float out[4];
-          for (int t = 0; t < r; ++t) a[t] = {q.data() + (i + t) * k, d.data() + (i + t) * nb, s.data() + (i + t) * (k / sum_block)};
+          for (int t = 0; t < r; ++t) {
+            const int64_t row = i + t;
+            a[t] = {q.data() + row * k, d.data() + row * nb, s.data() + row * (k / sum_block)};
+            if (np > 0) a[t].qp = qp.data() + row * np * 64, a[t].ip = ip.data() + row * np * 8, a[t].dp = dp.data() + row * np * 8;
+          }
           (r == 4 ? kern.dot4 : kern.dot1)(wr, a, nb, out);
           for (int t = 0; t < r; ++t) y[(i + t) * n + j] = out[t];
           i += r;
