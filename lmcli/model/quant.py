@@ -241,7 +241,7 @@ class BlockLinear(QuantLinear):
         self.format = checked
         self.fmt, self.bits = fmt, 8 * self.format.block_bytes / self.format.block
         self.register_buffer("blocks", blocks, persistent=False)
-        self._checked = blocks  # the tensor check_blocks passed (a new one is checked before use)
+        self._bound: ops.BoundProduct | None = None  # the kernel call for these blocks, made on first use
         self._float: Tensor | None = None  # the fallback's weight, made on first use
 
     @classmethod
@@ -258,12 +258,10 @@ class BlockLinear(QuantLinear):
             return F.linear(x, self._float.to(x.dtype))
         if x.size(0) >= BLOCK_GEMM_ROWS:  # a prompt: a transient bfloat16 weight and one GEMM
             return F.linear(x.to(torch.bfloat16), self.dequantized().to(torch.bfloat16))
-        if self.blocks is not self._checked:  # replaced since: checked before a kernel reads it
-            self.format, self._checked = (
-                ops.check_blocks(self.blocks, self.fmt, self.in_features),
-                self.blocks,
-            )
-        return ops.product(x, self.blocks, self.format, self.in_features, torch.get_num_threads())
+        if self._bound is None or self._bound.blocks is not self.blocks:  # new blocks: checked first
+            self.format = ops.check_blocks(self.blocks, self.fmt, self.in_features)
+            self._bound = ops.BoundProduct(self.blocks, self.format, self.in_features)
+        return self._bound(x, torch.get_num_threads())
 
     def dequantized(self) -> Tensor:
         return dequantize_blocks(self.blocks, self.fmt, self.in_features)
