@@ -266,6 +266,9 @@ class BlockLinear(QuantLinear):
     def dequantized(self) -> Tensor:
         return dequantize_blocks(self.blocks, self.fmt, self.in_features)
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_bound": None}  # a copy (deepcopy, pickle) binds its own blocks
+
     def weight_rows(self, ids: Tensor) -> Tensor:
         """Rows ``ids`` of the weight, float32 (ids.shape + (in,)): a block embedding's lookup."""
         rows = self.blocks[ids.reshape(-1)]  # (len(ids), row bytes)
