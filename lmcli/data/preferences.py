@@ -1,0 +1,176 @@
+"""Post-training data: preference pairs for ``--task dpo`` and prompts for ``--task grpo``.
+
+A preference row is ``{"prompt": ..., "chosen": ..., "rejected": ...}`` (text; optionally
+``"system"``) or ``{"messages": [...], "chosen": {...}, "rejected": {...}}`` (the conversation so
+far, ending with a user turn, and two assistant messages; a reply may also be given as its text,
+or as a list of one assistant message). As ``--task sft`` reads ``{"prompt", "response"}``, the
+prompt is the user's turn and every conversation is rendered in the model's chat template
+(``chat_template.encode_conversation``); the loss reads the final reply's tokens and its end
+token only (earlier assistant turns are context).
+
+A prompt row for ``--task grpo`` is ``{"prompt": ...}`` or ``{"messages": [...]}`` ending with a
+user turn, plus whatever its rewards read (``"answer"``, ``"schema"``, ...): its ids end where
+the reply begins (the template's generation prompt).
+
+Rows come from what ``ConversationRows`` reads (JSONL, a JSON list, parquet, a ``datasets``
+name). A bad row is one line naming it (``file:line``): a missing or empty reply, a conversation
+out of order, a pair longer than the context, a prompt that leaves no room for a reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmcli.chat_template import (
+    Message,
+    Renderer,
+    Template,
+    check_messages,
+    check_roles,
+    encode,
+    encode_conversation,
+)
+from lmcli.data.conversations import ConversationRows, conversation
+from lmcli.data.examples import Encoded
+from lmcli.errors import LmcliError
+from lmcli.tokenizer import Tokenizer
+
+SIDES = ("chosen", "rejected")
+
+
+@dataclass
+class PreferencePair:
+    """One pair, both sides rendered: ids and the tokens the loss reads (the final reply)."""
+
+    where: str
+    chosen: Encoded
+    rejected: Encoded
+
+
+@dataclass
+class PromptRow:
+    """One GRPO prompt: where it is, its row (what rewards read), its text and its ids."""
+
+    where: str
+    row: dict[str, Any]
+    text: str  # the row's prompt, or its last user message: what a reward function reads
+    ids: list[int]  # the rendered prompt, ending where the reply begins
+
+
+def prompt_messages(row: Any, where: str) -> list[Message]:
+    """The conversation a row's reply answers: checked, ending with a user turn."""
+    if not isinstance(row, dict):
+        raise LmcliError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "messages" in row or isinstance(row.get("prompt"), list):
+        raw = row["messages"] if "messages" in row else row["prompt"]
+        try:
+            messages = check_roles(check_messages(raw))
+        except LmcliError as exc:
+            raise LmcliError(f"{where}: {exc}") from None
+        return messages
+    if not isinstance(row.get("prompt"), str):
+        raise LmcliError(
+            f'{where}: expected "prompt" (text) or "messages" (found: {", ".join(row) or "nothing"})'
+        )
+    messages = [{"role": "user", "content": row["prompt"]}]
+    if row.get("system") is not None:
+        if not isinstance(row["system"], str):
+            raise LmcliError(f'{where}: "system" must be text')
+        messages.insert(0, {"role": "system", "content": row["system"]})
+    return messages
+
+
+def reply_text(row: dict[str, Any], side: str, where: str) -> str:
+    """The text of a row's ``chosen`` or ``rejected`` reply; missing or empty: one line."""
+    if side not in row:
+        raise LmcliError(f'{where}: no "{side}" reply (a preference row has "chosen" and "rejected")')
+    reply = row[side]
+    if isinstance(reply, list) and len(reply) == 1:
+        reply = reply[0]
+    if isinstance(reply, dict):
+        if reply.get("role", "assistant") != "assistant":
+            raise LmcliError(
+                f'{where}: the "{side}" reply has role {reply.get("role")!r}, expected "assistant"'
+            )
+        reply = reply.get("content")
+    if not isinstance(reply, str):
+        raise LmcliError(f'{where}: the "{side}" reply must be text or an assistant message')
+    if not reply.strip():
+        raise LmcliError(f'{where}: the "{side}" reply is empty')
+    return reply
+
+
+def last_reply(scored: list[bool]) -> list[bool]:
+    """``scored`` keeping only its last run of true values: the final reply and its end token."""
+    end = len(scored) - scored[::-1].index(True)  # one past the last scored token
+    start = end
+    while start > 0 and scored[start - 1]:
+        start -= 1
+    return [start <= i < end for i in range(len(scored))]
+
+
+def _template(tok: Tokenizer) -> Template | None:
+    return Template(tok.chat_template, tok.origin or "the tokenizer") if tok.chat_template else None
+
+
+class PreferenceRows:
+    """Preference pairs from a file or ``datasets`` name (``split`` for those)."""
+
+    def __init__(self, spec: str, split: str = "train") -> None:
+        self.source = ConversationRows(spec, split)
+        self.description = self.source.description
+
+    def pairs(self, tok: Tokenizer, max_len: int) -> list[PreferencePair]:
+        """Every pair rendered; a pair whose prompt and reply pass ``max_len`` tokens is refused."""
+        template, out = _template(tok), []
+        with Renderer() as renderer:
+            for where, row in self.source.rows():
+                messages = prompt_messages(row, where)
+                sides = []
+                for side in SIDES:
+                    text = reply_text(row, side, where)
+                    full = conversation(
+                        {"messages": [*messages, {"role": "assistant", "content": text}]}, where
+                    )
+                    ids, scored = encode_conversation(full, template, tok, renderer=renderer)
+                    if len(ids) > max_len:
+                        raise LmcliError(
+                            f'{where}: the prompt and its "{side}" reply are {len(ids)} tokens, more than '
+                            f"the context allows ({max_len})"
+                        )
+                    scored = last_reply(scored)
+                    sides.append(Encoded(ids, scored, scored.index(True)))
+                out.append(PreferencePair(where, *sides))
+        if not out:
+            raise LmcliError(f"no preference pairs in {self.description}")
+        return out
+
+
+class PromptRows:
+    """GRPO prompts from a file or ``datasets`` name (``split`` for those)."""
+
+    def __init__(self, spec: str, split: str = "train") -> None:
+        self.source = ConversationRows(spec, split)
+        self.description = self.source.description
+
+    def prompts(self, tok: Tokenizer, max_len: int, check: Any = None) -> list[PromptRow]:
+        """Every prompt rendered; one that leaves no room for a reply within ``max_len`` tokens is
+        refused; ``check(row, where)``: the rewards' own check of a row."""
+        template, out = _template(tok), []
+        with Renderer() as renderer:
+            for where, row in self.source.rows():
+                messages = prompt_messages(row, where)
+                if check is not None:
+                    check(row, where)
+                ids = encode(messages, template, tok, renderer=renderer)
+                if len(ids) >= max_len:
+                    raise LmcliError(
+                        f"{where}: the prompt is {len(ids)} tokens: no room for a reply in the context "
+                        f"({max_len})"
+                    )
+                text = row["prompt"] if isinstance(row.get("prompt"), str) else messages[-1]["content"]
+                out.append(PromptRow(where, row, text, ids))
+        if not out:
+            raise LmcliError(f"no prompts in {self.description}")
+        return out
