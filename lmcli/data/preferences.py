@@ -19,8 +19,12 @@ out of order, a pair longer than the context, a prompt that leaves no room for a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import torch
 
 from lmcli.chat_template import (
     Message,
@@ -32,7 +36,9 @@ from lmcli.chat_template import (
     encode_conversation,
 )
 from lmcli.data.conversations import ConversationRows, conversation
-from lmcli.data.examples import Encoded
+from lmcli.data.examples import Encoded, ExampleSet, collate
+from lmcli.data.train_data import ExampleData
+from lmcli.data.windows import Batch, EpochStream
 from lmcli.errors import LmcliError
 from lmcli.tokenizer import Tokenizer
 
@@ -174,3 +180,127 @@ class PromptRows:
         if not out:
             raise LmcliError(f"no prompts in {self.description}")
         return out
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def example_set(encoded: list[Encoded]) -> ExampleSet:
+    """Encoded sequences as an in-memory ``ExampleSet`` (``collate`` pads and indexes them)."""
+    lengths = np.array([len(e.ids) for e in encoded], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    tokens = np.array([t for e in encoded for t in e.ids], dtype=np.int64)
+    scored = np.array([s for e in encoded for s in e.scored], dtype=np.uint8)
+    prefix = np.array([e.prefix for e in encoded], dtype=np.int64)
+    return ExampleSet(tokens, scored, offsets, lengths, prefix)
+
+
+def pair_set(pairs: list[PreferencePair]) -> ExampleSet:
+    """Pair ``i``'s chosen sequence at ``2i``, its rejected one at ``2i + 1``."""
+    return example_set([e for p in pairs for e in (p.chosen, p.rejected)])
+
+
+@dataclass
+class PairBatch(Batch):
+    """A batch of pairs: rows ``2i`` (chosen) and ``2i + 1`` (rejected) are pair ``pairs[i]``."""
+
+    pairs: torch.Tensor | None = None  # (B,) the pairs' indices in their set (host)
+
+    def to(self, device: torch.device, staging: Any = None) -> PairBatch:
+        moved = Batch.to(self, device, staging)
+        return PairBatch(
+            moved.x, moved.y, moved.prefix_len, moved.tokens, moved.index, moved.document, self.pairs
+        )
+
+
+def collate_pairs(
+    sequences: ExampleSet, pairs: list[int] | np.ndarray, pad_id: int, context: int, multiple: int = 1
+) -> PairBatch:
+    """The chosen and rejected sequences of ``pairs``, interleaved, as one padded batch."""
+    rows = [k for i in pairs for k in (2 * int(i), 2 * int(i) + 1)]
+    b = collate(sequences, rows, pad_id, context, multiple)
+    return PairBatch(
+        b.x, b.y, b.prefix_len, index=b.index, pairs=torch.as_tensor(np.asarray(pairs, dtype=np.int64))
+    )
+
+
+class PairSampler(EpochStream):
+    """Batches of pairs, without replacement within an epoch (seeded order); the position is
+    pairs consumed."""
+
+    def __init__(
+        self, sequences: ExampleSet, seed: int, pad_id: int, context: int, multiple: int = 1
+    ) -> None:
+        super().__init__(len(sequences) // 2, seed)
+        self.sequences, self.pad_id, self.context, self.multiple = sequences, pad_id, context, multiple
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.epoch_size)
+
+    def batch(self, first: int, count: int) -> PairBatch:
+        return collate_pairs(
+            self.sequences, self.take(first, count), self.pad_id, self.context, self.multiple
+        )
+
+
+@dataclass
+class PreferenceData(ExampleData):
+    """``--task dpo``: train and validation pairs, each set holding its pairs' two sequences."""
+
+    @property
+    def n_pairs(self) -> int:
+        return len(self.train) // 2
+
+    def sampler(self, batch_size: int, seed: int) -> PairSampler:
+        return PairSampler(self.train, seed, self.tokenizer.pad_id, self.block_size, self.pad_multiple)
+
+    def tokens_per_example(self) -> float:
+        return 2 * float(self.train.length.mean())  # a pair: both sequences
+
+    def val_batches(self, batch_size: int, limit: int, rank: int = 0, world: int = 1) -> Iterator[PairBatch]:
+        """The first ``limit`` validation pairs (this rank's share), ``batch_size`` at a time."""
+        pairs = np.arange(min(limit, len(self.val) // 2))[rank::world]
+        for i in range(0, len(pairs), batch_size):
+            yield collate_pairs(self.val, pairs[i : i + batch_size], self.tokenizer.pad_id, self.block_size)
+
+
+class PromptSampler(EpochStream):
+    """Prompts, without replacement within an epoch (seeded order); the position is prompts consumed."""
+
+    def __init__(self, prompts: list[PromptRow], seed: int) -> None:
+        super().__init__(len(prompts), seed)
+        self.prompts = prompts
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.epoch_size)
+
+    def batch(self, first: int, count: int) -> list[PromptRow]:
+        return [self.prompts[i] for i in self.take(first, count)]
+
+
+@dataclass
+class PromptData:
+    """``--task grpo``: train and validation prompts."""
+
+    tokenizer: Tokenizer
+    train: list[PromptRow]
+    val: list[PromptRow]
+    block_size: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.train)
+
+    @property
+    def val_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.val)
+
+    def sampler(self, batch_size: int, seed: int) -> PromptSampler:
+        return PromptSampler(self.train, seed)
+
+    def tokens_per_example(self) -> float:
+        return self.train_tokens / len(self.train)
+
+    def longest_example(self) -> int:
+        return self.block_size
