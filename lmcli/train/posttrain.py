@@ -9,7 +9,7 @@ the replies come from ``rollouts.py``. The training loop calls these with the mo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,13 +18,14 @@ from torch import nn
 from lmcli.config import SampleConfig
 from lmcli.data.preferences import PairBatch, PromptRow
 from lmcli.data.windows import IGNORE
+from lmcli.device import autocast
 from lmcli.model import Transformer
 from lmcli.tokenizer import Tokenizer
-from lmcli.train.grpo import PolicyOut, policy_loss
+from lmcli.train.grpo import PolicyOut, policy_loss, spread_fraction
 from lmcli.train.preference import PreferenceOut, preference_loss
 from lmcli.train.reference import Reference, evaluating, sequence_logprobs
 from lmcli.train.rewards import Rewards
-from lmcli.train.rollouts import Group, sample_groups
+from lmcli.train.rollouts import Group, make_group, rollout_seed, sample_groups
 
 
 @dataclass(frozen=True)
@@ -117,3 +118,135 @@ def evaluate_prompts(
         means = per_verifier.div(n).tolist()
         record.update({f"val_reward_{name}": v for name, v in zip(rewards.names, means, strict=True)})
     return record
+
+
+# ----------------------------------------------------------------------------- in the training loop
+
+
+class PostTraining:
+    """What ``--task dpo``/``grpo`` add to a run: the reference, and the quantities each step
+    logs, averaged between log points (``logged``)."""
+
+    def __init__(self, reference: Reference) -> None:
+        self.reference = reference
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def logged(self) -> dict[str, float]:
+        """The means since the last call (what metrics.jsonl and the progress bar show)."""
+        out = {key: total / self._counts[key] for key, total in self._sums.items()}
+        self._sums, self._counts = {}, {}
+        return out
+
+
+class PreferenceTraining(PostTraining):
+    """``--task dpo``: the loss of a micro-batch of pairs; validation on held-out pairs."""
+
+    def __init__(self, reference: Reference, settings: PreferenceSettings) -> None:
+        super().__init__(reference)
+        self.settings = settings
+
+    def micro_loss(self, model: nn.Module, batch: PairBatch) -> torch.Tensor:
+        out = pair_loss(model, batch, self.reference, self.settings)
+        self.add({k: v for k, v in out.logged().items() if k != "loss"})
+        return out.loss
+
+    def validate(self, model: nn.Module, batches: Iterable[PairBatch]) -> tuple[float, dict[str, float]]:
+        """The validation loss (what ``best/`` follows) and the record: accuracy, margin, rewards."""
+        scores = evaluate_pairs(model, batches, self.reference, self.settings)
+        record = {f"val_{k}": v for k, v in scores.items() if k not in ("loss", "pairs")}
+        return scores["loss"], record
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """GRPO's options: replies per prompt, the objective's clip and KL weight, optimizer steps
+    per batch of replies, the rewards' scaling, and how replies are sampled."""
+
+    group: int = 8
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    steps: int = 1
+    scale: bool = True
+    sample: SampleConfig = SampleConfig(max_new_tokens=128, temperature=1.0)
+
+
+class GRPOTraining(PostTraining):
+    """``--task grpo``: a step samples and rewards the replies of its prompts, then takes
+    ``steps`` optimizer steps on them; validation scores greedy replies to held-out prompts."""
+
+    def __init__(self, reference: Reference, rewards: Rewards, settings: RolloutSettings) -> None:
+        super().__init__(reference)
+        self.rewards, self.settings = rewards, settings
+
+    def rollouts(self, run: Any) -> list[Group]:
+        """This rank's groups of the step: ``grad_accum`` micro-batches of ``batch_size`` prompts,
+        each prompt with its replies, the sampling policy's and the reference's log-probs."""
+        cfg, state, s = run.cfg, run.state, self.settings
+        size, accum = cfg.optim.batch_size, cfg.optim.grad_accum
+        rows = size * accum * s.group
+        seed = rollout_seed(cfg.seed, state.step, run.dist.rank, run.dist.world_size, rows)
+        groups = []
+        for micro in range(accum):
+            prompts = run.sampler.batch(state.cursor + run.dist.rank * size, size)
+            state.cursor += run.global_batch
+            sample = replace(s.sample, seed=seed + micro * size * s.group)
+            with autocast(run.device, run.amp):
+                group = make_group(
+                    run.model, run.data.tokenizer, prompts, self.rewards, s.group, sample, scale=s.scale
+                )
+                group.batch = group.batch.to(run.device)
+                if s.steps > 1:  # later steps compare with the policy that sampled
+                    with torch.no_grad(), evaluating(run.model):
+                        group.old_logp = sequence_logprobs(run.model, group.batch)[0]
+                if self.reference.needed:
+                    group.ref_logp = self.reference.token_logprobs(group.batch)
+            groups.append(group)
+        return groups
+
+    def step(self, run: Any, optimizer_step: Any) -> torch.Tensor:
+        """One training step: rollouts, then ``steps`` optimizer steps over all of them (the
+        loss a token-level mean over the step's reply tokens); returns the last gradient norm."""
+        s = self.settings
+        groups = self.rollouts(run)
+        n_tokens = int(sum(int(g.reply_tokens.sum()) for g in groups))
+        grad_norm = torch.zeros(())
+        for _ in range(s.steps):
+            for micro, group in enumerate(groups):
+                with run.parallel.micro_batch(micro == len(groups) - 1), autocast(run.device, run.amp):
+                    out = group_loss(run.trained, group, n_tokens=n_tokens, clip=s.clip, kl_coef=s.kl_coef)
+                run.scaler.scale(out.loss).backward()
+                run.marks.running += out.loss.detach() / s.steps
+                self.add({"kl": out.kl.item(), "clipped": out.clipped.item()})
+            grad_norm = optimizer_step(run)
+        self.add(self.describe(groups))
+        return grad_norm
+
+    def describe(self, groups: list[Group]) -> dict[str, float]:
+        """A step's rollouts in numbers: mean reward (and each verifier's), the share of groups
+        with any spread, mean reply length in tokens."""
+        rewards = torch.cat([g.rewards for g in groups])  # (P, G, K)
+        total = rewards.sum(dim=-1)  # (P, G)
+        out = {
+            "reward": total.mean().item(),
+            "groups_with_spread": spread_fraction(total),
+            "reply_tokens": torch.cat([g.reply_tokens for g in groups]).float().mean().item(),
+        }
+        if len(self.rewards.names) > 1:
+            means = rewards.mean(dim=(0, 1)).tolist()
+            out.update({f"reward_{n}": v for n, v in zip(self.rewards.names, means, strict=True)})
+        return out
+
+    def validate(self, run: Any, prompts: list[PromptRow]) -> tuple[float, dict[str, float]]:
+        """Greedy replies to held-out ``prompts``: the record (mean reward, pass@1), and minus
+        the mean reward as the loss ``best/`` follows (lower is better)."""
+        with autocast(run.device, run.amp):
+            record = evaluate_prompts(
+                run.model, run.data.tokenizer, prompts, self.rewards, self.settings.sample
+            )
+        return -record["val_reward"], record
