@@ -99,23 +99,25 @@ def evaluate_prompts(
     cfg: SampleConfig,
     rows: int = 64,
 ) -> dict[str, Any]:
-    """Greedy replies to held-out prompts: the mean reward (and each verifier's), and pass@1:
-    the share of prompts whose reply earns a positive reward."""
-    greedy = SampleConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop=cfg.stop)
-    per_verifier = torch.zeros(len(rewards.names), dtype=torch.float64)
-    passed = total = 0.0
+    """One reply to each held-out prompt, sampled as ``cfg`` says (its seed: the same replies
+    for the same weights): the mean reward (and each verifier's), and pass@1: the share of
+    prompts whose reply passes every check (``Rewards.passed``)."""
+    one = replace(cfg, num_samples=1)
+    scores: list[list[float]] = []
     for start in range(0, len(prompts), rows):
         part = prompts[start : start + rows]
-        replies = sample_groups(model, tokenizer, [p.ids for p in part], 1, greedy)
+        replies = sample_groups(
+            model, tokenizer, [p.ids for p in part], 1, replace(one, seed=one.seed + start)
+        )
         for prompt, row in zip(part, replies, strict=True):
-            scores = rewards.score(prompt.text, row.text, prompt.row, prompt.where)
-            per_verifier += torch.tensor(scores, dtype=torch.float64)
-            total += sum(scores)
-            passed += sum(scores) > 0
-    n = max(len(prompts), 1)
-    record = {"val_reward": total / n, "val_pass@1": passed / n}
+            scores.append(rewards.score(prompt.text, row.text, prompt.row, prompt.where))
+    table = torch.tensor(scores, dtype=torch.float64).view(len(prompts), -1)  # (prompts, verifiers)
+    record = {
+        "val_reward": table.sum(dim=1).mean().item(),
+        "val_pass@1": sum(rewards.passed(s) for s in scores) / max(len(scores), 1),
+    }
     if len(rewards.names) > 1:
-        means = per_verifier.div(n).tolist()
+        means = table.mean(dim=0).tolist()
         record.update({f"val_reward_{name}": v for name, v in zip(rewards.names, means, strict=True)})
     return record
 

@@ -70,6 +70,8 @@ def answer_number(value: Any) -> Decimal | None:
 class Verifier:
     """One ``--reward`` spec: ``check`` a row once, then ``__call__`` scores a reply."""
 
+    penalty = False  # a penalty (at most 0) is no check a reply passes or fails
+
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.name = spec.split(":", 1)[0]  # what the logs call it
@@ -151,6 +153,8 @@ class SchemaReward(Verifier):
 
 
 class LengthPenalty(Verifier):
+    penalty = True
+
     def __init__(self, spec: str) -> None:
         super().__init__(spec)
         arg = spec.split(":", 1)[1] if ":" in spec else ""
@@ -234,6 +238,11 @@ class Rewards:
     def check(self, row: dict[str, Any], where: str) -> None:
         for verifier in self.verifiers:
             verifier.check(row, where)
+
+    def passed(self, scores: list[float]) -> bool:
+        """Whether a reply passes: every verifier but the penalties gives it a positive reward."""
+        checks = [s for v, s in zip(self.verifiers, scores, strict=True) if not v.penalty]
+        return all(s > 0 for s in checks) if checks else sum(scores) >= 0
 
     def score(self, prompt: str, reply: str, row: dict[str, Any], where: str) -> list[float]:
         """Each verifier's reward of ``reply``; a failure is one line naming ``where`` (the row)."""

@@ -162,3 +162,9 @@ def test_a_users_function(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text("import does_not_exist_anywhere\n")
     with pytest.raises(LmcliError, match=r"importing .*bad.py failed: ModuleNotFoundError"):
         make_verifier(f"{tmp_path / 'bad.py'}:fn")
+
+
+def test_a_reply_passes_when_every_check_but_the_penalties_does() -> None:
+    rewards = Rewards(["number", "json", "length:5"])
+    assert rewards.passed([1.0, 1.0, -0.5]) and not rewards.passed([1.0, 0.0, 0.0])
+    assert Rewards(["length:5"]).passed([0.0]) and not Rewards(["length:5"]).passed([-0.2])
