@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lmcli.config import SampleConfig
-from lmcli.data.preferences import PairBatch, PromptRow
+from lmcli.data.preferences import PairBatch, PreferenceRows, PromptRow, collate_pairs, pair_set
 from lmcli.data.windows import IGNORE
 from lmcli.device import autocast
 from lmcli.model import Transformer
@@ -44,10 +44,14 @@ def pair_loss(
     settings: PreferenceSettings,
     split: str = "train",
 ) -> PreferenceOut:
-    """The preference loss of a batch of pairs (rows 2i chosen, 2i + 1 rejected)."""
+    """The preference loss of a batch of pairs (rows 2i chosen, 2i + 1 rejected); without a
+    reference (``lmcli eval --preferences`` alone) DPO's rewards are the policy's own log-probs."""
     _, _, sums = sequence_logprobs(model, batch)  # (2B,)
     counts = (batch.y != IGNORE).sum(dim=1).to(sums.dtype)  # (2B,) reply tokens per row
-    ref = reference.pair_logprobs(batch, split) if reference.needed else None
+    if reference.needed:
+        ref = reference.pair_logprobs(batch, split)
+    else:  # reference-free: SimPO reads none; the others compare the policy's own log-probs
+        ref = None if settings.loss == "simpo" else torch.zeros_like(sums)
     return preference_loss(
         sums[0::2],
         sums[1::2],
@@ -120,6 +124,29 @@ def evaluate_prompts(
         means = table.mean(dim=0).tolist()
         record.update({f"val_reward_{name}": v for name, v in zip(rewards.names, means, strict=True)})
     return record
+
+
+def score_preferences(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    spec: str,
+    reference: nn.Module | None = None,
+    batch_size: int = 16,
+) -> dict[str, float]:
+    """``lmcli eval MODEL --preferences FILE [--reference REF]``: preference accuracy (the share of
+    pairs whose chosen reply the model prefers) and mean margin in nats: of the model's own
+    log-probs, or with ``reference`` of its log-ratios to the reference's (DPO's implicit reward)."""
+    device = next(model.parameters()).device
+    block = model.config.block_size
+    sequences = pair_set(PreferenceRows(spec).pairs(tokenizer, block + 1))
+    n = len(sequences) // 2
+    batches = (
+        collate_pairs(sequences, range(i, min(i + batch_size, n)), tokenizer.pad_id, block).to(device)
+        for i in range(0, n, batch_size)
+    )
+    ref = Reference("copy", reference) if reference is not None else Reference("none")
+    scores = evaluate_pairs(model, batches, ref, PreferenceSettings("dpo", beta=1.0))
+    return {"accuracy": scores["accuracy"], "margin": scores["margin"], "pairs": scores["pairs"]}
 
 
 # ----------------------------------------------------------------------------- in the training loop
