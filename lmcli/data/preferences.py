@@ -304,3 +304,58 @@ class PromptData:
 
     def longest_example(self) -> int:
         return self.block_size
+
+
+# ----------------------------------------------------------------------------- a run's data
+
+
+def _rows_of(cfg: Any, task: str, validation: bool) -> str | None:
+    """The file (or dataset) of a run's pairs or prompts, or of its validation ones."""
+    data = cfg.data
+    if validation:
+        return data.val
+    if data.dataset:
+        return data.dataset
+    if len(data.corpus) == 1:
+        return data.corpus[0]
+    noun = "preference pairs" if task == "dpo" else "prompts"
+    raise LmcliError(f"--task {task} needs one file of {noun} (JSONL, JSON or parquet) or --dataset")
+
+
+def _split(items: list[Any], cfg: Any, noun: str) -> tuple[list[Any], list[Any]]:
+    """Training and validation parts: the last ``--val-fraction`` held out."""
+    n_val = int(len(items) * cfg.data.val_fraction)
+    if n_val < 1:
+        raise LmcliError(f"no validation {noun}: give --val FILE or a larger --val-fraction")
+    return items[: len(items) - n_val], items[len(items) - n_val :]
+
+
+def load_preference_data(cfg: Any, block_size: int, tok: Tokenizer) -> PreferenceData:
+    """``--task dpo``: the pairs (and held-out pairs), rendered; a pair longer than the context
+    is refused."""
+    spec = _rows_of(cfg, "dpo", False)
+    assert spec is not None
+    rows = PreferenceRows(spec, cfg.data.split)
+    pairs = rows.pairs(tok, block_size + 1)
+    val_spec = _rows_of(cfg, "dpo", True)
+    if val_spec is not None:
+        train, val = pairs, PreferenceRows(val_spec).pairs(tok, block_size + 1)
+    else:
+        train, val = _split(pairs, cfg, "pairs")
+    info = {"corpus": rows.description, "examples": len(train)}
+    return PreferenceData(tok, pair_set(train), pair_set(val), block_size, info)
+
+
+def load_prompt_data(cfg: Any, block_size: int, tok: Tokenizer, check: Any) -> PromptData:
+    """``--task grpo``: the prompts (and held-out prompts), rendered and checked by the rewards
+    (``check(row, where)``); a prompt that leaves no room for a reply is refused."""
+    spec = _rows_of(cfg, "grpo", False)
+    assert spec is not None
+    rows = PromptRows(spec, cfg.data.split)
+    prompts = rows.prompts(tok, block_size, check)
+    val_spec = _rows_of(cfg, "grpo", True)
+    if val_spec is not None:
+        train, val = prompts, PromptRows(val_spec).prompts(tok, block_size, check)
+    else:
+        train, val = _split(prompts, cfg, "prompts")
+    return PromptData(tok, train, val, block_size, {"corpus": rows.description, "examples": len(train)})
