@@ -49,7 +49,7 @@ llama-venv:
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 10 $(LLAMA_VENV)/bin/pip install --no-binary llama-cpp-python "$(LLAMA_CPP_PIN)"
 
 check-gguf: llama-venv
-	$(BIN)/python tests/hf/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
+	$(BIN)/python tests/formats/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
 
 # lmcli's CUDA paths on this machine's GPU (< 10 min): GPT-2-small training with --compile (tokens/s,
 # MFU, peak memory vs the pre-flight estimate), NCCL torchrun + resume, eval/sample/beam in bf16

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lmcli.config import load_config_file
+from lmcli.config.files import load_config_file
 from lmcli.train import Reporter, train
 from lmcli.train.run_folder import resolve_configs
 

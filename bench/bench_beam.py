@@ -17,10 +17,10 @@ import torch
 
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, hf_twin, lmcli_model
-from lmcli import fastpath
-from lmcli.config import BeamConfig
+from lmcli.config.commands import BeamConfig
 from lmcli.generate.beam import Hypothesis, beam_search
-from lmcli.model import Transformer
+from lmcli.model import fastpath
+from lmcli.model.transformer import Transformer
 
 VOCAB, BLOCK = 8000, 256
 BOS, EOS, PAD = 2, 3, 0

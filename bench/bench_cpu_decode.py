@@ -94,11 +94,12 @@ def write(folder: Path, shape: str) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
 
     from bench.texts import wide_tokenizer
-    from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import ModelConfig, TrainConfig
-    from lmcli.hf.export import export_hf
-    from lmcli.hf.gguf import write_gguf
-    from lmcli.model import Transformer
+    from lmcli.config.model import ModelConfig
+    from lmcli.config.train import TrainConfig
+    from lmcli.formats.checkpoint import save_checkpoint
+    from lmcli.formats.export.gguf import write_gguf
+    from lmcli.formats.export.hf import export_hf
+    from lmcli.model.transformer import Transformer
 
     spec = {k: v for k, v in SHAPES[shape].items() if k != "label"}
     cfg = ModelConfig(
@@ -126,12 +127,12 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     """In this fresh process: load, quantize, prefill ``PROMPT`` tokens and decode ``NEW``."""
     import torch
 
-    from lmcli import fastpath
-    from lmcli.config import SampleConfig
+    from lmcli.config.commands import SampleConfig
     from lmcli.device import set_threads
+    from lmcli.formats.sources import load_model
     from lmcli.generate.sampling import generate
-    from lmcli.quant import quantize, weight_bytes
-    from lmcli.sources import load_model
+    from lmcli.model import fastpath
+    from lmcli.model.quant import quantize, weight_bytes
 
     set_threads(threads)
     before = resident()
@@ -161,7 +162,7 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
 
 def untied_embedding_bytes(model: Any) -> int:
     """Bytes of a token embedding that no product reads (an untied table: one row a token)."""
-    from lmcli.quant import Int8Embedding
+    from lmcli.model.quant import Int8Embedding
 
     wte = model.wte
     if model.config.tie_embeddings:

@@ -1,4 +1,4 @@
-"""Evaluation throughput: ``lmcli.evaluate.evaluate_text`` against the Hugging Face perplexity
+"""Evaluation throughput: ``lmcli.eval.perplexity.evaluate_text`` against the Hugging Face perplexity
 guide's sliding-window loop over ``GPT2LMHeadModel``, on the same weights and text.
 
 Both sides tokenize the same text (the same tokenizer), read it as ``<bos> text`` and score every
@@ -18,10 +18,10 @@ import torch
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, check_same_logits, hf_twin, lmcli_model
 from bench.texts import doc_text
-from lmcli import fastpath
-from lmcli.evaluate import Score, evaluate_text
-from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.eval.perplexity import Score, evaluate_text
+from lmcli.model import fastpath
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 
 BLOCK = 256
 CONTEXT, STRIDE = BLOCK - 1, 128  # max_length = context + 1 = the model's positions

@@ -1,4 +1,4 @@
-"""Evaluation memory: ``lmcli eval`` (``lmcli.evaluate.evaluate_run``) streams its text, so its peak
+"""Evaluation memory: ``lmcli eval`` (``lmcli.eval.perplexity.evaluate_run``) streams its text, so its peak
 memory does not grow with the text's size.
 
 Texts of ``SMALL_MB`` and ``BIG_MB`` MB are generated in a temporary folder (documentation lines,
@@ -32,10 +32,12 @@ def make_run(run_dir: Path, sample: str) -> None:
     """A run folder: a random tiny model and a BPE tokenizer trained on ``sample``."""
     import torch
 
-    from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import ModelConfig, TrainConfig, from_dict
-    from lmcli.model import Transformer
-    from lmcli.tokenizer import Tokenizer
+    from lmcli.config.files import from_dict
+    from lmcli.config.model import ModelConfig
+    from lmcli.config.train import TrainConfig
+    from lmcli.formats.checkpoint import save_checkpoint
+    from lmcli.model.transformer import Transformer
+    from lmcli.text.tokenizer import Tokenizer
 
     tok = Tokenizer.train("bpe", iter([sample]), vocab_size=VOCAB)
     torch.manual_seed(0)
@@ -48,9 +50,9 @@ def child(run_dir: str, text: str) -> None:
     """Evaluate ``text`` with the run, as ``lmcli eval RUN TEXT --batch-size BATCH`` does."""
     import torch
 
-    from lmcli.config import EvalConfig
-    from lmcli.evaluate import evaluate_run
-    from lmcli.sources import load_model
+    from lmcli.config.commands import EvalConfig
+    from lmcli.eval.perplexity import evaluate_run
+    from lmcli.formats.sources import load_model
 
     ckpt = load_model(Path(run_dir) / "last", torch.device("cpu"))
     t0 = time.perf_counter()

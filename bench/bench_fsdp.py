@@ -48,8 +48,9 @@ def child(kind: str) -> None:
     largest per-process bytes of parameters, gradients and optimizer state as JSON (rank 0)."""
     import torch.distributed as dist
 
-    from lmcli.config import TrainConfig, from_dict
-    from lmcli.distributed import init_distributed, shutdown_distributed
+    from lmcli.config.files import from_dict
+    from lmcli.config.train import TrainConfig
+    from lmcli.train.distributed import init_distributed, shutdown_distributed
     from lmcli.train.optim import make_optimizer
     from lmcli.train.parallel import clip_grad_norm, make_parallel
 

@@ -98,9 +98,9 @@ def measure(side: str, folder: str) -> dict[str, float]:
             return int(f.read().split()[1]) * resource.getpagesize()
 
     if side == "lmcli":
-        from lmcli.config import SampleConfig
+        from lmcli.config.commands import SampleConfig
+        from lmcli.formats.sources import load_model
         from lmcli.generate.sampling import generate
-        from lmcli.sources import load_model
 
         before = resident()
         t0 = time.perf_counter()

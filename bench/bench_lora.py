@@ -33,10 +33,12 @@ def make_base(run_dir: Path) -> None:
     """The base run folder: random GPT-2-small weights and a byte tokenizer."""
     import torch
 
-    from lmcli.checkpoint import save_checkpoint
-    from lmcli.config import ModelConfig, TrainConfig, from_dict
-    from lmcli.model import Transformer
-    from lmcli.tokenizer import Tokenizer
+    from lmcli.config.files import from_dict
+    from lmcli.config.model import ModelConfig
+    from lmcli.config.train import TrainConfig
+    from lmcli.formats.checkpoint import save_checkpoint
+    from lmcli.model.transformer import Transformer
+    from lmcli.text.tokenizer import Tokenizer
 
     byte = Tokenizer.train("byte", iter([TEXT]))
     tok = Tokenizer(byte.hf, {"eos": byte.token(byte.eos_id)})  # named specials: a padded vocabulary
@@ -48,7 +50,9 @@ def make_base(run_dir: Path) -> None:
 
 def child(tmp: str, rank: str) -> None:
     """Fine-tune the base (``rank`` 0: every weight) and print peak RSS and step time as JSON."""
-    from lmcli.config import ModelConfig, TrainConfig, from_dict
+    from lmcli.config.files import from_dict
+    from lmcli.config.model import ModelConfig
+    from lmcli.config.train import TrainConfig
     from lmcli.train import Reporter, train
 
     tmp_dir = Path(tmp)

@@ -29,10 +29,10 @@ from bench.bench_serve import serving
 from bench.common import Row, log, run_suite
 from bench.models import SMALL, lmcli_model
 from bench.texts import char_tokenizer
-from lmcli.checkpoint import save_checkpoint
-from lmcli.config import TrainConfig
-from lmcli.model import Transformer
-from lmcli.tokenizer import SPECIAL_TOKENS, Tokenizer
+from lmcli.config.train import TrainConfig
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 TURNS, REPEATS, REPLY, ASK = 10, 2, 110, 40
 CONCURRENT, SHARED_NEW = 64, 16

@@ -15,11 +15,11 @@ import torch
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import GPT2_SMALL, SMALL, TINY, hf_twin, lmcli_model
 from bench.texts import char_tokenizer, wide_tokenizer
-from lmcli import fastpath
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.sampling import generate
-from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.model import fastpath
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 
 PROMPT = 16
 TEMPERATURE = 0.8

@@ -31,8 +31,8 @@ import torch
 from bench.common import Row, log, run_suite
 from bench.models import TINY, lmcli_model
 from bench.texts import char_tokenizer
-from lmcli.checkpoint import save_checkpoint
-from lmcli.config import TrainConfig
+from lmcli.config.train import TrainConfig
+from lmcli.formats.checkpoint import save_checkpoint
 
 CLIENTS, PER_CLIENT, NEW, MAX_BATCH = 64, 4, 32, 64
 ROOT = Path(__file__).resolve().parents[1]

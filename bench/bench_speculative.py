@@ -23,11 +23,14 @@ import torch
 
 from bench.common import Row, interleaved, log, run_suite
 from bench.texts import doc_text
-from lmcli import fastpath
-from lmcli.config import ModelConfig, SampleConfig, TrainConfig, from_dict
+from lmcli.config.commands import SampleConfig
+from lmcli.config.files import from_dict
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TrainConfig
+from lmcli.formats.sources import load_checkpoint
 from lmcli.generate.sampling import generate
 from lmcli.generate.speculative import Draft
-from lmcli.sources import load_checkpoint
+from lmcli.model import fastpath
 from lmcli.train import Reporter, train
 
 NEW = 96

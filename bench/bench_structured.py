@@ -15,10 +15,10 @@ import torch
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, lmcli_model
 from bench.texts import wide_tokenizer
-from lmcli import fastpath
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.constrain import Constraint, Grammars
 from lmcli.generate.sampling import generate
+from lmcli.model import fastpath
 
 VOCAB, ROWS, NEW, PROMPT = 32000, 8, 64, 16
 SCHEMA = {

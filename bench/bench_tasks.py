@@ -25,14 +25,14 @@ import yaml
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, lmcli_model
 from bench.texts import doc_text
-from lmcli import fastpath
-from lmcli.checkpoint import save_checkpoint
-from lmcli.config import TrainConfig
-from lmcli.downstream.kinds import KIND_OF, Scorer
-from lmcli.downstream.run import load_tasks
-from lmcli.harness import task_config
-from lmcli.hf.export import export_hf
-from lmcli.tokenizer import Tokenizer
+from lmcli.config.train import TrainConfig
+from lmcli.eval.downstream.evaluate import load_tasks
+from lmcli.eval.downstream.kinds import KIND_OF, Scorer
+from lmcli.eval.harness import task_config
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.formats.export.hf import export_hf
+from lmcli.model import fastpath
+from lmcli.text.tokenizer import Tokenizer
 
 VOCAB, BLOCK = 8000, 256
 QUESTIONS, CONTEXT_CHARS, ENDING_CHARS = 96, 240, 80

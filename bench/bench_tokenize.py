@@ -89,7 +89,7 @@ def tiktoken_encoding(tokenizer_path: str):  # noqa: ANN201 - a tiktoken.Encodin
     """tiktoken with the byte-level BPE vocabulary of ``tokenizer.json`` (GPT-2's split pattern)."""
     import tiktoken
 
-    from lmcli.tokenizer import SPECIAL_TOKENS, Tokenizer, _byte_alphabet
+    from lmcli.text.tokenizer import SPECIAL_TOKENS, Tokenizer, _byte_alphabet
 
     tok = Tokenizer.load(tokenizer_path)
     byte_of = {c: b for b, c in enumerate(_byte_alphabet())}
@@ -106,7 +106,8 @@ def tiktoken_encoding(tokenizer_path: str):  # noqa: ANN201 - a tiktoken.Encodin
 
 def child_lmcli_tokenize(corpus: str, tokenizer: str, out: str, cores: int) -> dict[str, float]:
     """``lmcli tokenize CORPUS --tokenizer TOKENIZER --out OUT`` on ``cores`` cores."""
-    from lmcli.config import DataConfig, TokenizeConfig
+    from lmcli.config.commands import TokenizeConfig
+    from lmcli.config.train import DataConfig
     from lmcli.data.token_cache import tokenize_to
 
     cfg = TokenizeConfig(
@@ -150,7 +151,7 @@ def child_cache(corpus: str, tokenizer: str, out: str, cores: int) -> dict[str, 
     """lmcli's token cache (``lmcli train CORPUS``), streaming into a fresh cache folder."""
     from lmcli.data.corpus import FileCorpus
     from lmcli.data.token_cache import tokenize_corpus
-    from lmcli.tokenizer import Tokenizer
+    from lmcli.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tokenizer)
     t0 = time.perf_counter()
@@ -207,7 +208,7 @@ def total_rss(result: dict[str, float]) -> float:
 
 
 def run() -> list[Row]:
-    from lmcli.tokenizer import Tokenizer
+    from lmcli.text.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="lmcli-bench-tok-") as tmp:
         tmp_dir = Path(tmp)

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 
 from bench.common import Row, interleaved, log, run_suite
 from bench.models import SMALL, check_same_logits, hf_twin, lmcli_model
-from lmcli.config import TrainConfig, from_dict
+from lmcli.config.files import from_dict
+from lmcli.config.train import TrainConfig
 from lmcli.data.windows import Batch, WindowSampler
+from lmcli.train.losses import forward_scored
 from lmcli.train.optim import make_optimizer
-from lmcli.train.scoring import forward_scored
 
 VOCAB, BLOCK, BATCH = 65, 256, 8
 STEPS_PER_TIMING = 1  # optimizer steps per timed call

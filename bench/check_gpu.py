@@ -129,7 +129,9 @@ def corpus_file(folder: Path, chars: int) -> Path:
 
 
 def check_train(plan: Plan, work: Path, corpus: Path) -> dict[str, Any]:
-    from lmcli.config import ModelConfig, TrainConfig, from_dict
+    from lmcli.config.files import from_dict
+    from lmcli.config.model import ModelConfig
+    from lmcli.config.train import TrainConfig
     from lmcli.train import Reporter, train
     from lmcli.train.metrics import MetricsLog
 
@@ -248,12 +250,12 @@ def _time(fn: Callable[[], Any], repeats: int = 2) -> tuple[float, Any]:
 def check_inference(plan: Plan, run: Path, corpus: Path) -> dict[str, dict[str, Any]]:
     """eval, sample and beam with the trained weights in the commands' precision, against HF."""
     from bench.models import hf_twin
-    from lmcli.config import BeamConfig, SampleConfig
+    from lmcli.config.commands import BeamConfig, SampleConfig
     from lmcli.device import inference_dtype, precision
-    from lmcli.evaluate import score_ids
+    from lmcli.eval.perplexity import score_ids
+    from lmcli.formats.sources import load_model
     from lmcli.generate.beam import beam_search
     from lmcli.generate.sampling import generate
-    from lmcli.sources import load_model
 
     device = torch.device(plan.device)
     ckpt = load_model(run, device)

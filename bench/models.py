@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from lmcli.checkpoint import logical_state
-from lmcli.config import ModelConfig
-from lmcli.hf.families import FAMILIES
-from lmcli.model import Transformer
+from lmcli.config.model import ModelConfig
+from lmcli.formats.families import FAMILIES
+from lmcli.formats.weights import logical_state
+from lmcli.model.transformer import Transformer
 
 # the shapes the suites name
 TINY = dict(n_layer=4, n_head=4, n_embd=128)  # ~0.9M parameters with a 65-token vocabulary

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from lmcli.tokenizer import SPECIAL_TOKENS, Tokenizer, _byte_alphabet
+from lmcli.text.tokenizer import SPECIAL_TOKENS, Tokenizer, _byte_alphabet
 
 
 def doc_text() -> str:

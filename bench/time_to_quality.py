@@ -92,7 +92,7 @@ def lmcli(args: list[str], threads: int | None) -> None:
 
 def translate(ckpt: Path, split: str, beam: int, threads: int | None) -> dict[str, Any]:
     """``lmcli beam`` over a Multi30k split and sacreBLEU of its output (cased, lowercased, chrF)."""
-    from lmcli.bleu import score_translations
+    from lmcli.eval.bleu import score_translations
 
     source, reference = (DATA / "multi30k" / f"{split}.{lang}.gz" for lang in ("en", "de"))
     hyp = ckpt.parent / f"{ckpt.name}.{split}.beam{beam}.de"

@@ -175,7 +175,7 @@ def release_freed_memory() -> None:
     """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere
     nothing). Weights freed one by one while packed or quantized copies are made leave free
     chunks in the heap that the process would otherwise keep (and count) for its lifetime: 50 MB
-    for a 135M-parameter model packed in place (``lmcli.fastpath``), more when quantized."""
+    for a 135M-parameter model packed in place (``lmcli.model.fastpath``), more when quantized."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

@@ -193,3 +193,19 @@ def read_json_object(path: Path, limit: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise LmcliError(f"{path} does not hold a JSON object")
     return data
+
+
+def checked_file(path: Path) -> Path:
+    """``path`` if it is a regular file, not a link: a run folder is input, and a link or a
+    device there (``/dev/zero``) would make a reader hang or read outside the folder."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise LmcliError(f"{path.parent} is missing {path.name}") from None
+    except OSError as exc:
+        raise LmcliError(f"cannot read {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise LmcliError(f"{path} is a symbolic link: a run folder must not contain links")
+    if not stat.S_ISREG(st.st_mode):
+        raise LmcliError(f"{path} is not a regular file")
+    return path

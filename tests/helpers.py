@@ -26,11 +26,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmcli.checkpoint import save_checkpoint
-from lmcli.cli import main
-from lmcli.config import ModelConfig, TrainConfig, from_dict
-from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.cli.app import main
+from lmcli.config.files import from_dict
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TrainConfig
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 
 # The tiny corpus: 2020 characters; a char tokenizer of it has 25 tokens (5 of them special).
 TINY_TEXT = (
@@ -71,7 +73,7 @@ def train_config(**options: Any) -> TrainConfig:
     spell them (``train_config(lr=3e-3, max_steps=40)``): each option goes to its section
     (``cfg.optim.lr``, ``cfg.schedule.max_steps``), so a test never builds the sections itself.
     Checked as any config: a bad value raises the one-line ``LmcliError`` the CLI would print.
-    (To change some options of a config: ``lmcli.config.replace_options(cfg, max_steps=8)``.)"""
+    (To change some options of a config: ``lmcli.config.files.replace_options(cfg, max_steps=8)``.)"""
     return from_dict(TrainConfig, options, source="train_config")
 
 
@@ -102,7 +104,7 @@ def float32_tolerance(expected: torch.Tensor, cfg: ModelConfig) -> float:
     (Qwen2 with YaRN against transformers) is about 1.5 * sqrt(K) * eps * max|expected|;
     the margin of 8 leaves room for CPUs that sum in yet another order. On the tiny test models
     this is ~1e-4 on logits of size 7, while a wrong weight, bias, mask or position moves them by
-    1e-3 and more (``tests/hf/test_families.py`` keeps a weight 0.1% off failing).
+    1e-3 and more (``tests/formats/test_families.py`` keeps a weight 0.1% off failing).
     """
     finite = expected[torch.isfinite(expected)]
     width = max(cfg.n_embd, cfg.ffn_dim)
@@ -261,7 +263,7 @@ def craft(run: Path, model: dict | None = None, train: dict | None = None, *, me
 DRIVER = textwrap.dedent(
     """
     import contextlib, io, json, resource, sys, time
-    import torch, lmcli.cli, lmcli.generate.sampling, lmcli.sources
+    import torch, lmcli.cli.app, lmcli.generate.sampling, lmcli.formats.sources
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -282,9 +284,9 @@ DRIVER = textwrap.dedent(
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:
                 if argv[0] == "load":  # the loader alone
-                    model = lmcli.sources.load_checkpoint(argv[1]).model
+                    model = lmcli.formats.sources.load_checkpoint(argv[1]).model
                 else:
-                    lmcli.cli.main(argv)
+                    lmcli.cli.app.main(argv)
                 code = 0
             except SystemExit as exc:
                 code = exc.code or 0

@@ -19,7 +19,7 @@ from lmcli.device import (
     to_host,
 )
 from lmcli.generate.decoding import prefill, step
-from lmcli.generate.kv_cache import KVCache
+from lmcli.model.kv_cache import KVCache
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 from helpers import tiny_tokenizer, train_config
 
-from lmcli.config import Task
+from lmcli.config.train import Task
 from lmcli.generate.decoding import make_prompt
 from lmcli.tasks import TASKS, SourcePrompt, TextPrompt, make_task
 

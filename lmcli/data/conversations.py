@@ -5,7 +5,7 @@ A row is ``{"prompt": ..., "response": ...}`` (optionally ``"system"``) or ``{"m
 assistant turns alternating, from a user turn to an assistant turn, no reply empty. Rows come
 from a JSONL file (one object a line), a JSON file (a list of objects), a parquet file or a
 ``datasets`` corpus. Each conversation is rendered with the tokenizer's chat template (or
-lmcli's) by ``lmcli.chat_template.encode_conversation``, which marks the reply tokens the loss
+lmcli's) by ``lmcli.text.chat_template.encode_conversation``, which marks the reply tokens the loss
 reads.
 """
 
@@ -19,12 +19,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lmcli.chat_template import Message, Renderer, Template, check_messages, check_text, encode_conversation
 from lmcli.data.corpus import load_hf_dataset
 from lmcli.data.examples import Encoded, Skipped, truncate
 from lmcli.data.readers import READ_ERRORS, read_error
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.chat_template import (
+    Message,
+    Renderer,
+    Template,
+    check_messages,
+    check_text,
+    encode_conversation,
+)
+from lmcli.text.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
 

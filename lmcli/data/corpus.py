@@ -99,12 +99,25 @@ def _read_file(path: Path, stats: TextStats) -> Iterator[str]:
         raise LmcliError(read_error(path, exc)) from None
 
 
-class Corpus:
-    """A re-iterable source of documents; each document is yielded as chunks of text."""
+class Identified:
+    """A data source known by its ``identity`` (what its content is: paths, sizes and times of
+    files, a dataset's fingerprint), whose hash keys caches, and by a ``description`` for people."""
 
     def __init__(self, identity: dict[str, Any], description: str) -> None:
         self.identity = identity
         self.description = description
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps(self.identity, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class Corpus(Identified):
+    """A re-iterable source of documents; each document is yielded as chunks of text."""
+
+    def __init__(self, identity: dict[str, Any], description: str) -> None:
+        super().__init__(identity, description)
         self.stats = TextStats()
 
     def documents(self) -> Iterator[Iterator[str]]:
@@ -118,11 +131,6 @@ class Corpus:
         """All text chunks in order (e.g. to train a tokenizer)."""
         for doc in self.documents():
             yield from doc
-
-    @property
-    def key(self) -> str:
-        blob = json.dumps(self.identity, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _read_table(path: Path, column: str, stats: TextStats) -> Iterator[Iterator[str]]:

@@ -30,7 +30,7 @@ from lmcli.data.token_shards import damaged, file_check, read_cache_json
 from lmcli.data.windows import IGNORE, Batch, EpochStream
 from lmcli.errors import LmcliError
 from lmcli.safe_io import atomic_write, remove_stale_temps, temp_file
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 EXAMPLE_CACHE_VERSION = 1
 PAD_MULTIPLE = 64  # compiled or on a GPU, batch widths are multiples of this (or of the context)

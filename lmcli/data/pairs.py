@@ -8,17 +8,15 @@ supervised example (``lmcli.data.examples``): the source is the prompt, the targ
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from lmcli.data.corpus import batched, load_hf_dataset
+from lmcli.data.corpus import Identified, batched, load_hf_dataset
 from lmcli.data.examples import Encoded, Skipped
 from lmcli.data.readers import READ_ERRORS, open_text, read_error
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 
 def _count_lines(path: Path) -> int:
@@ -29,12 +27,8 @@ def _count_lines(path: Path) -> int:
         raise LmcliError(read_error(path, exc)) from None
 
 
-class PairCorpus:
+class PairCorpus(Identified):
     """A re-iterable source of (source, target) text pairs with a cache identity."""
-
-    def __init__(self, identity: dict[str, Any], description: str) -> None:
-        self.identity = identity
-        self.description = description
 
     def pairs(self) -> Iterator[tuple[str, str]]:
         raise NotImplementedError
@@ -58,11 +52,6 @@ class PairCorpus:
             for s_ids, t_ids in zip(srcs, tgts, strict=True):
                 ids, prefix, cut = encode_pair(s_ids, t_ids, tok, max_len)
                 yield Encoded(ids, [False] * prefix + [True] * (len(ids) - prefix), prefix, cut)
-
-    @property
-    def key(self) -> str:
-        blob = json.dumps(self.identity, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _file_id(path: Path) -> tuple[str, int, int]:

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmcli.config import DataConfig, TokenizeConfig
+from lmcli.config.commands import TokenizeConfig
+from lmcli.config.train import DataConfig
 from lmcli.data.corpus import Corpus, open_corpus
 from lmcli.data.token_shards import (
     INDEX,
@@ -35,7 +36,7 @@ from lmcli.data.token_shards import (
 from lmcli.data.tokenize import write_token_folder
 from lmcli.errors import LmcliError
 from lmcli.safe_io import atomic_write, remove_stale_temps
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from lmcli.data.examples import ExampleSource

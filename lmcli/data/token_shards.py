@@ -29,7 +29,7 @@ import numpy as np
 
 from lmcli.data.stream import Piece, TokenStream
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 FORMAT = "lmcli-tokens"
 VERSION = 3  # 2: one .bin per corpus; 3: shards with their documents' ends

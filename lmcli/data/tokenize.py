@@ -50,7 +50,7 @@ from lmcli.data.token_shards import (
 )
 from lmcli.errors import LmcliError
 from lmcli.safe_io import atomic_write, file_mode, remove_stale_temps, temp_file
-from lmcli.tokenizer import CONFIG, PIECE_CHARS, Tokenizer, split_pieces
+from lmcli.text.tokenizer import CONFIG, PIECE_CHARS, Tokenizer, split_pieces
 
 JOB_CHARS = 1 << 20  # characters of text per job: one batch encode
 POOL_AFTER = 1 << 24  # characters read before workers start (16 MiB: ~10 s of one core)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcli.config import DataConfig, TrainConfig
+from lmcli.config.train import DataConfig, TrainConfig
 from lmcli.data.conversations import ConversationRows
 from lmcli.data.corpus import open_corpus
 from lmcli.data.examples import ExampleSampler, ExampleSet, ExampleSource, collate, tokenize_examples
@@ -29,7 +29,7 @@ from lmcli.data.token_shards import TokenFolder, is_token_folder, open_token_fol
 from lmcli.data.windows import Batch, WindowSampler, eval_starts, require_window, windows_to_batch
 from lmcli.errors import LmcliError
 from lmcli.tasks import make_task
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 Info = Callable[[str], None]
 

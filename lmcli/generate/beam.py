@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmcli import fastpath
-from lmcli.config import BeamConfig
+from lmcli.config.commands import BeamConfig
 from lmcli.device import to_host
 from lmcli.generate.decoding import TEXT, Prompt, make_prompt, needs_slide, prefill, slide, step
-from lmcli.generate.kv_cache import check_fits
-from lmcli.model import Transformer
+from lmcli.model import fastpath
+from lmcli.model.kv_cache import check_fits
+from lmcli.model.transformer import Transformer
 from lmcli.tasks import TextPrompt
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 DEAD = -1.0e9  # score of a beam slot with nothing left to continue
 

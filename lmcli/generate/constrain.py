@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar"]
 KIND_NAMES = {

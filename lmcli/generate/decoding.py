@@ -3,7 +3,7 @@
 Every decoder goes through ``prefill`` (left-padded prompts into a fresh KV cache) and then
 ``step`` (one token per row through the cached model); when a row's context is full,
 ``slide`` re-prefills the last part of it. All of it is the model's one ``forward``; the
-decoders run it inside ``lmcli.fastpath.inference``, which makes it faster on a CPU.
+decoders run it inside ``lmcli.model.fastpath.inference``, which makes it faster on a CPU.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lmcli import chat_template
-from lmcli.generate.kv_cache import KVCache
-from lmcli.model import Transformer
+from lmcli.model.kv_cache import KVCache
+from lmcli.model.transformer import Transformer
 from lmcli.tasks import TextPrompt
-from lmcli.tokenizer import Tokenizer
+from lmcli.text import chat_template
+from lmcli.text.tokenizer import Tokenizer
 
 TEXT = TextPrompt()  # ``<bos> text``, a language model's prompt
 

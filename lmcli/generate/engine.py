@@ -36,13 +36,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import needs_slide, prefill, slide, step
-from lmcli.generate.kv_cache import KVCache
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.rules import TextTail, choose, cut_at_stop, held_back, penalize_seen, seen_mask
-from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.model.kv_cache import KVCache
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 
 
 class RowProcessor(Protocol):

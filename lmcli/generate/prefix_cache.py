@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lmcli.generate.kv_cache import GROW, KVCache
-from lmcli.model import Transformer
+from lmcli.model.kv_cache import GROW, KVCache
+from lmcli.model.transformer import Transformer
 
 BLOCK = 16  # tokens per node: the unit of matching and of eviction
 

@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from lmcli import fastpath
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import TEXT, Prompt, make_prompt
 from lmcli.generate.engine import Engine, Row, RowProcessor
-from lmcli.generate.kv_cache import check_fits
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.speculative import Draft, Speculator, fits
-from lmcli.model import Transformer
+from lmcli.model import fastpath
+from lmcli.model.kv_cache import check_fits
+from lmcli.model.transformer import Transformer
 from lmcli.tasks import TextPrompt
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -39,14 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmcli import fastpath
 from lmcli.errors import LmcliError
 from lmcli.generate.decoding import prefill
 from lmcli.generate.engine import Row
-from lmcli.generate.kv_cache import KVCache
 from lmcli.generate.rules import draw, penalize_seen, sampling_probs
-from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.model import fastpath
+from lmcli.model.kv_cache import KVCache
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 
 
 @dataclass

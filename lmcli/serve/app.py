@@ -36,11 +36,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lmcli.chat_template import Renderer
-from lmcli.config import ServeConfig
+from lmcli.config.commands import ServeConfig
 from lmcli.serve import protocol
 from lmcli.serve.protocol import ApiError, Choices, Model
 from lmcli.serve.scheduler import Done, Event, Failed, QueueFull, Scheduler, Update
+from lmcli.text.chat_template import Renderer
 
 OPEN_PATHS = ("/", "/health")  # the page is static and holds nothing; its API calls need the key
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lmcli.generate.kv_cache import GROW, KVCache, LeftPadding
+from lmcli.model.kv_cache import GROW, KVCache, LeftPadding
 
 
 class BatchCache(KVCache):

@@ -25,16 +25,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lmcli import chat_template
-from lmcli.chat_template import Renderer, RendererClosed, RenderTooLong, Template, check_text
-from lmcli.config import SEED_MAX, SampleConfig
+from lmcli.config.commands import SampleConfig
+from lmcli.config.fields import SEED_MAX
 from lmcli.errors import LmcliError
 from lmcli.generate.constrain import Constraint, ConstraintError, Grammars
 from lmcli.serve import tools as tool_calls
 from lmcli.serve.scheduler import Job, TokenLogprob, Update
 from lmcli.serve.tools import CallStream, ToolError, Tools
 from lmcli.tasks import TextPrompt
-from lmcli.tokenizer import Tokenizer
+from lmcli.text import chat_template
+from lmcli.text.chat_template import Renderer, RendererClosed, RenderTooLong, Template, check_text
+from lmcli.text.tokenizer import Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 5

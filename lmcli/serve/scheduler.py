@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmcli import fastpath
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.device import autocast
 from lmcli.generate.engine import Emitted, Engine, Row, RowProcessor
-from lmcli.generate.kv_cache import KVCache
 from lmcli.generate.prefix_cache import PrefixCache
-from lmcli.model import Transformer
+from lmcli.model import fastpath
+from lmcli.model.kv_cache import KVCache
+from lmcli.model.transformer import Transformer
 from lmcli.serve.batch_cache import empty_cache
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 
 class QueueFull(Exception):

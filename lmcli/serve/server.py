@@ -23,9 +23,9 @@ from typing import Any
 
 import uvicorn
 
-from lmcli.checkpoint import Checkpoint
-from lmcli.config import ServeConfig
+from lmcli.config.commands import ServeConfig
 from lmcli.errors import LmcliError
+from lmcli.formats.checkpoint import Checkpoint
 from lmcli.generate.constrain import Grammars
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.serve.app import create_app
@@ -39,7 +39,7 @@ BACKLOG = 2048  # connections the kernel holds until they are accepted
 
 def describe(ckpt: Checkpoint, cfg: ServeConfig) -> Model:
     """The served model as the API shows it."""
-    from lmcli.chat_template import template_of
+    from lmcli.text.chat_template import template_of
 
     name = cfg.model_name or (ckpt.path.parent.name if ckpt.path.name in ("best", "last") else ckpt.path.name)
     task = make_task(ckpt.train_config)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcli.generate.constrain import JSON_OPTIONS, Constraint
-from lmcli.template_render import Template
+from lmcli.text.template_render import Template
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_TOOLS = 128

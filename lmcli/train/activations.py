@@ -10,7 +10,7 @@ what it does not keep for the backward, through ``torch.utils.checkpoint``.
   ALiBi), its T×T scores are batched products (``bmm``) and are recomputed, not kept.
 
 The wrapping is applied from the training side: each block's ``forward`` is replaced on the
-instance, so the module tree and every parameter name stay those of ``lmcli.model`` (a
+instance, so the module tree and every parameter name stay those of ``lmcli.model.transformer`` (a
 ``checkpoint_wrapper`` module would add a level to every name). The results are those of the
 plain forward: recomputation replays the same ops on the same inputs.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lmcli.model import Transformer
+from lmcli.model.transformer import Transformer
 
 aten = torch.ops.aten
 # ops whose outputs ``selective`` keeps: the linear layers' products and fused attention kernels

@@ -15,17 +15,11 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-from lmcli.checkpoint import (
-    STEP,
-    Checkpoint,
-    model_from_state,
-    model_state,
-    save_checkpoint,
-    step_checkpoints,
-)
 from lmcli.errors import LmcliError
-from lmcli.model import Transformer
-from lmcli.sources import load_checkpoint
+from lmcli.formats.checkpoint import STEP, Checkpoint, save_checkpoint, step_checkpoints
+from lmcli.formats.sources import load_checkpoint
+from lmcli.formats.weights import model_from_state, model_state
+from lmcli.model.transformer import Transformer
 
 
 class EMA:

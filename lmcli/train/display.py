@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmcli.train.loop import Reporter
 from lmcli.train.preflight import Preflight, fmt_duration, fmt_rate, preflight_rows
+from lmcli.train.run import Reporter
 
 
 def stderr_console() -> Console:

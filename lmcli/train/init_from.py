@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from lmcli.checkpoint import with_context
-from lmcli.config import ModelConfig
-from lmcli.hf.gguf_load import is_gguf_file, load_gguf
-from lmcli.hf.load import is_hf_folder, load_hf_folder, open_hf_folder
-from lmcli.model import Transformer
-from lmcli.sources import load_checkpoint
+from lmcli.config.model import ModelConfig
+from lmcli.formats.gguf.load import is_gguf_file, load_gguf
+from lmcli.formats.hf.load import is_hf_folder, load_hf_folder, open_hf_folder
+from lmcli.formats.sources import load_checkpoint
+from lmcli.formats.weights import with_context
+from lmcli.model.transformer import Transformer
 from lmcli.train.parallel import Fill, fill_from_hf
 
 Load = Callable[[bool], tuple[Transformer, Fill | None]]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcli.config import ModelConfig
+from lmcli.config.model import ModelConfig
 
 # Dense (no sparsity) bf16 tensor-core TFLOP/s from the vendors' datasheets; float16 for the
 # GPUs without native bf16 (V100, T4), where lmcli trains in float16. First match wins: the

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lmcli.config import TrainConfig
+from lmcli.config.train import TrainConfig
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> Any:

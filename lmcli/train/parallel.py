@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from lmcli import lora
-from lmcli.config import TrainConfig
-from lmcli.distributed import Dist
+from lmcli.config.train import TrainConfig
 from lmcli.errors import LmcliError
-from lmcli.model import Transformer
+from lmcli.model import lora
+from lmcli.model.transformer import Transformer
 from lmcli.train.activations import checkpoint_blocks
+from lmcli.train.distributed import Dist
+from lmcli.train.sharded import Contents, save_sharded, save_whole
 
 Fill = Callable[[Transformer], None]  # puts weights into a model whose tensors are allocated
 
@@ -120,13 +121,10 @@ class Single:
         """The context of one micro-batch's forward and backward (``last``: the step's last)."""
         return contextlib.nullcontext()
 
-    def save(self, dest: Path, module: torch.nn.Module, **files: Any) -> None:
-        """Write the checkpoint folder ``dest`` of ``module`` (every rank calls it): ``files``
-        are ``save_whole``'s (configs, tokenizer, ``meta``, the ``states`` to resume from, a
-        LoRA ``base``, ``then``: what rank 0 does once it is in place)."""
-        from lmcli.train.sharded import save_whole
-
-        save_whole(dest, module, self.dist, **files)
+    def save(self, dest: Path, module: torch.nn.Module, contents: Contents) -> None:
+        """Write the checkpoint folder ``dest`` of ``module`` and its ``contents`` (every rank
+        calls it)."""
+        save_whole(dest, module, self.dist, contents)
 
     def finish(self) -> None:
         """Wait for checkpoint writes still under way, and put them in place."""
@@ -211,13 +209,11 @@ class Sharded(Single):
         self.root.set_reshard_after_backward(last, recurse=False)
         return contextlib.nullcontext()
 
-    def save(self, dest: Path, module: torch.nn.Module, **files: Any) -> None:
-        from lmcli.train.sharded import save_sharded
-
+    def save(self, dest: Path, module: torch.nn.Module, contents: Contents) -> None:
         self.finish()  # one write at a time: the previous one is put in place first
         if self.group is None:  # its own: the background writes' collectives beside training's
             self.group = torch.distributed.new_group(backend="gloo")
-        self.pending = save_sharded(dest, module, self.dist, group=self.group, **files)
+        self.pending = save_sharded(dest, module, self.dist, contents, group=self.group)
 
     def finish(self) -> None:
         if self.pending is not None:
@@ -284,9 +280,9 @@ def load_into(
 
 def fill_from_hf(model: Transformer, folder: Any) -> None:
     """A Hugging Face folder's weights into ``model`` (placed, perhaps sharded), one block at a
-    time: each process reads and keeps its own rows (``lmcli.hf.load.read_blocks``)."""
-    from lmcli.checkpoint import MODULE_NAMES
-    from lmcli.hf.load import read_blocks
+    time: each process reads and keeps its own rows (``lmcli.formats.hf.load.read_blocks``)."""
+    from lmcli.formats.hf.load import read_blocks
+    from lmcli.formats.weights import MODULE_NAMES
 
     where = f"in {folder.path}"
     blocks = read_blocks(folder, torch.float32)

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcli.config import ModelConfig
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TrainConfig
+from lmcli.model import lora
+from lmcli.model.transformer import Transformer
+from lmcli.tasks import make_task
+from lmcli.train.parallel import (
+    per_process_memory,
+)
 
 
 @dataclass(frozen=True)
@@ -166,3 +173,50 @@ def preflight_rows(p: Preflight, device: str, extra: dict[str, str]) -> list[tup
     rows.append(("device", device))
     rows.extend(extra.items())
     return rows
+
+
+def skeleton(model_config: ModelConfig, cfg: TrainConfig) -> Transformer:
+    """The run's model on the meta device (LoRA adapters included), for weights put in later."""
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    return lora.add_adapters(model, cfg) if cfg.lora.lora_rank else model
+
+
+def replica_memory(
+    model_config: ModelConfig, cfg: TrainConfig, amp: torch.dtype | None, device: torch.device
+) -> tuple[int, int | None]:
+    """Bytes one whole replica of the run needs (the pre-flight's estimate, from the model
+    built on the meta device) and what one process has (``--parallel auto`` compares them)."""
+    if cfg.parallelism.parallel != "auto":
+        return 0, None
+    need = estimated_memory(skeleton(model_config, cfg), cfg, amp, device, shards=1)
+    return need, per_process_memory(available_memory(device), device)
+
+
+def estimated_memory(
+    model: Transformer,
+    cfg: TrainConfig,
+    amp: torch.dtype | None,
+    device: torch.device,
+    shards: int,
+    context: int | None = None,
+) -> int:
+    """The analytic estimate of a process's bytes (no T×T scores where SDPA's flash kernels run),
+    with parameters, gradients and optimizer state split over ``shards`` processes, the
+    activations ``--activation-checkpointing`` keeps, sequences of ``context`` tokens (None: the
+    block size)."""
+    flash = device.type == "cuda" and not model.positions.biases_scores and not make_task(cfg).prefix_lm
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params, batch = model.num_parameters(), cfg.optim.batch_size
+    recompute = cfg.parallelism.activation_checkpointing
+    return estimate_memory(
+        model.config,
+        params,
+        batch,
+        amp is not None,
+        flash,
+        trainable,
+        context,
+        shards=shards,
+        recompute=recompute,
+    )

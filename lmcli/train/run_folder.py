@@ -2,7 +2,7 @@
 
 Options resolve as: dataclass defaults < the resumed run's config < a ``--config`` file < flags.
 The run folder holds ``config.json`` (the resolved configs), ``last/``, ``best/`` and optional
-``step-N/`` checkpoints (``lmcli.checkpoint``), ``metrics.jsonl`` and ``loss.png``.
+``step-N/`` checkpoints (``lmcli.formats.checkpoint``), ``metrics.jsonl`` and ``loss.png``.
 
 One writer at a time: a new run creates its folder exclusively (a default name never collides),
 and every writer holds an exclusive ``flock`` on the folder's ``.lock`` file, which holds its pid,
@@ -23,19 +23,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lmcli.checkpoint import META, last_checkpoint, read_json, recover_checkpoints
-from lmcli.config import (
-    TOKENIZER_KINDS,
-    ModelConfig,
-    TrainConfig,
-    from_dict,
-    option_items,
-    replace_options,
-    split_options,
-    stored_fields,
-    to_dict,
-)
+from lmcli.config.files import from_dict, option_items, replace_options, split_options, stored_fields, to_dict
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TOKENIZER_KINDS, TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.formats.checkpoint import META, last_checkpoint, read_json, recover_checkpoints
 from lmcli.safe_io import atomic_write, pid_alive, refuse_symlinks, remove_stale_temps
 
 LOCK = ".lock"
@@ -264,7 +256,7 @@ def resolve_configs(
         train["tokenizer"] = "bpe"  # a joint subword vocabulary over both languages
     init = train.get("init_from")
     if init and resume is None and "block_size" not in model and Path(init).exists():
-        from lmcli.sources import read_model_config
+        from lmcli.formats.sources import read_model_config
 
         model["block_size"] = read_model_config(init).block_size  # the import's own
     return from_dict(ModelConfig, model, source="model config"), from_dict(

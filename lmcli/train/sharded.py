@@ -1,6 +1,6 @@
 """Writing and restoring a run's checkpoints, whole or sharded (``torch.distributed.checkpoint``).
 
-A whole checkpoint (one process, DDP) is written by rank 0 alone: ``lmcli.checkpoint``'s folder,
+A whole checkpoint (one process, DDP) is written by rank 0 alone: ``lmcli.formats.checkpoint``'s folder,
 the training state in ``trainer_state.pt``. A sharded one (``--parallel fsdp``) is the same
 folder with DCP's files in place of ``trainer_state.pt``:
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from lmcli import lora
-from lmcli.checkpoint import (
+from lmcli.errors import LmcliError
+from lmcli.formats.checkpoint import (
     ADAPTERS,
     BASE,
     SHARD_INDEX,
@@ -45,13 +45,13 @@ from lmcli.checkpoint import (
     read_configs,
     read_json,
     save_checkpoint,
-    unwrap,
     write_files,
 )
-from lmcli.distributed import Dist, on_main
-from lmcli.errors import LmcliError
-from lmcli.lora_run import checked_base
+from lmcli.formats.lora_base import checked_base
+from lmcli.formats.weights import unwrap
+from lmcli.model import lora
 from lmcli.safe_io import temp_dir
+from lmcli.train.distributed import Dist, on_main
 from lmcli.train.state import StateRegistry
 
 Then = Callable[[Path], None]  # what rank 0 does once a checkpoint is in place (copies: best/, step-N/)
@@ -192,43 +192,36 @@ class Pending:
                 self.then(self.dest)
 
 
-def save_whole(
-    dest: Path,
-    module: torch.nn.Module,
-    dist_info: Dist,
-    *,
-    cfg: Any,
-    tokenizer: Any,
-    meta: dict[str, Any],
-    states: StateRegistry | None = None,
-    base: dict[str, Any] | None = None,
-    then: Then | None = None,
-) -> None:
+@dataclass
+class Contents:
+    """What a checkpoint folder holds besides the module's weights."""
+
+    cfg: Any  # the TrainConfig
+    tokenizer: Any
+    meta: dict[str, Any]  # meta.json (step, losses, time)
+    states: StateRegistry | None = None  # the parts a resume restores (None: weights only)
+    base: dict[str, Any] | None = None  # a LoRA run's base reference
+    then: Then | None = None  # what rank 0 does once the folder is in place
+
+
+def save_whole(dest: Path, module: torch.nn.Module, dist_info: Dist, contents: Contents) -> None:
     """A whole checkpoint, by rank 0 (every process calls it: the RNG states are gathered)."""
-    state = states.state_dict() if states is not None else None
+    c = contents
+    state = c.states.state_dict() if c.states is not None else None
     if dist_info.is_main:
-        save_checkpoint(dest, module, cfg, tokenizer, meta=meta, state=state, base=base)
-        if then is not None:
-            then(dest)
+        save_checkpoint(dest, module, c.cfg, c.tokenizer, meta=c.meta, state=state, base=c.base)
+        if c.then is not None:
+            c.then(dest)
 
 
 def save_sharded(
-    dest: Path,
-    module: torch.nn.Module,
-    dist_info: Dist,
-    *,
-    cfg: Any,
-    tokenizer: Any,
-    meta: dict[str, Any],
-    states: StateRegistry | None = None,
-    base: dict[str, Any] | None = None,
-    then: Then | None = None,
-    group: Any = None,
+    dest: Path, module: torch.nn.Module, dist_info: Dist, contents: Contents, group: Any = None
 ) -> Pending | None:
     """A sharded checkpoint (every process calls it): rank 0 writes the whole weights, configs
     and tokenizer, every process its shard of ``states`` in the background (on ``group``); the
-    ``Pending`` write to ``commit``. Without ``states`` (a weight average's folder: weights only)
+    ``Pending`` write to ``commit``. Without ``contents.states`` (a weight average's folder: weights only)
     it is committed before returning, and None is returned."""
+    c = contents
     gathered = gathered_state(module)
     dest = Path(dest)
 
@@ -236,21 +229,21 @@ def save_sharded(
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_dir(dest)
         try:
-            write_files(tmp, module, cfg, tokenizer, base=base, gathered=gathered)
+            write_files(tmp, module, c.cfg, c.tokenizer, base=c.base, gathered=gathered)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tmp
 
     tmp = on_main(start, dist_info)
-    if states is None:
+    if c.states is None:
         future: Any = _done()
     else:
         import torch.distributed.checkpoint as dcp
 
-        future = dcp.async_save(dcp_parts(module, states), checkpoint_id=str(tmp), process_group=group)
-    pending = Pending(future, tmp, dest, meta, then, dist_info.is_main)
-    if states is None:
+        future = dcp.async_save(dcp_parts(module, c.states), checkpoint_id=str(tmp), process_group=group)
+    pending = Pending(future, tmp, dest, c.meta, c.then, dist_info.is_main)
+    if c.states is None:
         pending.commit()
         return None
     return pending

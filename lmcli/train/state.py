@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from lmcli.distributed import Dist
+from lmcli.train.distributed import Dist
 
 
 class Stateful(Protocol):

@@ -159,7 +159,7 @@ def test_sigterm_during_tokenization_leaves_nothing_after_the_next_start(tmp_pat
     env = {**os.environ, "LMCLI_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
     code = (
         "import sys; from helpers import train_config; from lmcli.data.train_data import load_train_data;"
-        "from lmcli.tokenizer import Tokenizer;"
+        "from lmcli.text.tokenizer import Tokenizer;"
         f"tok = Tokenizer.train('char', iter([{TINY_TEXT!r}]));"
         "sys.stdout.write('ready\\n'); sys.stdout.flush();"
         f"cfg = train_config(corpus=({str(corpus)!r},));"

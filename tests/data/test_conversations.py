@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from helpers import tiny_tokenizer, train_config
 
-from lmcli.chat_template import encode_conversation
 from lmcli.data.conversations import ConversationRows, conversation
 from lmcli.data.examples import collate, tokenize_examples
 from lmcli.data.windows import IGNORE
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.chat_template import encode_conversation
+from lmcli.text.tokenizer import Tokenizer
 
 TEXT = "the cat sat on the mat. the dog sat on the log. who sat? be brief. yes no abc system user assistant"
 
@@ -129,7 +129,7 @@ def test_a_jinja_chat_template_scores_what_transformers_marks_as_assistant(
     assert scored == [bool(m) for m in marked["assistant_masks"]]
     assert scored_text(tok, ids, scored) == ["the cat.<|im_end|>", "the dog.<|im_end|>"]
     # the prompt for the next reply is the scored conversation's prefix: training sees what serving sends
-    from lmcli.chat_template import encode
+    from lmcli.text.chat_template import encode
 
     assert ids[: scored.index(True)] == encode(CHAT[1:2], template, tok)
 

@@ -15,7 +15,7 @@ from lmcli.data.token_cache import tokenize_corpus
 from lmcli.data.train_data import load_train_data
 from lmcli.data.windows import WindowSampler, eval_windows
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 
 def test_paths_files_folders_globs_and_gz(tmp_path: Path) -> None:

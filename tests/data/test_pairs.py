@@ -14,7 +14,7 @@ from lmcli.data.examples import ExampleSampler, collate, tokenize_examples
 from lmcli.data.pairs import AlignedFiles, DatasetPairs, TableFile, encode_pair
 from lmcli.data.windows import IGNORE
 from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_tokenizer
 
-from lmcli.config import BeamConfig
+from lmcli.config.commands import BeamConfig
 from lmcli.generate.beam import banned_ngram_tokens, beam_search
-from lmcli.model import Transformer
+from lmcli.model.transformer import Transformer
 
 
 def peaky(vocab: int, seed: int) -> Transformer:
@@ -69,8 +69,8 @@ def test_exhaustive_beams_find_the_brute_force_best(alpha: float) -> None:
 @pytest.mark.parametrize("k,alpha", [(3, 1.0), (4, 0.6), (5, 2.0)])
 def test_same_best_hypothesis_and_score_as_hugging_face(k: int, alpha: float) -> None:
     transformers = pytest.importorskip("transformers")
-    from lmcli.checkpoint import load_state
-    from lmcli.hf.families import FAMILIES
+    from lmcli.formats.families import FAMILIES
+    from lmcli.formats.weights import load_state
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(

@@ -15,10 +15,10 @@ from helpers import TINY_TEXT, tiny_model, tiny_tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.constrain import Constraint, ConstraintError, GrammarMask, Grammars
 from lmcli.generate.sampling import generate
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 # A nested schema: objects, arrays, enums, numbers, required keys (bounded, so a random model ends).
 SCHEMA = {

@@ -15,15 +15,15 @@ import torch
 from helpers import assert_float32_close, tiny_model, tiny_tokenizer
 from torch import nn
 
-import lmcli.fastpath.cpu as cpu_module
-import lmcli.fastpath.packed as packed_module
-from lmcli import fastpath
-from lmcli.config import SampleConfig
-from lmcli.fastpath.packed import PackingLinear, packing_available
+import lmcli.model.fastpath.cpu as cpu_module
+import lmcli.model.fastpath.packed as packed_module
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import prefill, step
-from lmcli.generate.kv_cache import GROW, KVCache
 from lmcli.generate.rules import draw
 from lmcli.generate.sampling import generate
+from lmcli.model import fastpath
+from lmcli.model.fastpath.packed import PackingLinear, packing_available
+from lmcli.model.kv_cache import GROW, KVCache
 
 
 def test_cache_grows_past_its_first_buffer_and_reorders_every_column() -> None:
@@ -99,7 +99,7 @@ def test_step_threads_and_the_inference_scope_change_no_token(monkeypatch) -> No
     ids=["mha", "gqa-qkv-bias"],
 )
 def test_batched_beams_with_shared_prompt_columns_equal_one_input_at_a_time(arch: dict) -> None:
-    from lmcli.config import BeamConfig
+    from lmcli.config.commands import BeamConfig
     from lmcli.generate.beam import beam_search
 
     model, tok = tiny_model(**{"block_size": 20, **arch}), tiny_tokenizer()

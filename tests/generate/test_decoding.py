@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers import assert_float32_close, tiny_model, tiny_tokenizer
 
-from lmcli import fastpath
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import prefill, step
-from lmcli.generate.kv_cache import KVCache
 from lmcli.generate.sampling import generate
-from lmcli.model import Transformer
+from lmcli.model import fastpath
+from lmcli.model.kv_cache import KVCache
+from lmcli.model.transformer import Transformer
 
 VARIANTS = list(itertools.product(("learned", "sinusoidal", "rope", "alibi"), ("pre", "post")))
 

@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_tokenizer
 from torch import Tensor
 
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.engine import Emitted, Engine, Row
 
 TOK = tiny_tokenizer()

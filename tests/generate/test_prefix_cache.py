@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers import assert_float32_close, rss_mb, tiny_model, tiny_tokenizer
 
-from lmcli import fastpath
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import prefill
 from lmcli.generate.prefix_cache import BLOCK, PrefixCache
 from lmcli.generate.sampling import generate
+from lmcli.model import fastpath
 from lmcli.serve.scheduler import malloc_trim
 
 ARCHITECTURES = [

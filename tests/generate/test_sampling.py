@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_tokenizer
 
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.generate.rules import filter_logits, penalize_seen, sample_next, seen_mask
 from lmcli.generate.sampling import sample_texts

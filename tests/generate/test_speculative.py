@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_one_line_error, make_run, run_cli, tiny_model, tiny_tokenizer
 
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.errors import LmcliError
 from lmcli.generate.rules import penalize_seen, sampling_probs
 from lmcli.generate.sampling import generate

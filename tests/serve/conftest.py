@@ -11,10 +11,10 @@ from helpers import make_run
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from lmcli.checkpoint import Checkpoint  # noqa: E402
-from lmcli.config import ServeConfig  # noqa: E402
+from lmcli.config.commands import ServeConfig  # noqa: E402
+from lmcli.formats.checkpoint import Checkpoint  # noqa: E402
+from lmcli.formats.sources import load_model  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
-from lmcli.sources import load_model  # noqa: E402
 
 CONTEXT = 64
 

@@ -11,7 +11,7 @@ from helpers import run_cli, train_config
 
 openai = pytest.importorskip("openai")
 
-from lmcli.config import SampleConfig, ServeConfig  # noqa: E402
+from lmcli.config.commands import SampleConfig, ServeConfig  # noqa: E402
 from lmcli.generate.sampling import sample_texts  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
 
@@ -246,8 +246,8 @@ def test_cli_errors_are_one_line(served_run, capsys) -> None:
 def test_translation_model_reads_the_prompt_as_a_source(tmp_path) -> None:
     from helpers import tiny_model, tiny_tokenizer
 
-    from lmcli.checkpoint import save_checkpoint
-    from lmcli.sources import load_model
+    from lmcli.formats.checkpoint import save_checkpoint
+    from lmcli.formats.sources import load_model
     from lmcli.tasks import make_task
 
     tok = tiny_tokenizer()

@@ -14,10 +14,11 @@ import httpx2 as httpx
 import pytest
 from helpers import assert_one_line_error, make_run, run_cli
 
-from lmcli.checkpoint import Checkpoint
-from lmcli.config import ServeConfig, parse_size
+from lmcli.config.commands import ServeConfig
+from lmcli.config.fields import parse_size
+from lmcli.formats.checkpoint import Checkpoint
+from lmcli.formats.sources import load_model
 from lmcli.serve.server import running
-from lmcli.sources import load_model
 
 openai = pytest.importorskip("openai")
 

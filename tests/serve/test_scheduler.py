@@ -8,13 +8,13 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_tokenizer
 
-from lmcli import fastpath
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import make_prompt
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.rules import PENDING_TOKENS
 from lmcli.generate.sampling import generate
-from lmcli.quant import quantize
+from lmcli.model import fastpath
+from lmcli.model.quant import quantize
 from lmcli.serve.scheduler import Done, Failed, Job, Scheduler, Update
 
 pytest.importorskip("starlette")
@@ -42,7 +42,7 @@ ARCHITECTURES = {
 
 @pytest.mark.parametrize(
     ("arch", "quant"),
-    # quantized models (lmcli.quant) decode in the batch too: their products are row by row
+    # quantized models (lmcli.model.quant) decode in the batch too: their products are row by row
     [(arch, "none") for arch in ARCHITECTURES]
     + [("rope-gqa-qkv-bias", "int8"), ("rope-gqa-qkv-bias", "int4")],
 )

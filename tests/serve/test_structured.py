@@ -13,9 +13,9 @@ from helpers import TINY_TEXT, make_run
 
 openai = pytest.importorskip("openai")
 
-from lmcli.config import ServeConfig  # noqa: E402
+from lmcli.config.commands import ServeConfig  # noqa: E402
+from lmcli.formats.sources import load_model  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
-from lmcli.sources import load_model  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -15,12 +15,12 @@ from helpers import TINY_TEXT, make_run
 
 openai = pytest.importorskip("openai")
 
-from lmcli import chat_template  # noqa: E402
-from lmcli.config import ServeConfig  # noqa: E402
+from lmcli.config.commands import ServeConfig  # noqa: E402
+from lmcli.formats.sources import load_model  # noqa: E402
 from lmcli.serve import tools  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
-from lmcli.sources import load_model  # noqa: E402
-from lmcli.tokenizer import Tokenizer  # noqa: E402
+from lmcli.text import chat_template  # noqa: E402
+from lmcli.text.tokenizer import Tokenizer  # noqa: E402
 
 WEATHER = {
     "type": "object",
@@ -272,7 +272,7 @@ def test_llama_json_calls() -> None:
     """A template that writes calls as bare JSON with "parameters" (Llama 3.1/3.2): its calls
     are read so, and a required call is constrained so."""
     from lmcli.generate.constrain import Grammars
-    from lmcli.template_render import Template
+    from lmcli.text.template_render import Template
 
     spec = tools.parse_tools({"tools": TOOLS, "tool_choice": "required"}, Template(LLAMA, "test"))
     assert spec.format == "json"

@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 from helpers import FAST_TRAIN_ARGS, assert_one_line_error, make_run, run_cli
 
-from lmcli.chat import ChatSession, read_messages
-from lmcli.config import SampleConfig
+from lmcli.cli.chat import read_messages
+from lmcli.config.commands import SampleConfig
 from lmcli.errors import LmcliError
-from lmcli.sources import load_model
+from lmcli.formats.sources import load_model
+from lmcli.generate.chat import ChatSession
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 HI = json.dumps({"messages": [{"role": "user", "content": "the cat"}]})
@@ -160,7 +161,7 @@ def test_the_sandbox_holds_against_escapes_and_the_worker_sees_no_secrets(
 ) -> None:
     """Row 2: the sandbox held against 33 escapes; it still does, in a process with an empty
     environment, so even an escape would find neither the caller's secrets nor its files."""
-    from lmcli.template_render import Renderer, RenderLimits, Template
+    from lmcli.text.template_render import Renderer, RenderLimits, Template
 
     monkeypatch.setenv("LMCLI_SECRET", "hunter2")
     monkeypatch.chdir(tmp_path)

@@ -30,11 +30,11 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from lmcli.checkpoint import save_checkpoint
-from lmcli.hf.export import export_hf
-from lmcli.lora import add_adapters
-from lmcli.lora_run import base_reference
-from lmcli.sources import load_checkpoint
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.formats.export.hf import export_hf
+from lmcli.formats.lora_base import base_reference
+from lmcli.formats.sources import load_checkpoint
+from lmcli.model.lora import add_adapters
 
 LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False)
 

@@ -24,11 +24,11 @@ from helpers import ServedProcess, make_run, rss_mb
 
 pytest.importorskip("uvicorn")
 
-from lmcli.checkpoint import Checkpoint  # noqa: E402
-from lmcli.config import SampleConfig, ServeConfig  # noqa: E402
+from lmcli.config.commands import SampleConfig, ServeConfig  # noqa: E402
+from lmcli.formats.checkpoint import Checkpoint  # noqa: E402
+from lmcli.formats.sources import load_model  # noqa: E402
 from lmcli.serve.scheduler import Done, Failed, Job, Scheduler  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
-from lmcli.sources import load_model  # noqa: E402
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 HI = {"messages": [{"role": "user", "content": "ab"}]}

@@ -67,8 +67,8 @@ def test_beam_without_any_input_is_refused(tmp_path: Path, capsys, monkeypatch) 
 
 
 def test_translation_run_needs_a_source_for_sample(tmp_path: Path, capsys, monkeypatch) -> None:
-    from lmcli.checkpoint import save_checkpoint
-    from lmcli.sources import load_checkpoint
+    from lmcli.formats.checkpoint import save_checkpoint
+    from lmcli.formats.sources import load_checkpoint
 
     base = load_checkpoint(make_run(tmp_path / "lm"))
     save_checkpoint(

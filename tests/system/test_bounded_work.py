@@ -16,14 +16,21 @@ import torch
 import torch.nn.functional as F
 from helpers import TINY_TEXT, make_run, tiny_model, tiny_tokenizer
 
-from lmcli import fastpath
-from lmcli.config import EvalConfig, SampleConfig
-from lmcli.evaluate import evaluate_chunks, evaluate_lines, evaluate_run, evaluate_text, split_lines, windows
+from lmcli.config.commands import EvalConfig, SampleConfig
+from lmcli.eval.perplexity import (
+    evaluate_chunks,
+    evaluate_lines,
+    evaluate_run,
+    evaluate_text,
+    split_lines,
+    windows,
+)
+from lmcli.formats.sources import load_model
 from lmcli.generate.engine import Row
 from lmcli.generate.rules import TextTail
 from lmcli.generate.sampling import BATCH_ROWS, generate, row_blocks, sample_texts
-from lmcli.sources import load_model
-from lmcli.tokenizer import Tokenizer
+from lmcli.model import fastpath
+from lmcli.text.tokenizer import Tokenizer
 
 
 def _cpu_seconds_to_train_bpe(text: str, vocab_size: int) -> tuple[float, Tokenizer]:
@@ -59,7 +66,7 @@ def _full_text_nll(model, ids: list[int], context: int, stride: int, batch_size:
     spans = list(windows(len(ids), context, stride))
     data = torch.tensor(ids)
     total, count = 0.0, 0
-    with torch.inference_mode(), fastpath.inference(model):  # as lmcli.evaluate did and does
+    with torch.inference_mode(), fastpath.inference(model):  # as lmcli.eval.perplexity did and does
         for i in range(0, len(spans), batch_size):
             chunk = spans[i : i + batch_size]
             width = max(end - begin - 1 for begin, end, _ in chunk)

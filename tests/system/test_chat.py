@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, make_run, run_cli, train_config
 
-from lmcli import chat_template
-from lmcli.chat import ChatSession
-from lmcli.checkpoint import Checkpoint
-from lmcli.config import SampleConfig, ServeConfig
+from lmcli.config.commands import SampleConfig, ServeConfig
 from lmcli.errors import LmcliError
-from lmcli.sources import load_model
+from lmcli.formats.checkpoint import Checkpoint
+from lmcli.formats.sources import load_model
+from lmcli.generate.chat import ChatSession
+from lmcli.text import chat_template
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = ["--temperature", "0.9", "--top-k", "12", "--seed", "7"]

@@ -219,8 +219,9 @@ def test_a_padded_vocabulary_never_reaches_sample_beam_or_eval(tmp_path: Path, c
     step), `beam` and `eval` give exactly what a copy holding only the 25 real rows gives."""
     import torch
 
-    from lmcli.checkpoint import logical_state, model_from_state, save_checkpoint
-    from lmcli.sources import load_checkpoint
+    from lmcli.formats.checkpoint import save_checkpoint
+    from lmcli.formats.sources import load_checkpoint
+    from lmcli.formats.weights import logical_state, model_from_state
 
     padded = make_run(tmp_path / "padded", vocab_multiple=64)
     ckpt = load_checkpoint(padded / "best")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from helpers import TINY_TEXT, run_cli
 
-from lmcli.sources import load_checkpoint
+from lmcli.formats.sources import load_checkpoint
 
 OLD_RUN = Path(__file__).parents[1] / "fixtures" / "lmcli-0.1-run"
 

@@ -43,7 +43,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from lmcli.cli import main as lmcli_main
+from lmcli.cli.app import main as lmcli_main
 from lmcli.safe_io import pid_alive
 
 pytestmark = pytest.mark.slow  # torchrun starts two interpreters per run

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from helpers import TINY_TEXT, assert_one_line_error, read_metrics, run_cli, train_config
 
-from lmcli.checkpoint import read_json
-from lmcli.config import replace_options
-from lmcli.downstream.run import evaluate_tasks, load_tasks
+from lmcli.config.files import replace_options
 from lmcli.errors import LmcliError
-from lmcli.model import Transformer
-from lmcli.sources import load_checkpoint
+from lmcli.eval.downstream.evaluate import evaluate_tasks, load_tasks
+from lmcli.formats.checkpoint import read_json
+from lmcli.formats.sources import load_checkpoint
+from lmcli.model.transformer import Transformer
 from lmcli.train.state import seed_everything
 
 ENDINGS = ["mat.", "log.", "tree.", "hill."]

@@ -2,7 +2,7 @@
 
 Each writer is a forked copy of a process that has already imported lmcli and torch (the
 ``forkserver`` start method with a preload), so 20 starts cost seconds, not 20 interpreter starts;
-each runs ``lmcli train`` exactly as the command line does (``lmcli.cli.main``).
+each runs ``lmcli train`` exactly as the command line does (``lmcli.cli.app.main``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from helpers import TINY_TEXT, saved_step, temps
 
-from lmcli.cli import main
-from lmcli.sources import load_checkpoint
+from lmcli.cli.app import main
+from lmcli.formats.sources import load_checkpoint
 
 KILLS = 20
 # what a training run imports, loaded once in the server the writers are forked from
 PRELOAD = [
-    *("lmcli.cli", "lmcli.train.loop", "lmcli.train.display"),
+    *("lmcli.cli.app", "lmcli.train.loop", "lmcli.train.display"),
     *("torch._dynamo", "matplotlib.pyplot", "pydantic"),
 ]
 ARGS = [

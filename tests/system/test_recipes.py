@@ -1,17 +1,25 @@
 """The recipes shipped in configs/ are valid configs: every option known, every value accepted."""
 
+import re
 from pathlib import Path
 
 import pytest
 
-from lmcli.config import load_config_file
+from lmcli.config.files import load_config_file
 from lmcli.train.run_folder import resolve_configs
 
-RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+PROJECT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((PROJECT / "configs").glob("*.toml"))
 
 
-def test_there_are_recipes() -> None:
-    assert len(RECIPES) >= 4
+def test_every_recipe_the_docs_name_exists_and_every_recipe_is_documented() -> None:
+    """A user copies `--config configs/X.toml` from the README or docs/: X is there, and no
+    recipe sits in configs/ without a page that says what it is for."""
+    pages = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]
+    named = {m for page in pages for m in re.findall(r"configs/([\w.-]+\.toml)", page.read_text())}
+    assert named, "the docs name no recipe"
+    assert named <= {p.name for p in RECIPES}, f"named but missing: {named - {p.name for p in RECIPES}}"
+    assert {p.name for p in RECIPES} <= named, f"undocumented: {({p.name for p in RECIPES}) - named}"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

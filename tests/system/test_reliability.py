@@ -25,10 +25,10 @@ from helpers import (
     weights,
 )
 
-from lmcli.checkpoint import save_checkpoint
-from lmcli.config import ModelConfig
+from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
-from lmcli.sources import load_checkpoint
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.formats.sources import load_checkpoint
 from lmcli.train import Reporter, train
 
 ARGS = [
@@ -134,7 +134,7 @@ def test_a_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path:
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # killed while writing the weights
 
-    monkeypatch.setattr("lmcli.checkpoint.save_file", crash)
+    monkeypatch.setattr("lmcli.formats.checkpoint.save_file", crash)
     with pytest.raises(KeyboardInterrupt):
         tiny_checkpoint(tmp_path / "last")
     assert (tmp_path / "last" / "model.safetensors").read_bytes() == before
@@ -155,7 +155,7 @@ def test_a_crash_between_the_two_renames_is_recovered(tmp_path: Path, monkeypatc
             raise KeyboardInterrupt
         return real_replace(src, dst)
 
-    monkeypatch.setattr("lmcli.checkpoint.os.replace", replace)
+    monkeypatch.setattr("lmcli.formats.checkpoint.os.replace", replace)
     with pytest.raises(KeyboardInterrupt):
         tiny_checkpoint(run / "last")
     monkeypatch.undo()
@@ -177,7 +177,7 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_old_checkpoint(
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("lmcli.checkpoint.save_file", full)
+    monkeypatch.setattr("lmcli.formats.checkpoint.save_file", full)
     code, _, err = run_cli(["train", "--resume", str(out), "--max-steps", "10", "-q"], capsys)
     assert code == 2 and err.strip().splitlines()[-1] == "error: No space left on device"
     assert (out / "last" / "model.safetensors").read_bytes() == before
@@ -231,7 +231,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
         loss = real_ce(*args, **kwargs)
         return loss * float("nan") if calls["n"] > 14 else loss  # training steps 1-14 and evals are fine
 
-    monkeypatch.setattr("lmcli.train.scoring.F.cross_entropy", poisoned)
+    monkeypatch.setattr("lmcli.train.losses.F.cross_entropy", poisoned)
     with pytest.raises(LmcliError, match=r"loss became nan at or before step 15"):
         train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)
     good = load_checkpoint(tmp_path / "run" / "last")
@@ -264,7 +264,7 @@ def test_a_nan_between_log_points_never_reaches_a_saved_checkpoint(tmp_path: Pat
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr("lmcli.train.scoring.F.cross_entropy", poisoned)
+    monkeypatch.setattr("lmcli.train.losses.F.cross_entropy", poisoned)
     model = ModelConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
     with pytest.raises(LmcliError, match=r"loss became nan at or before step 8"):
         train(model, cfg, reporter=Reporter(info=lambda m: None), progress=False)

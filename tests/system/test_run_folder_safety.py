@@ -29,10 +29,12 @@ from helpers import (
     weights,
 )
 
-from lmcli.checkpoint import save_checkpoint
-from lmcli.config import ModelConfig, TrainConfig, replace_options
+from lmcli.config.files import replace_options
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TrainConfig
 from lmcli.errors import LmcliError
-from lmcli.sources import load_checkpoint
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.formats.sources import load_checkpoint
 from lmcli.train import Reporter, train
 from lmcli.train.metrics import MetricsLog, plot_loss_curve
 from lmcli.train.run_folder import write_run_config
@@ -189,9 +191,9 @@ def test_planted_links_change_nothing_outside_the_run_folder(tmp_path: Path, cap
         target_for(outside, name)
 
     # a new run, links planted inside it while it reads its corpus
-    import lmcli.train.loop as loop
+    import lmcli.train.setup as setup
 
-    real_load = loop.load_train_data
+    real_load = setup.load_train_data
     new = tmp_path / "new"
 
     def plant_then_load(*args, **kwargs):
@@ -199,13 +201,13 @@ def test_planted_links_change_nothing_outside_the_run_folder(tmp_path: Path, cap
         plant(new, outside, names)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "load_train_data", plant_then_load)
+    monkeypatch.setattr(setup, "load_train_data", plant_then_load)
     before = snapshot(outside)
     argv = ["train", str(tmp_path / "corpus.txt"), "--out", str(new), *FAST_TRAIN_ARGS, "--max-steps", "4"]
     code, _, err = run_cli([*argv, "--keep-last", "1"], capsys)
     if code:
         assert_one_line_error(code, err, "symbolic link")
-    monkeypatch.setattr(loop, "load_train_data", real_load)
+    monkeypatch.setattr(setup, "load_train_data", real_load)
     assert snapshot(outside) == before
 
     # a resume of a run with links at every name, in place and into a new folder
@@ -240,9 +242,9 @@ class FrozenClock(datetime):
 def start_another_run_while_tokenizing(monkeypatch, second) -> list:
     """Make the first ``load_train_data`` call start ``second()`` (a run started while the first
     one tokenizes, as from another shell); its result or error goes into the returned list."""
-    import lmcli.train.loop as loop
+    import lmcli.train.setup as setup
 
-    real_load = loop.load_train_data
+    real_load = setup.load_train_data
     outcome: list = []
 
     def load(*args, **kwargs):
@@ -254,7 +256,7 @@ def start_another_run_while_tokenizing(monkeypatch, second) -> list:
                 outcome[0] = exc
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "load_train_data", load)
+    monkeypatch.setattr(setup, "load_train_data", load)
     return outcome
 
 
@@ -325,7 +327,7 @@ def test_resume_into_another_folder_starts_a_new_run_and_leaves_the_old_one_unto
 def test_a_second_signal_during_the_stop_save_keeps_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
     """SIGINT at step 3 (no checkpoint yet), then another SIGINT while the stop path saves: the
     save completes, without a validation first, and the run folder stays."""
-    import lmcli.checkpoint as checkpoint
+    import lmcli.formats.checkpoint as checkpoint
 
     real_save_file = checkpoint.save_file
     sent = []
@@ -459,22 +461,24 @@ def save_new_version(path: Path, step: int) -> None:
 def test_a_reader_sees_the_old_or_the_new_checkpoint_never_a_mix(tmp_path: Path, monkeypatch, during) -> None:
     """A writer replaces ``last`` while a reader is between reading meta.json and the weights
     (checksumming them, or loading them): the reader gets one whole checkpoint."""
-    import lmcli.checkpoint as checkpoint
+    import lmcli.formats.checkpoint as checkpoint
+    import lmcli.formats.weights as weights
 
+    module = checkpoint if during == "sha256_of" else weights
     run = tmp_path / "run"
     save_new_version(run / "last", 1)
-    real = getattr(checkpoint, during)
+    real = getattr(module, during)
     swapped = []
 
     def read_while_a_writer_saves(*args, **kwargs):
         if not swapped:
             swapped.append(1)
-            monkeypatch.setattr(checkpoint, during, real)
+            monkeypatch.setattr(module, during, real)
             save_new_version(run / "last", 2)
-            monkeypatch.setattr(checkpoint, during, read_while_a_writer_saves)
+            monkeypatch.setattr(module, during, read_while_a_writer_saves)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, during, read_while_a_writer_saves)
+    monkeypatch.setattr(module, during, read_while_a_writer_saves)
     ckpt = load_checkpoint(run / "last", with_state=True)
     assert swapped
     assert ckpt.meta["step"] == ckpt.state["step"] == 2

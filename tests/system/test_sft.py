@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import assert_one_line_error, read_metrics, run_cli, train_config
 
-from lmcli import chat_template
-from lmcli.sources import load_checkpoint
+from lmcli.formats.sources import load_checkpoint
+from lmcli.text import chat_template
 
 LETTERS = "abcdefgh"
 # two instructions on five-letter words: copy it, or shift every letter to the next one (h -> a)
@@ -156,7 +156,7 @@ def test_a_template_that_fails_to_render_is_a_one_line_error(tmp_path: Path, cap
 def test_sft_from_an_lmcli_run_takes_its_weights_tokenizer_and_template(tmp_path: Path, capsys) -> None:
     from helpers import tiny_model, tiny_tokenizer
 
-    from lmcli.checkpoint import save_checkpoint
+    from lmcli.formats.checkpoint import save_checkpoint
 
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"

@@ -19,10 +19,10 @@ from helpers import run_cli
 
 openai = pytest.importorskip("openai")
 
-from lmcli.config import ServeConfig  # noqa: E402
+from lmcli.config.commands import ServeConfig  # noqa: E402
+from lmcli.formats.sources import load_model  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
 from lmcli.serve.tools import call_text, system_text  # noqa: E402
-from lmcli.sources import load_model  # noqa: E402
 
 LETTERS = "abcdefgh"
 CITY = {

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import read_metrics, run_cli, train_config
 
-from lmcli.cli import main
-from lmcli.config import ModelConfig
+from lmcli.cli.app import main
+from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
-from lmcli.sources import load_checkpoint
+from lmcli.formats.sources import load_checkpoint
 from lmcli.train import Reporter, train
 
 LETTERS = "abcdefgh"

@@ -27,7 +27,7 @@ from helpers import (
     tiny_model,
 )
 
-from lmcli.sources import load_checkpoint
+from lmcli.formats.sources import load_checkpoint
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import TINY_TEXT, assert_same_weights, read_metrics, tiny_model, train_config, weights
 
-from lmcli.config import ModelConfig
+from lmcli.config.model import ModelConfig
 from lmcli.train import Reporter, train
 from lmcli.train.activations import checkpoint_blocks
 from lmcli.train.preflight import estimate_memory

@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers import TINY_TEXT, assert_one_line_error, run_cli, train_config
 
-from lmcli.config import ModelConfig
-from lmcli.distributed import SETUP_TIMEOUT, STEP_TIMEOUT, Dist, init_distributed
-from lmcli.model import Transformer
+from lmcli.config.model import ModelConfig
+from lmcli.model.transformer import Transformer
 from lmcli.train import Reporter, train
 from lmcli.train.display import TrainProgress
+from lmcli.train.distributed import SETUP_TIMEOUT, STEP_TIMEOUT, Dist, init_distributed
 from lmcli.train.metrics import MetricsLog
 from lmcli.train.mfu import flops_per_token, gpu_peak_tflops, matmul_params, measured_cpu_tflops, mfu
 from lmcli.train.optim import make_optimizer

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers import train_config
 
-from lmcli.distributed import Dist
 from lmcli.errors import LmcliError
+from lmcli.train.distributed import Dist
 from lmcli.train.optim import owners
 from lmcli.train.parallel import choose_parallel
 

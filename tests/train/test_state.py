@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from helpers import train_config
 
-from lmcli.config import ModelConfig
-from lmcli.distributed import Dist
-from lmcli.model import Transformer
+from lmcli.config.model import ModelConfig
+from lmcli.model.transformer import Transformer
 from lmcli.train.averaging import EMA
-from lmcli.train.loop import training_state
+from lmcli.train.distributed import Dist
+from lmcli.train.setup import training_state
 from lmcli.train.state import COUNTERS, StateRegistry, TrainState
 
 MODEL = ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from helpers import read_metrics, train_config
 
-from lmcli.config import ModelConfig, TrainConfig
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TrainConfig
 from lmcli.data.examples import ExampleSampler, batch_width, collate, pad_multiple
 from lmcli.data.train_data import load_train_data
 from lmcli.train import Reporter, train
-from lmcli.train.scoring import batch_loss
+from lmcli.train.losses import batch_loss
 
 # Training and validation losses of the run below, recorded with lmcli at fa783b2 (main before
 # this change: pairs had their own cache, sampler and collate, and the model selected the scored
@@ -77,7 +78,7 @@ def test_translation_trains_as_it_did_before_the_examples_were_unified(
     """Also with batches padded as for torch.compile (here to the context, 16): padding columns
     change no loss."""
     if padded:
-        monkeypatch.setattr("lmcli.train.loop.pad_multiple", lambda compiled, device: 64)
+        monkeypatch.setattr("lmcli.train.setup.pad_multiple", lambda compiled, device: 64)
     train(SHAPE, config(tmp_path, prefix_lm), reporter=Reporter(info=lambda m: None), progress=False)
     rows = read_metrics(tmp_path / f"run{int(prefix_lm)}")
     train_losses = [r["train_loss"] for r in rows if "train_loss" in r]
@@ -107,7 +108,7 @@ def test_a_scored_training_step_is_one_graph_without_breaks(tmp_path: Path) -> N
     """Boolean-mask selection broke the graph (aten.nonzero) and synced; gathering by index does not."""
     cfg = config(tmp_path, False)
     data = load_train_data(cfg, block_size=16, progress=False)
-    from lmcli.model import Transformer
+    from lmcli.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(

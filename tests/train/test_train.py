@@ -13,11 +13,13 @@ import pytest
 import torch
 from helpers import TINY_TEXT, assert_same_weights, tiny_model, tiny_tokenizer, train_config, weights
 
-from lmcli.checkpoint import save_checkpoint
-from lmcli.config import ModelConfig, TrainConfig, replace_options
+from lmcli.config.files import replace_options
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TrainConfig
 from lmcli.errors import LmcliError
-from lmcli.sources import load_checkpoint
-from lmcli.tokenizer import Tokenizer
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.formats.sources import load_checkpoint
+from lmcli.text.tokenizer import Tokenizer
 from lmcli.train import Reporter, train
 from lmcli.train.metrics import MetricsLog
 from lmcli.train.optim import lr_at
@@ -341,7 +343,7 @@ def test_cpu_muon_is_torchs_muon_in_float32() -> None:
 
 
 def test_auto_is_muon_and_wsd_from_scratch_adamw_and_cosine_elsewhere_and_old_runs_keep_theirs() -> None:
-    from lmcli.config import stored_fields
+    from lmcli.config.files import stored_fields
 
     scratch = train_config()
     assert (scratch.optimizer_kind, scratch.schedule_kind) == ("muon", "wsd")
@@ -401,8 +403,8 @@ def test_auto_vocab_multiple_is_64_on_cuda_and_1_elsewhere_and_the_checkpoint_re
 ) -> None:
     """auto is resolved where training knows its device and the number is stored: a run trained
     (as if) on CUDA holds 64 rows and loads with them on a CPU; a CPU run holds 1."""
-    from lmcli.config import resolve_vocab_multiple
-    from lmcli.train import loop
+    from lmcli.config.files import resolve_vocab_multiple
+    from lmcli.train import setup
 
     assert resolve_vocab_multiple(ModelConfig(), "cuda").vocab_multiple == 64
     assert resolve_vocab_multiple(ModelConfig(), "cpu").vocab_multiple == 1
@@ -415,7 +417,8 @@ def test_auto_vocab_multiple_is_64_on_cuda_and_1_elsewhere_and_the_checkpoint_re
         == Tokenizer.load(cpu.run_dir / "last" / "tokenizer.json").vocab_size
     )
     # the loop's device mocked as a GPU (the tensors stay on the CPU): the auto choice is 64
-    monkeypatch.setattr(loop, "resolve_vocab_multiple", lambda cfg, kind: resolve_vocab_multiple(cfg, "cuda"))
+    as_cuda = lambda cfg, kind: resolve_vocab_multiple(cfg, "cuda")  # noqa: E731
+    monkeypatch.setattr(setup, "resolve_vocab_multiple", as_cuda)
     gpu = train(MODEL, config(tmp_path, "gpu", max_steps=1), reporter=quiet(), progress=False)
     monkeypatch.undo()
     stored = json.loads((gpu.run_dir / "last" / "config.json").read_text())["model"]

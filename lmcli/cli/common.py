@@ -1,0 +1,95 @@
+"""What the commands share: a config built from flags, a model source loaded (and its
+draft), prompts read from files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lmcli.config.commands import (
+    DeviceConfig,
+    DraftConfig,
+)
+from lmcli.config.files import field_names, from_dict
+
+C = TypeVar("C")
+
+
+RUN_DIR_HELP = "Run or checkpoint folder, Hugging Face folder or GGUF file. [default: newest in checkpoints/]"
+
+
+def build(cls: type[C], options: dict[str, Any]) -> C:
+    """The config ``cls`` from the given options that are its fields (defaults for the rest)."""
+    names = field_names(cls)
+    return from_dict(cls, {k: v for k, v in options.items() if k in names}, source="options")
+
+
+def read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None:
+    """Inputs from --prompt values, a file (one per line, .gz allowed), or piped stdin; None if none."""
+    if inline:
+        return list(inline)
+    if path is not None:
+        from lmcli.data.corpus import read_lines
+
+        return read_lines(path)
+    if not sys.stdin.isatty():
+        data = sys.stdin.read()
+        return [line.rstrip("\r") for line in data.removesuffix("\n").split("\n")] if data else None
+    return None
+
+
+def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
+    """The checkpoint to decode or evaluate with, on the device the options ask for, with the
+    CPU threads they ask for and its linear layers quantized as asked (``--quantize``)."""
+    from lmcli.device import pick_device, set_threads
+    from lmcli.formats.sources import DTYPES, load_model
+    from lmcli.model.quant import quantize
+
+    cfg = build(DeviceConfig, options)
+    set_threads(cfg.threads)
+    ckpt = load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    quantize(ckpt.model, cfg.quantize, cfg.group_size)
+    return ckpt
+
+
+@contextlib.contextmanager
+def loaded_source(run_dir: Path | None, options: dict[str, Any]) -> Iterator[Any]:
+    """``load_source``'s checkpoint, used inside its device's precision scope: TF32 matmuls and, on a
+    GPU, bf16 autocast for float32 weights, as in training (``lmcli.device.inference_dtype``)."""
+    from lmcli.device import inference_dtype, precision
+
+    ckpt = load_source(run_dir, options)
+    param = next(ckpt.model.parameters())
+    amp = inference_dtype(param.device, build(DeviceConfig, options).dtype, param.dtype)
+    with precision(param.device, amp):
+        yield ckpt
+
+
+def load_draft(options: dict[str, Any], ckpt: Any) -> Any:
+    """``--draft``'s model (on the model's device and dtype), its tokenizer checked against the
+    model's; None without ``--draft``."""
+    cfg = build(DraftConfig, options)
+    if cfg.draft is None:
+        return None
+    from lmcli.formats.sources import load_model
+    from lmcli.generate.speculative import Draft, check_draft
+
+    param = next(ckpt.model.parameters())
+    draft = load_model(cfg.draft, param.device, param.dtype)
+    check_draft(ckpt.tokenizer, draft.tokenizer, cfg.draft)
+    return Draft(draft.model, draft.tokenizer, cfg.draft_tokens)
+
+
+def warn_prompts(prompts: list[Any]) -> None:
+    warn_inputs(sum(p.unknown for p in prompts), sum(p.truncated for p in prompts))
+
+
+def warn_inputs(unknown: int, cut: int) -> None:
+    if unknown:
+        print(f"warning: {unknown} character(s) unknown to the tokenizer became <unk>", file=sys.stderr)
+    if cut:
+        print(f"warning: {cut} input(s) longer than the context were cut to fit", file=sys.stderr)

@@ -1,0 +1,317 @@
+"""The configs of the commands besides ``train``: sample, beam, eval, serve, chat, export, ..."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from lmcli.config.fields import (
+    DEVICE_HELP,
+    MIN_TEMPERATURE,
+    SEED_MAX,
+    Device,
+    Dtype,
+    check_fields,
+    option,
+    parse_duration,
+    parse_size,
+    threads_option,
+)
+from lmcli.config.train import DataConfig
+from lmcli.errors import LmcliError
+
+ExportFormat = Literal["hf", "gguf", "lmcli"]
+
+
+GgufType = Literal["f32", "f16", "q8_0", "q4_0"]
+
+
+Quantize = Literal["none", "int8", "int4"]
+
+
+GROUP_SIZES = (32, 64, 128, 256)  # the int4 kernels' group sizes
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """Settings of `lmcli sample`: how the next token is chosen and when generation stops."""
+
+    max_new_tokens: int = option(200, "Tokens to generate.", ge=0)
+    min_new_tokens: int = option(0, "No <eos> before this many tokens.", ge=0)
+    temperature: float = option(0.8, "Softmax temperature; 0 = greedy.", ge=0)
+    top_k: int = option(0, "Keep the k most likely tokens (0 = off).", ge=0)
+    top_p: float = option(1.0, "Nucleus: smallest set with mass >= p.", gt=0, le=1)
+    min_p: float = option(0.0, "Drop tokens below min-p x the top one.", ge=0, lt=1)
+    repetition_penalty: float = option(1.0, "> 1 discourages tokens already present.", gt=0)
+    num_samples: int = option(1, "Samples per prompt.", gt=0)
+    seed: int = option(1337, "Same seed, same text.", ge=0, le=SEED_MAX)
+    stop: tuple[str, ...] = option((), "Stop when this text appears (repeatable).")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-39 overflow to inf: NaN draws
+            raise LmcliError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}"
+            )
+
+
+@dataclass(frozen=True)
+class ConstraintConfig:
+    """What the generated text must be (`lmcli sample`, `lmcli chat`): at most one of a JSON
+    schema, a regular expression or a grammar (docs/structured-output.md)."""
+
+    json_schema: str | None = option(None, "The text is JSON valid against this JSON schema file.")
+    regex: str | None = option(None, "The text matches this regular expression.")
+    grammar: str | None = option(None, "The text follows this Lark grammar file (llguidance's Lark).")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        given = [f"--{f.name.replace('_', '-')}" for f in fields(self) if getattr(self, f.name) is not None]
+        if len(given) > 1:
+            raise LmcliError(f"give one constraint at most: {' and '.join(given)} were given together")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Speculative decoding in `lmcli sample` and `lmcli chat`: a small model proposes tokens."""
+
+    draft: str | None = option(
+        None,
+        "A draft model (run folder, Hugging Face folder or GGUF file) with the same tokenizer: "
+        "it proposes tokens that the model checks several at a time; the same text, sooner.",
+        path=True,
+    )
+    draft_tokens: int = option(4, "Tokens the draft proposes per step of the model.", gt=0, le=64)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """Settings of `lmcli beam` (scores follow Hugging Face: sum of log-probs / length^alpha)."""
+
+    beam_size: int = option(5, "Beams per input.", ge=1)
+    length_penalty: float = option(1.0, "alpha in score = logprob / length^alpha.", ge=-10, le=10)
+    max_new_tokens: int = option(200, "New-token limit.", gt=0)
+    max_len_a: float = option(0.0, "Limit new tokens to a * input_tokens + b (with --max-len-b).", ge=0)
+    max_len_b: int = option(0, "See --max-len-a.", ge=0)
+    min_new_tokens: int = option(0, "No <eos> before this many tokens.", ge=0)
+    nbest: int = option(1, "Hypotheses to print per input.")
+    no_repeat_ngram_size: int = option(0, "Never repeat an n-gram of this size (0 = off).", ge=0)
+    early_stopping: bool = option(True, "Stop an input once beam-size hypotheses have ended.")
+    batch_size: int = option(16, "Inputs decoded together.", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 1 <= self.nbest <= self.beam_size:
+            raise LmcliError(f"nbest must be between 1 and beam-size ({self.beam_size}), got {self.nbest}")
+
+    def max_new_for(self, input_len: int) -> int:
+        """New-token limit for an input: a * input_len + b (fairseq), capped by max-new-tokens."""
+        if self.max_len_a or self.max_len_b:
+            return max(1, min(self.max_new_tokens, int(self.max_len_a * input_len + self.max_len_b)))
+        return self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of `lmcli eval`: what text to score (besides paths) and how."""
+
+    dataset: str | None = option(None, "Hugging Face dataset NAME[:CONFIG] (or a local data file).")
+    text_column: str = option("text", "Dataset column holding the text.")
+    split: str = option("test", "Dataset split.")
+    source: str | None = option(None, "Translation model: source file (with --target).")
+    target: str | None = option(None, "Translation model: target file (with --source).")
+    context: int | None = option(None, "Tokens per window.", gt=0, default_help="the model's block size")
+    stride: int | None = option(
+        None,
+        "Tokens between window starts; below the context, windows overlap and each token is "
+        "still scored once, with more left context.",
+        ge=1,
+        default_help="the context",
+    )
+    batch_size: int = option(8, "Windows (--task: questions) per forward pass.", gt=0)
+    per_line: bool = option(False, "Score each line on its own as <bos> line <eos>.")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.context and self.stride and self.stride > self.context:
+            raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
+
+
+@dataclass(frozen=True)
+class DownstreamConfig:
+    """Settings of `lmcli eval --task/--harness`: downstream benchmarks (docs/evaluation.md), not
+    the training tasks (``--task lm|translation|sft`` of `lmcli train`)."""
+
+    task: tuple[str, ...] = option(
+        (),
+        "A task file (JSONL: multiple choice, cloze or generation rows, or the published HellaSwag, "
+        "ARC, LAMBADA or GSM8K layout) to score (repeatable).",
+    )
+    harness: str | None = option(
+        None,
+        "lm-evaluation-harness tasks, comma-separated (hellaswag,arc_easy); needs lmcli[harness] "
+        "and the tasks' datasets.",
+    )
+    include_path: str | None = option(None, "--harness: a folder of more lm-evaluation-harness task YAMLs.")
+    limit: int | None = option(None, "Score at most the first N rows of each task.", gt=0)
+    num_fewshot: int | None = option(
+        None,
+        "Solved examples before each question (--task: the file's fewshot rows).",
+        ge=0,
+        default_help="0; --harness: each task's own",
+    )
+    max_gen_tokens: int = option(256, "Generation tasks: most tokens generated per answer.", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def wanted(self) -> bool:
+        """Whether any downstream task is asked for."""
+        return bool(self.task or self.harness)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how `eval`, `sample`, `beam`, `chat` and `serve` run the model."""
+
+    device: Device = option("auto", DEVICE_HELP)
+    dtype: Dtype = option(
+        "auto",
+        "Dtype of the weights (auto: as stored in the folder). On a GPU float32 weights compute "
+        "under bf16 autocast (float16 without native bf16); float32: no autocast.",
+    )
+    threads: int | None = threads_option()
+    quantize: Quantize = option(
+        "none",
+        "Weight-only quantization of the linear layers after loading: int8 (per output channel) "
+        "or int4 (groups of --group-size; the vocabulary head stays int8). docs/quantization.md.",
+    )
+    group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.group_size not in GROUP_SIZES:
+            raise LmcliError(
+                f"group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}"
+            )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of `lmcli serve`: where it listens, who may call it, and its limits."""
+
+    host: str = option("127.0.0.1", "Address to listen on (loopback by default).")
+    port: int = option(8000, "Port to listen on (0: any free port).", ge=0, le=65535)
+    api_key: str | None = option(
+        None,
+        "Require 'Authorization: Bearer KEY' on every endpoint but /health and the page.",
+        default_help="$LMCLI_API_KEY, else none",
+    )
+    model_name: str | None = option(
+        None, "Model id shown by /v1/models.", default_help="the run folder's name"
+    )
+    max_batch: int = option(32, "Sequences decoded together (rows of the batched KV cache).", gt=0)
+    max_tokens: int = option(1024, "Most tokens one request may generate (per choice).", gt=0)
+    max_queue: int = option(64, "Requests waiting for a row; beyond it: 503 with Retry-After.", ge=0)
+    max_body: int = option(1 << 20, "Largest request body in bytes; beyond it: 413.", gt=0)
+    timeout: float = option(
+        300.0, "Per-request time limit (queue wait included): 90s, 5m.", gt=0, parse=parse_duration
+    )
+    max_connections: int = option(
+        512, "Open connections at most (fewer if ulimit -n is lower); beyond: the idlest closes.", gt=0
+    )
+    client_timeout: float = option(
+        10.0, "Seconds a client has to send a request's headers, then its body.", gt=0, parse=parse_duration
+    )
+    grace: float = option(
+        10.0,
+        "On SIGTERM/Ctrl-C: time to finish in-flight requests before cancelling them.",
+        ge=0,
+        parse=parse_duration,
+    )
+    cache_memory: int = option(
+        256 << 20,
+        "Memory of the prefix cache (keys/values of earlier prompts and replies, reused by "
+        "requests that begin alike; least recently used evicted): 512MiB, 2GiB; 0: no cache.",
+        ge=0,
+        parse=parse_size,
+        default_help="256MiB",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.host.strip():
+            raise LmcliError("host must not be empty")
+        if self.api_key is not None:  # "" or " " would disable the key, or make it unmatchable
+            if not self.api_key.strip():
+                raise LmcliError("api-key must not be empty or blank: give a key, or none")
+            object.__setattr__(self, "api_key", self.api_key.strip())
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """Settings of `lmcli chat` besides its sampling options (those are `lmcli sample`'s)."""
+
+    system: str | None = option(None, "System prompt: a system message before the conversation.")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Settings of `lmcli export`: the format and, for GGUF, the type of the weights."""
+
+    format: ExportFormat = option(
+        "hf",
+        "hf: a Hugging Face folder; gguf: one GGUF file for llama.cpp; lmcli: a checkpoint folder.",
+    )
+    merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (a LoRA run needs it).")
+    dtype: GgufType | None = option(
+        None,
+        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; q4_0: 4-bit blocks, the vocabulary "
+        "q8_0; norms and biases stay f32).",
+        default_help="f16",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.dtype is not None and self.format != "gguf":
+            raise LmcliError("--dtype applies to --format gguf only")
+
+    @property
+    def gguf_type(self) -> str:
+        return self.dtype or "f16"
+
+
+@dataclass(frozen=True)
+class AverageConfig:
+    """Settings of `lmcli average`: which saved checkpoints to average."""
+
+    last: int = option(5, "Average the N newest step-N checkpoints (saved with --keep-last).", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    """Settings of `lmcli tokenize`: where the shards go and how they are made; what is read and
+    how text becomes tokens are `lmcli train`'s data options (``data``)."""
+
+    out: str | None = option(
+        None, "Folder of token shards to write (or to finish, after an interruption).", short="-o", path=True
+    )
+    workers: int = option(0, "Processes that tokenize (0: one per core).", ge=0, default_help="one per core")
+    shard_tokens: int = option(100_000_000, "Tokens per shard (about: a shard ends with a whole job).", gt=0)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.out:
+            raise LmcliError("give --out DIR: the folder the token shards go to")

@@ -1,0 +1,201 @@
+"""A GGUF file in: its header checked, its tensors dequantized, its tokenizer rebuilt.
+
+``read_gguf_header`` is the one check before anything is built, as a run folder's safetensors
+header is checked against its config:
+
+- ``hf.gguf_check.check_gguf`` scans the header with bounds, reads the config through the family
+  adapter (``config_from_gguf``, each value by the rule of the ``config.json`` field it stands
+  for) and checks every tensor's name and shape, under lmcli's names, against it;
+- then ``gguf``'s own reader maps the file (metadata and tensor table parsed, no tensor read): a
+  tensor type lmcli does not read (``TYPES``) is one line;
+- the tokenizer is rebuilt from the metadata (``gguf_vocab.tokenizer_from_gguf``) and must fit
+  the vocabulary.
+
+``load_gguf`` then converts each tensor (``GgufTensor.dequantized``: F32, F16 and BF16 values
+are views of the memory-mapped file until converted; the quantized types go through ``gguf``'s
+own ``quants.dequantize``), maps the names with the adapter and assigns the tensors to a model
+built on the meta device. The weights' dtype is the caller's, or the embedding's as stored
+(F32, F16, BF16), float32 for a quantized embedding.
+
+Kept quantized (the seam for ``--quantize``): ``GgufHeader.tensors`` holds every tensor as the
+file stores it; ``GgufTensor.rows()`` gives a quantized matrix's blocks as one row of bytes per
+output row. The adapter's map only moves and concatenates whole rows (the rotary permutation of
+``llama``'s query and key rows included), so ``gguf_state`` with a ``convert`` that returns the
+rows of Q8_0/Q4_0 matrices yields them under lmcli's names, in lmcli's row order, for a
+quantized linear layer to take instead of a dequantized weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lmcli.config.model import ModelConfig
+from lmcli.errors import LmcliError
+from lmcli.formats.families import FamilyAdapter, HFConfig
+from lmcli.formats.families.hf_config import GgufSchema
+from lmcli.formats.gguf.check import check_gguf
+from lmcli.formats.gguf.vocab import tokenizer_from_gguf
+from lmcli.formats.weights import model_from_state
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
+
+MAGIC = b"GGUF"
+# the tensor types lmcli reads (dequantized with gguf's quants); GGML's names
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """A file that starts with GGUF's magic bytes."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return path.is_file() and f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+@dataclass
+class GgufTensor:
+    """One tensor as the file stores it (memory-mapped)."""
+
+    name: str
+    kind: str  # GGML's type name: F32, F16, BF16, Q8_0, ...
+    shape: tuple[int, ...]  # PyTorch's order: a linear layer's (out, in)
+    data: np.ndarray  # float values (F32, F16), else bytes: (rows, bytes per row)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind not in _FLOATS
+
+    def rows(self) -> Tensor:
+        """The stored bytes, one row of bytes per row of the matrix (uint8, a view of the file)."""
+        return torch.from_numpy(self.data.view(np.uint8).reshape(self.shape[0], -1))
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The values in ``dtype`` (None: F32/F16/BF16 as stored, quantized types as float32)."""
+        if self.kind == "BF16":
+            out = self.rows().view(torch.bfloat16).reshape(self.shape)
+        elif self.kind in _FLOATS:
+            out = torch.from_numpy(self.data).reshape(self.shape)
+        else:
+            import gguf
+
+            values = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.kind])
+            out = torch.from_numpy(values).reshape(self.shape)
+        return out.to(dtype) if dtype is not None and out.dtype != dtype else out
+
+
+@dataclass
+class GgufHeader:
+    """A GGUF file after ``read_gguf_header``: every check passed, nothing built."""
+
+    path: Path
+    meta: HFConfig  # the metadata, keys as the file names them
+    tensors: dict[str, GgufTensor]  # by GGUF name
+    family: FamilyAdapter
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+    @property
+    def name(self) -> str:
+        """``general.name``, else the file's name without ``.gguf``."""
+        name = self.meta.get("general.name")
+        return name if isinstance(name, str) and name.strip() else self.path.stem
+
+
+def _open(path: Path) -> Any:
+    """``gguf``'s reader on ``path`` (copy-on-write memory map), or one line saying why not."""
+    import gguf
+
+    if not path.is_file():
+        raise LmcliError(f"no such GGUF file: {path}")
+    try:
+        return gguf.GGUFReader(path, "c")
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, OSError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        if isinstance(exc, ValueError) and "GGMLQuantizationType" in reason:
+            raise LmcliError(f"{path}: unknown GGUF tensor type ({reason})") from None
+        raise LmcliError(f"cannot read GGUF file {path}: truncated or damaged ({reason})") from None
+
+
+def _metadata(reader: Any, where: str) -> HFConfig:
+    """Every metadata key of the file with its value (text, number, bool, or a list of them)."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            value = field.contents()
+        except (ValueError, UnicodeDecodeError, IndexError) as exc:
+            raise LmcliError(f"{where}: cannot read metadata {key}: {exc}") from None
+        out[key] = value
+    return HFConfig(out, where, GgufSchema())
+
+
+def _tensors(reader: Any, where: str) -> dict[str, GgufTensor]:
+    """The tensor table, each a type lmcli reads; one line naming the first that is not."""
+    out = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in TYPES:
+            reads = ", ".join(TYPES)
+            raise LmcliError(
+                f"{where}: tensor {t.name} is {kind}, a type lmcli does not read (it reads {reads})"
+            )
+        out[t.name] = GgufTensor(t.name, kind, tuple(int(n) for n in reversed(t.shape.tolist())), t.data)
+    return out
+
+
+def read_gguf_header(path: str | Path) -> GgufHeader:
+    """A GGUF file's metadata, tensor table, config and tokenizer, every one checked (see the
+    module doc) before anything is built; one line naming the first problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise LmcliError(f"no such GGUF file: {path}")
+    # the header scanned with bounds, its config read and every tensor's shape checked against
+    # it first: gguf's reader trusts the file's counts
+    _, family, cfg, _ = check_gguf(path)
+    reader = _open(path)
+    where = str(path)
+    meta = _metadata(reader, where)
+    tensors = _tensors(reader, where)
+    tok = tokenizer_from_gguf(meta)
+    if tok.vocab_size > cfg.vocab_size:
+        raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    return GgufHeader(path, meta, tensors, family, cfg, tok)
+
+
+def gguf_state(
+    header: GgufHeader, convert: Callable[[GgufTensor], Tensor] | None = None
+) -> dict[str, Tensor]:
+    """Every tensor converted (``convert``; default: dequantized as stored) under lmcli's names."""
+    convert = convert or (lambda t: t.dequantized())
+    state = {name: convert(t) for name, t in header.tensors.items()}
+    return header.family.from_gguf(state, header.config)
+
+
+def default_dtype(header: GgufHeader) -> torch.dtype:
+    """The embedding's dtype as stored (F32, F16, BF16), float32 for a quantized one."""
+    return _FLOATS.get(header.tensors["token_embd.weight"].kind, torch.float32)
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype | None = None
+) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """A GGUF file as our Transformer (eval mode, weights in ``dtype``; None: ``default_dtype``),
+    its Tokenizer and what it says of itself (``source``, ``name``, tensor types)."""
+    header = read_gguf_header(path)
+    dtype = dtype or default_dtype(header)
+    state = gguf_state(header, lambda t: t.dequantized(dtype))
+    model = model_from_state(header.config, state, f"in {header.path}").eval()
+    kinds = sorted({t.kind for t in header.tensors.values()})
+    meta = {"source": "gguf", "name": header.name, "architecture": header.family.gguf_arch, "types": kinds}
+    return model, header.tokenizer, meta

@@ -1,0 +1,208 @@
+"""`lmcli verify`: a model's files checked as loading checks them, without building a model.
+
+- A run or checkpoint folder, for every checkpoint (``last``, ``best``, ``step-N``, an
+  interrupted swap's ``*.old``): no symbolic links, the files present and regular,
+  ``meta.json`` records a sha256 for each and each matches, ``config.json`` holds valid
+  configs, the safetensors header fits the model config (names, shapes, dtypes, sizes;
+  ``lmcli.formats.weights.check_header``), the tokenizer loads and fits the vocabulary, and
+  ``trainer_state.pt`` loads with ``weights_only`` (no code runs). A LoRA run's checkpoint:
+  its base found unchanged, its weights' header against its config, and the adapters' header
+  against the run's LoRA settings on that base (``lora.check_adapters``: the rank, every
+  adapter's shape).
+- A Hugging Face folder: ``config.json`` (every value, ``HFConfig``), the tokenizer, and every
+  shard's header against the config (``hf.weights.check_weights``).
+- A GGUF file: its header scanned with bounds and its tensors against its metadata
+  (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
+  checked against the vocabulary (``hf.gguf_load.read_gguf_header``).
+
+The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
+the ones that were trained (a checksum recomputed by whoever edited a file matches again), and
+what a chat template does when it runs (rendering is bounded when it happens).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmcli.config.files import from_dict, stored_model_config
+from lmcli.config.model import ModelConfig
+from lmcli.config.train import TrainConfig
+from lmcli.errors import LmcliError
+from lmcli.formats.checkpoint import (
+    ADAPTERS,
+    BASE,
+    CONFIG,
+    META,
+    STATE,
+    TOKENIZER,
+    WEIGHTS,
+    read_json,
+    resolve_checkpoint,
+    verify_checksums,
+)
+from lmcli.formats.gguf.load import read_gguf_header
+from lmcli.formats.hf.load import is_hf_folder, read_hf_config, read_tokenizer
+from lmcli.formats.hf.weights import check_weights, read_headers
+from lmcli.formats.lora_base import checked_base
+from lmcli.formats.weights import WeightsHeader, check_header, read_header
+from lmcli.model.lora import check_adapters
+from lmcli.model.transformer import Transformer
+from lmcli.safe_io import checked_file, refuse_symlinks
+from lmcli.text.tokenizer import Tokenizer
+
+REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)
+REQUIRED_LORA = (ADAPTERS, BASE, CONFIG, TOKENIZER)  # a LoRA run's checkpoint: adapters and a base
+
+
+@dataclass
+class CheckpointReport:
+    """What verifying one checkpoint folder (or model file) found (it passed)."""
+
+    path: Path
+    step: int | None
+    params: int
+    files: int  # files whose checksum matched
+    what: str = ""  # what was checked, when not an lmcli checkpoint's checksums
+
+    def line(self) -> str:
+        if self.what:
+            return f"ok  {self.path}: {self.what}, {self.params:,} parameters"
+        step = f"step {self.step}" if self.step is not None else "no step"
+        return f"ok  {self.path}: {step}, {self.params:,} parameters, {self.files} checksums match"
+
+
+def verify_checkpoint(ckpt: Path) -> CheckpointReport:
+    """Check one checkpoint folder; an ``LmcliError`` names the first problem."""
+    refuse_symlinks(ckpt)
+    meta = read_json(ckpt / META, "checkpoint metadata")
+    verify_checksums(ckpt, meta)
+    recorded = meta.get("sha256", {})
+    lora = os.path.lexists(ckpt / ADAPTERS)
+    for name in REQUIRED_LORA if lora else REQUIRED:
+        checked_file(ckpt / name)
+        if name not in recorded:
+            raise LmcliError(f"{ckpt / META} records no checksum for {name}")
+    model_config, train_config = read_configs(ckpt / CONFIG)
+    if lora:
+        header = read_header(ckpt / ADAPTERS)
+        base = checked_base(ckpt, read_json(ckpt / BASE, "LoRA base reference"))
+        check_lora(ckpt, base, model_config, train_config, header)
+    else:
+        header = read_header(ckpt / WEIGHTS)
+        check_header(model_config, header)
+    tokenizer = Tokenizer.load(ckpt / TOKENIZER)
+    if tokenizer.vocab_size != model_config.vocab_size:
+        raise LmcliError(
+            f"tokenizer in {ckpt} has {tokenizer.vocab_size} tokens but the model expects "
+            f"{model_config.vocab_size}"
+        )
+    if os.path.lexists(ckpt / STATE):
+        try:
+            with warnings.catch_warnings():  # about the pickle protocol of a foreign file
+                warnings.simplefilter("ignore")
+                state = torch.load(checked_file(ckpt / STATE), map_location="cpu", weights_only=True)
+        except Exception as exc:  # unpickling refused or truncated file
+            raise LmcliError(
+                f"cannot read trainer state {ckpt / STATE}: {str(exc).splitlines()[0][:200]}"
+            ) from None
+        if not isinstance(state, dict):
+            raise LmcliError(f"trainer state {ckpt / STATE} is not a table of tensors")
+    step = meta.get("step")
+    return CheckpointReport(ckpt, step if isinstance(step, int) else None, header.n_params, len(recorded))
+
+
+def read_configs(path: Path) -> tuple[ModelConfig, TrainConfig]:
+    """The model and train configs of a ``config.json``."""
+    cfg = read_json(path, "config")
+    if not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
+        raise LmcliError(f"{path} has no model config")
+    train = from_dict(TrainConfig, cfg.get("train", {}), source=str(path))
+    return stored_model_config(cfg["model"], source=str(path)), train
+
+
+def base_config(base: Path) -> ModelConfig:
+    """The model config of a LoRA run's base, its weights' header checked against it."""
+    if is_hf_folder(base):
+        _, family, cfg, _ = read_hf_config(base)
+        check_weights(family, cfg, read_headers(base), base)
+        return cfg
+    ckpt = resolve_checkpoint(base)
+    cfg, _ = read_configs(ckpt / CONFIG)
+    check_header(cfg, read_header(checked_file(ckpt / WEIGHTS)))
+    return cfg
+
+
+def check_lora(
+    ckpt: Path, base: Path, model_config: ModelConfig, train_config: TrainConfig, header: WeightsHeader
+) -> None:
+    """A LoRA checkpoint's adapters against its LoRA settings on its base (shapes only)."""
+    if base_config(base) != model_config:
+        raise LmcliError(f"the base model {base} does not fit LoRA run {ckpt}'s model config")
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    check_adapters(model, train_config, header.tensors, str(ckpt / ADAPTERS))
+
+
+def verify_hf(path: Path) -> CheckpointReport:
+    """A Hugging Face folder: its config, tokenizer and every shard's header against the config."""
+    hf, family, cfg, _ = read_hf_config(path)
+    tok = read_tokenizer(path, hf)
+    if tok.vocab_size > cfg.vocab_size:
+        raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    header = read_headers(path)
+    check_weights(family, cfg, header, path)
+    what = f"Hugging Face {family.name} folder, weights fit config.json, tokenizer of {tok.vocab_size} tokens"
+    return CheckpointReport(path, None, header.n_params, 0, what)
+
+
+def verify_gguf(path: Path) -> CheckpointReport:
+    """A GGUF file: its header and its tensors against its metadata."""
+    header = read_gguf_header(path)
+    params = sum(math.prod(t.shape) for t in header.tensors.values())
+    kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
+    vocab = header.tokenizer.vocab_size
+    what = (
+        f"GGUF {header.family.gguf_arch} file ({kinds}), tensors fit its metadata, "
+        f"tokenizer of {vocab} tokens"
+    )
+    return CheckpointReport(path, None, params, 0, what)
+
+
+def checkpoints_of(path: Path) -> list[Path]:
+    """The checkpoint folders of a run folder (or ``path`` itself when it is one)."""
+    if os.path.lexists(path / META) or os.path.lexists(path / WEIGHTS):
+        return [path]
+    found = [
+        p
+        for p in sorted(path.iterdir())
+        if p.is_dir() and not p.name.startswith(".") and os.path.lexists(p / META)
+    ]
+    if not found:
+        raise LmcliError(f"{path} is not an lmcli run or checkpoint folder (no checkpoint with {META})")
+    return found
+
+
+def verify_run(path: str | Path) -> list[CheckpointReport]:
+    """Check a run folder (its ``config.json`` and every checkpoint), one checkpoint folder, a
+    Hugging Face folder or a GGUF file."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise LmcliError(f"no such run or checkpoint folder: {path}")
+    if path.is_file() and not path.is_symlink():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return [verify_gguf(path)]
+    if not path.is_dir() or path.is_symlink():
+        raise LmcliError(f"{path} is not a folder (nor a GGUF file)")
+    if is_hf_folder(path):
+        return [verify_hf(path)]
+    refuse_symlinks(path)
+    if os.path.lexists(path / CONFIG) and not os.path.lexists(path / META):  # a run's config
+        read_configs(path / CONFIG)
+    return [verify_checkpoint(ckpt) for ckpt in checkpoints_of(path)]

@@ -1,0 +1,187 @@
+"""How the model knows where a token is: one small object per position scheme.
+
+Every scheme answers the same three questions, most of them with "nothing to do":
+
+- ``embed(x, pos)``: what to add to the token embeddings (learned, sinusoidal);
+- ``rotate(q, k, pos)``: how to turn queries and keys (rotary);
+- ``bias(allowed, n_cached, dtype)``: what to add to the attention scores (ALiBi).
+
+``pos`` holds position ids (B or 1, T): a row's column minus its left padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lmcli.config.model import ModelConfig
+
+
+class Positions(nn.Module):
+    """The default answers: no embedding, no rotation, no score bias, the context as limit."""
+
+    biases_scores = False  # True when bias() must be applied to every attention
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.max_len: int | None = cfg.block_size  # longest sequence; None = no limit
+        self.make_tables(cfg)
+
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+        """The fixed tables this scheme computes from the config (never stored in a checkpoint)."""
+        return {}
+
+    def make_tables(self, cfg: ModelConfig) -> None:
+        """(Re)compute the tables as non-persistent buffers, on the current default device: at
+        construction, and after a loader built the model on the meta device."""
+        for name, table in self.tables(cfg).items():
+            self.register_buffer(name, table, persistent=False)
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+
+class Learned(Positions):
+    """A trained embedding per position (GPT-2)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        return x + self.wpe(pos)
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
+    """The fixed sin/cos position table of "Attention Is All You Need", (n_pos, dim)."""
+    pos = torch.arange(n_pos, dtype=torch.float32)[:, None]
+    inv = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_pos, dim)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv)[:, : dim // 2]
+    return table
+
+
+class Sinusoidal(Positions):
+    """Fixed sin/cos embeddings added to the tokens."""
+
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+        return {"table": sinusoidal_table(cfg.block_size, cfg.n_embd)}
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        return x + self.table[pos].to(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
+    """The rotation frequencies (D/2,) of each pair of dimensions, and the factor cos and sin are
+    multiplied by (1 but for yarn), with ``cfg.rope_scaling`` applied.
+
+    linear: every frequency divided by the factor. llama3: low frequencies (wavelengths above
+    the original context / low_freq_factor) divided by the factor, high ones (below context /
+    high_freq_factor) kept, the band between interpolated. yarn (Peng et al. 2023): frequencies
+    that turn fewer than 1 time over the original context divided by the factor, those turning
+    more than 32 times kept, a linear ramp between; attention sharpened by 0.1 ln(factor) + 1.
+    """
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    factor, context = cfg.rope_factor, cfg.rope_original_context
+    if cfg.rope_scaling == "linear":
+        return inv / factor, 1.0
+    if cfg.rope_scaling == "llama3":
+        wavelen = 2 * math.pi / inv
+        low, high = context / cfg.rope_low_freq_factor, context / cfg.rope_high_freq_factor
+        scaled = torch.where(wavelen > low, inv / factor, inv)
+        smooth = (context / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        between = (1 - smooth) * scaled / factor + smooth * scaled
+        return torch.where((wavelen >= high) & (wavelen <= low), between, scaled), 1.0
+    if cfg.rope_scaling == "yarn":
+
+        def dim_of(turns: float) -> float:  # the dimension that turns ``turns`` times over the context
+            return D * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_base))
+
+        lo, hi = max(math.floor(dim_of(32)), 0), min(math.ceil(dim_of(1)), D - 1)
+        ramp = ((torch.arange(D // 2, dtype=torch.float32) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp  # 1: the frequency kept (extrapolated), 0: divided by the factor
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return inv / factor * (1 - keep) + inv * keep, scale
+    return inv, 1.0
+
+
+class Rotary(Positions):
+    """Rotary position embedding (rotate-half layout, as in Llama), applied to queries and keys."""
+
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+        inv, scale = rope_frequencies(cfg)
+        angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv)  # (n_pos, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (n_pos, D)
+        return {"cos": angles.cos() * scale, "sin": angles.sin() * scale}
+
+    def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate q and k (B, H, T, D) by positions pos (B or 1, T)."""
+        cos = self.cos[pos].unsqueeze(1).to(q.dtype)  # (B or 1, 1, T, D)
+        sin = self.sin[pos].unsqueeze(1).to(q.dtype)
+        return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+
+
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (.., D) turned by angles with cos and sin (.., D): each dimension i < D/2 paired with i + D/2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def alibi_slopes(n_head: int) -> Tensor:
+    """Per-head ALiBi slopes (Press et al.), geometric from 2^(-8/n); non-powers of 2 interleave."""
+
+    def power_of_2(n: int) -> list[float]:
+        first = 2.0 ** (-8.0 / n)
+        return [first ** (i + 1) for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        return torch.tensor(power_of_2(n_head))
+    closest = 2 ** math.floor(math.log2(n_head))
+    extra = power_of_2(2 * closest)[0::2][: n_head - closest]
+    return torch.tensor(power_of_2(closest) + extra)
+
+
+class ALiBi(Positions):
+    """Attention scores lowered in proportion to distance, a slope per head; no length limit."""
+
+    biases_scores = True
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.max_len = None
+
+    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+        return {"slopes": alibi_slopes(cfg.n_head)}
+
+    def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
+        """Float mask (B or 1, H, T, S) from a boolean one: -slope * |distance|, -inf where not allowed."""
+        T = allowed.size(-2)
+        q = torch.arange(n_cached, n_cached + T, device=allowed.device)[:, None]
+        k = torch.arange(n_cached + T, device=allowed.device)[None, :]
+        dist = (q - k).abs().to(self.slopes.dtype)  # (T, S)
+        bias = -self.slopes[:, None, None] * dist  # (H, T, S), computed in float32, then cast once
+        return bias[None].masked_fill(~allowed, float("-inf")).to(dtype)
+
+
+POSITIONS: dict[str, type[Positions]] = {
+    "learned": Learned,
+    "sinusoidal": Sinusoidal,
+    "rope": Rotary,
+    "alibi": ALiBi,
+}
+
+
+def make_positions(cfg: ModelConfig) -> Positions:
+    return POSITIONS[cfg.position](cfg)

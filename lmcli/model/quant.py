@@ -1,0 +1,261 @@
+"""Weight-only quantized inference: int8 and int4 linear layers swapped into a loaded model.
+
+The model stays the one ``lmcli.model.transformer`` builds (gpt-fast's ``quantize.py`` is the pattern):
+``quantize(model, "int8" | "int4", group_size)`` replaces its linear layers, and its token
+embedding, by modules holding quantized weights with the same forward. Nothing else changes,
+so every decoder, evaluation and the server run a quantized model as they run any other.
+
+- **int8**: one scale per output channel (a row of the (out, in) weight), symmetric:
+  ``w ~ s * q``, ``q`` in [-127, 127], ``s = max|w| / 127``.
+- **int4**: groups of ``group_size`` inputs in each output channel, asymmetric, in the layout of
+  torch's int4 kernels ("tinygemm"): ``w ~ (q - 8) * s + z``, ``q`` in [0, 15], ``z`` the group's
+  value at ``q = 8``. A layer whose shape the kernels cannot take stays int8. The vocabulary head
+  stays int8 in this mode: its error reaches every logit, and a tied model's head is also the
+  token embedding, which is looked up row by row.
+- **the token embedding**: int8 rows (a tied model's head and embedding share one int8 table),
+  dequantized as they are looked up.
+
+The products (docs/quantization.md has the measurements that chose them):
+
+- on a CPU, torch's own packed kernels, ``aten._weight_int8pack_mm`` and
+  ``aten._weight_int4pack_mm_for_cpu`` (AVX-512/AVX2 code in ATen). They are fast only for
+  bfloat16 activations (20-50x slower for float32 or float16 ones), so the activations are
+  rounded to bfloat16 for the product and its output returned in the model's dtype. For 48 rows
+  or more (a prompt) the int8 weight is rather widened to bfloat16 for one GEMM, 2x faster;
+- on CUDA, int8 is gpt-fast's ``F.linear(x, q.to(x.dtype)) * s`` and int4 torch's tinygemm
+  kernel ``aten._weight_int4pack_mm`` (bfloat16, compute capability 8.0 or later). The CUDA
+  paths follow torch's and gpt-fast's documented use; this project's machines have no GPU to
+  run them on.
+
+``lmcli.model.fastpath``'s CPU scope leaves these modules alone (they are no ``nn.Linear``: nothing is
+packed again) and its one-token step calls them as it calls a linear layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmcli.config.commands import GROUP_SIZES
+from lmcli.device import release_freed_memory
+from lmcli.errors import LmcliError
+
+MODES = ("none", "int8", "int4")
+# torch 2.13's CPU int8 kernel reads past the end of inputs whose width is no multiple of 16 (it
+# crashes): narrower or odd layers take the dequantizing product instead
+INT8_KERNEL_K = 16
+INT8_KERNEL_MAX_ROWS = 48  # from 64 rows on, dequantizing to bfloat16 and a GEMM is faster
+CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
+
+
+# ----------------------------------------------------------------------------- quantizing
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(q (N, K) int8, s (N,) float32) with ``w ~ q * s[:, None]``, one scale per output row;
+    ``CHUNK_ROWS`` rows at a time, so the float32 temporaries stay small for a large table."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    s = torch.empty(w.size(0), dtype=torch.float32, device=w.device)
+    for i in range(0, w.size(0), CHUNK_ROWS):
+        rows = w[i : i + CHUNK_ROWS].detach().float()
+        scale = (rows.abs().amax(dim=1) / 127).clamp_min(1e-12)
+        q[i : i + CHUNK_ROWS] = rows.div_(scale[:, None]).round_().clamp_(-127, 127)
+        s[i : i + CHUNK_ROWS] = scale
+    return q, s
+
+
+def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(q (N, K) int32 in [0, 15], s (N, K/g), z (N, K/g)) with ``w ~ (q - 8) * s + z`` per group."""
+    N, K = w.shape
+    groups = w.detach().float().reshape(N, K // group_size, group_size)  # (N, K) -> (N, G, g)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    s = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((groups - low) / s).clamp_(0, 15).to(torch.int32).reshape(N, K)
+    z = low + 8 * s
+    return q, s.reshape(N, -1), z.reshape(N, -1)
+
+
+def int4_fits(module: nn.Linear, group_size: int) -> bool:
+    """True when the int4 kernels take this layer's shape (on a CPU and on CUDA)."""
+    K, N = module.in_features, module.out_features
+    return K % group_size == 0 and K % 32 == 0 and N % 16 == 0  # N: the CPU packing's; CUDA's is 8
+
+
+def _cuda_tiles(K: int) -> int:
+    """tinygemm's inner k-tiles for K inputs (K must be a multiple of 16 times it)."""
+    return next(t for t in (8, 4, 2) if K % (16 * t) == 0)
+
+
+# ----------------------------------------------------------------------------- the modules
+
+
+def _bias(module: nn.Linear) -> Tensor | None:
+    return None if module.bias is None else module.bias.detach()
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with quantized weights: ``y = x @ W.T + b``, W held quantized."""
+
+    bits = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype  # the dtype the layer was loaded in (its outputs')
+        self.register_buffer("bias", bias, persistent=False)
+
+    def product(self, x: Tensor) -> Tensor:
+        """x (M, K) @ W.T (K, N) -> (M, N), without the bias."""
+        raise NotImplementedError
+
+    def dequantized(self) -> Tensor:
+        """The weight (N, K) the quantized one stands for, in float32."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.product(x.reshape(-1, self.in_features)).to(x.dtype)  # (.., K) -> (M, K) -> (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+class Int8Linear(QuantLinear):
+    """int8 weights with one scale per output channel."""
+
+    bits = 8
+
+    def __init__(self, module: nn.Linear, q: Tensor | None = None, s: Tensor | None = None) -> None:
+        super().__init__(module.in_features, module.out_features, _bias(module), module.weight.dtype)
+        if q is None or s is None:
+            q, s = quantize_int8(module.weight)
+        self.register_buffer("qweight", q, persistent=False)  # (N, K) int8
+        self.register_buffer("scales", s, persistent=False)  # (N,) float32
+        # the CPU kernel's scales, in its activations' dtype
+        self.register_buffer("kernel_scales", s.to(torch.bfloat16), persistent=False)
+
+    def product(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)  # gpt-fast's int8
+        x = x.to(torch.bfloat16)
+        if x.size(0) < INT8_KERNEL_MAX_ROWS and self.in_features % INT8_KERNEL_K == 0:
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.kernel_scales)
+        # many rows (a prompt): a bfloat16 copy of the weight and a GEMM, 2x faster than the kernel
+        return F.linear(x, self.qweight.to(torch.bfloat16)) * self.kernel_scales
+
+    def dequantized(self) -> Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+
+class Int4Linear(QuantLinear):
+    """int4 weights in groups along the inputs, packed for torch's int4 kernels."""
+
+    bits = 4
+
+    def __init__(self, module: nn.Linear, group_size: int) -> None:
+        super().__init__(module.in_features, module.out_features, _bias(module), module.weight.dtype)
+        self.group_size = group_size
+        q, s, z = quantize_int4(module.weight, group_size)
+        device = module.weight.device
+        # (N, G) scales and zeros -> (G, N, 2), the kernels' layout
+        sz = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        if device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        else:  # tinygemm: two 4-bit values per byte, then its tiled layout
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (N, K) -> (N, K/2)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, _cuda_tiles(self.in_features))
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_zeros", sz, persistent=False)
+
+    def product(self, x: Tensor) -> Tensor:
+        x = x.to(torch.bfloat16)
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group_size, self.scales_zeros
+            )
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_zeros)
+
+    def dequantized(self) -> Tensor:
+        """Read back through the kernel: eye (K, K) @ W.T, in float32 on a CPU (exact there)."""
+        eye = torch.eye(self.in_features, device=self.packed.device)
+        if eye.device.type == "cpu":
+            wt = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, self.packed, self.group_size, self.scales_zeros.float()
+            )
+        else:
+            wt = self.product(eye)
+        return wt.float().t().contiguous()
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding held as int8 rows with one scale each, dequantized as they are looked up."""
+
+    def __init__(self, q: Tensor, s: Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("qweight", q, persistent=False)  # (V, C) int8
+        self.register_buffer("scales", s, persistent=False)  # (V,)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        rows = F.embedding(idx, self.qweight).to(self.dtype)  # (.., C)
+        return rows * F.embedding(idx, self.scales[:, None]).to(self.dtype)  # times (.., 1)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
+    """Swap ``model``'s linear layers and token embedding for quantized ones (in place; returns
+    the model). ``mode``: ``none`` (nothing), ``int8`` or ``int4`` (groups of ``group_size``)."""
+    if mode == "none":
+        return model
+    if mode not in MODES:
+        raise LmcliError(f"invalid quantization {mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "int4" and group_size not in GROUP_SIZES:
+        raise LmcliError(f"group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise LmcliError("the model is quantized already")
+    device = next(model.parameters()).device
+    if mode == "int4" and device.type not in ("cpu", "cuda"):
+        raise LmcliError(f"--quantize int4 runs on a CPU or CUDA, not on {device.type}: use int8")
+    if mode == "int4" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        raise LmcliError("--quantize int4 on CUDA needs a GPU of compute capability 8.0 or later (Ampere)")
+    with torch.no_grad():
+        for block in model.h:
+            for parent in (block.attn, block.mlp):
+                for name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear:
+                        int4 = mode == "int4" and int4_fits(child, group_size)
+                        setattr(parent, name, Int4Linear(child, group_size) if int4 else Int8Linear(child))
+        _quantize_vocabulary(model)
+    release_freed_memory()
+    return model
+
+
+def _quantize_vocabulary(model: nn.Module) -> None:
+    """The head and the token embedding as int8, one table when they are tied."""
+    head, wte = model.lm_head, model.wte
+    dtype = wte.weight.dtype
+    if head.weight is wte.weight:
+        q, s = quantize_int8(head.weight)
+        model.lm_head = Int8Linear(head, q, s)
+    else:
+        model.lm_head = Int8Linear(head)
+        q, s = quantize_int8(wte.weight)
+    model.wte = Int8Embedding(q, s, dtype)
+
+
+def quantized_elements(model: nn.Module) -> int:
+    """Weights held quantized (counted as parameters would be), 0 for a float model."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as held: parameters and the quantized modules' buffers (once each)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    return sum(seen.values())

@@ -1,0 +1,33 @@
+"""The code keeps its shape: no function longer than a screen and a half, no file in ``lmcli/``
+longer than ~600 lines (ruff holds complexity, branches and statements: pyproject.toml)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lmcli
+
+ROOT = Path(lmcli.__file__).parent
+MAX_FUNCTION_LINES = 80
+MAX_FILE_LINES = 620
+
+
+def test_no_function_over_80_lines() -> None:
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "split these functions:\n" + "\n".join(long)
+
+
+def test_no_file_over_600_lines() -> None:
+    big = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in sorted(ROOT.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+    assert not big, "give these a room of their own:\n" + "\n".join(big)
