@@ -26,7 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcli.chat_template import (
+from lmcli.data.conversations import ConversationRows, conversation
+from lmcli.data.examples import Encoded, ExampleSet, collate
+from lmcli.data.train_data import ExampleData
+from lmcli.data.windows import Batch, EpochStream
+from lmcli.errors import LmcliError
+from lmcli.text.chat_template import (
     Message,
     Renderer,
     Template,
@@ -35,12 +40,7 @@ from lmcli.chat_template import (
     encode,
     encode_conversation,
 )
-from lmcli.data.conversations import ConversationRows, conversation
-from lmcli.data.examples import Encoded, ExampleSet, collate
-from lmcli.data.train_data import ExampleData
-from lmcli.data.windows import Batch, EpochStream
-from lmcli.errors import LmcliError
-from lmcli.tokenizer import Tokenizer
+from lmcli.text.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")
 

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.data.preferences import PairBatch, PreferenceRows, PromptRow, collate_pairs, pair_set
 from lmcli.data.windows import IGNORE
 from lmcli.device import autocast
-from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 from lmcli.train.grpo import PolicyOut, policy_loss, spread_fraction
 from lmcli.train.preference import PreferenceOut, preference_loss
 from lmcli.train.reference import Reference, evaluating, sequence_logprobs

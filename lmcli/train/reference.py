@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from lmcli.data.windows import Batch
-from lmcli.evaluate import forward_scored
-from lmcli.lora import LoRALinear
+from lmcli.eval.perplexity import forward_scored
+from lmcli.model.lora import LoRALinear
 from lmcli.train.preference import row_sums, token_logprobs
 
 KINDS = ("adapters", "copy", "table", "none")

@@ -19,14 +19,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from lmcli.config import SEED_MAX, SampleConfig
+from lmcli.config.commands import SampleConfig
+from lmcli.config.fields import SEED_MAX
 from lmcli.data.examples import Encoded, collate
 from lmcli.data.preferences import PromptRow, example_set
 from lmcli.data.windows import Batch
 from lmcli.generate.engine import Engine, Row
-from lmcli.generate.kv_cache import check_fits
-from lmcli.model import Transformer
-from lmcli.tokenizer import Tokenizer
+from lmcli.model.kv_cache import check_fits
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
 from lmcli.train.grpo import group_advantages
 from lmcli.train.reference import evaluating
 from lmcli.train.rewards import Rewards

@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers import tiny_tokenizer
 
-from lmcli.chat_template import encode_conversation
 from lmcli.data.preferences import PreferenceRows, PromptRows, last_reply
 from lmcli.errors import LmcliError
+from lmcli.text.chat_template import encode_conversation
 from lmcli.train.preference import preference_loss, row_sums, token_logprobs
 
 # Summed reply log-probs of three pairs: policy and reference, chosen and rejected.

@@ -14,10 +14,10 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_tokenizer, train_config
 
-from lmcli import lora
-from lmcli.config import SampleConfig
+from lmcli.config.commands import SampleConfig
 from lmcli.data.preferences import PreferenceRows, PromptRows, collate_pairs, pair_set
 from lmcli.data.windows import IGNORE
+from lmcli.model import lora
 from lmcli.train.posttrain import PreferenceSettings, evaluate_pairs, group_loss, pair_loss
 from lmcli.train.reference import Reference, frozen_copy, sequence_logprobs
 from lmcli.train.rewards import Rewards
