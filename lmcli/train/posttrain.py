@@ -23,7 +23,7 @@ from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
 from lmcli.train.grpo import PolicyOut, policy_loss, spread_fraction
 from lmcli.train.preference import PreferenceOut, preference_loss
-from lmcli.train.reference import Reference, evaluating, sequence_logprobs
+from lmcli.train.reference import Reference, evaluating, frozen_copy, sequence_logprobs
 from lmcli.train.rewards import Rewards
 from lmcli.train.rollouts import Group, make_group, rollout_seed, sample_groups
 
@@ -251,7 +251,12 @@ class GRPOTraining(PostTraining):
                     out = group_loss(run.trained, group, n_tokens=n_tokens, clip=s.clip, kl_coef=s.kl_coef)
                 run.scaler.scale(out.loss).backward()
                 run.marks.running += out.loss.detach() / s.steps
-                self.add({"kl": out.kl.item(), "clipped": out.clipped.item()})
+                self.add(
+                    {
+                        "clipped": out.clipped.item(),
+                        **({"kl": out.kl.item()} if self.reference.needed else {}),
+                    }
+                )
             grad_norm = optimizer_step(run)
         self.add(self.describe(groups))
         return grad_norm
@@ -279,3 +284,106 @@ class GRPOTraining(PostTraining):
                 run.model, run.data.tokenizer, prompts, self.rewards, self.settings.sample
             )
         return -record["val_reward"], record
+
+
+# ----------------------------------------------------------------------------- opening a run
+
+
+def open_post_training(
+    cfg: Any, model: Transformer, resumed: Any, data: Any, states: Any
+) -> PostTraining | None:
+    """What ``--task dpo``/``grpo`` add to a run (None for the other tasks): the reference, the
+    settings, the rewards (every row checked by them now). A precomputed reference's table is
+    registered in ``states`` (a resume reads it back; ``fill_tables`` computes it otherwise)."""
+    post = cfg.post
+    if cfg.task == "grpo":
+        rewards = Rewards(post.reward)
+        for prompt in [*data.train, *data.val]:
+            rewards.check(prompt.row, prompt.where)
+        sample = SampleConfig(
+            max_new_tokens=post.max_new_tokens,
+            temperature=post.temperature,
+            top_k=post.top_k,
+            top_p=post.top_p,
+            stop=post.stop,
+            seed=cfg.seed,
+        )
+        settings = RolloutSettings(
+            post.group_size, post.ratio_clip, post.kl_coef, post.grpo_steps, True, sample
+        )
+        return GRPOTraining(make_reference(cfg, model, resumed, post.kl_coef > 0), rewards, settings)
+    if cfg.task == "dpo":
+        settings = PreferenceSettings(post.preference_loss, post.beta, post.simpo_gamma)
+        if post.precompute_reference:
+            reference = Reference("table")
+            states.parts["reference"] = reference
+        else:
+            reference = make_reference(cfg, model, resumed, post.preference_loss != "simpo")
+        return PreferenceTraining(reference, settings)
+    return None
+
+
+def make_reference(cfg: Any, model: Transformer, resumed: Any, needed: bool) -> Reference:
+    """The model as training starts: with LoRA the base (adapters off); else a frozen copy, of
+    the model now or, on resume, of ``--init-from`` read again."""
+    if not needed:
+        return Reference("none")
+    if cfg.lora.lora_rank:
+        return Reference("adapters", model)
+    if resumed is None:
+        return Reference("copy", frozen_copy(model))
+    from lmcli.train.init_from import open_init
+
+    start = open_init(cfg.init_from, lambda msg: None, model.config.block_size).load(False)[0]
+    device = next(model.parameters()).device
+    return Reference("copy", frozen_copy(start).to(device))
+
+
+def fill_tables(post: PostTraining, run: Any) -> None:
+    """``--precompute-reference``: each pair's reference log-probs (training and validation
+    pairs), computed once with the model as training starts."""
+    if post.reference.kind != "table":
+        return
+    size, data = run.cfg.optim.batch_size, run.data
+    for split, sequences in (("train", data.train), ("val", data.val)):
+        n = len(sequences) // 2
+        batches = (
+            collate_pairs(sequences, range(i, min(i + size, n)), data.tokenizer.pad_id, data.block_size).to(
+                run.device
+            )
+            for i in range(0, n, size)
+        )
+        with autocast(run.device, run.amp):
+            post.reference.fill_table(run.model, split, batches, n)
+
+
+def extra_memory(cfg: Any, model: Transformer, reference: Reference) -> int:
+    """Bytes post-training needs beyond the model's training step: the reference's frozen copy,
+    and GRPO's decoding cache for its batch of replies (a full context per row)."""
+    extra = 0
+    if reference.kind == "copy":
+        extra += sum(p.numel() * p.element_size() for p in model.parameters())
+    if cfg.task == "grpo":
+        c = model.config
+        rows = cfg.optim.batch_size * cfg.post.group_size
+        extra += rows * (2 * c.n_layer * c.block_size * c.n_embd * 4 + 4 * c.padded_vocab_size * 4)
+    return extra
+
+
+def describe(post: PostTraining) -> str:
+    """The pre-flight's line about post-training: the loss or rewards, the reference."""
+    where = {
+        "adapters": "the base (LoRA adapters off, no copy)",
+        "copy": "a frozen copy of the starting model",
+        "table": "log-probs precomputed once",
+        "none": "none",
+    }[post.reference.kind]
+    if isinstance(post, GRPOTraining):
+        s = post.settings
+        what = (
+            f"GRPO, {s.group} replies per prompt, rewards {', '.join(post.rewards.names)}, KL {s.kl_coef:g}"
+        )
+    else:
+        s = post.settings
+        what = f"{s.loss.upper()}, beta {s.beta:g}"
+    return f"{what}; reference: {where}"
