@@ -325,10 +325,11 @@ def open_post_training(
 
 def make_reference(cfg: Any, model: Transformer, resumed: Any, needed: bool) -> Reference:
     """The model as training starts: with LoRA the base (adapters off); else a frozen copy, of
-    the model now or, on resume, of ``--init-from`` read again."""
+    the model now or, on resume, of ``--init-from`` read again (also with LoRA when the embedding
+    trains too: ``--lora-train-embeddings`` changes the base)."""
     if not needed:
         return Reference("none")
-    if cfg.lora.lora_rank:
+    if cfg.lora.lora_rank and not cfg.lora.lora_train_embeddings:
         return Reference("adapters", model)
     if resumed is None:
         return Reference("copy", frozen_copy(model))
