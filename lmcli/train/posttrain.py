@@ -340,10 +340,12 @@ def make_reference(cfg: Any, model: Transformer, resumed: Any, needed: bool) -> 
     return Reference("copy", frozen_copy(start).to(device))
 
 
-def fill_tables(post: PostTraining, run: Any) -> None:
+def fill_tables(run: Any, fresh: bool) -> None:
     """``--precompute-reference``: each pair's reference log-probs (training and validation
-    pairs), computed once with the model as training starts."""
-    if post.reference.kind != "table":
+    pairs), computed once with the model as training starts (``fresh``: a new run; a resumed
+    one read them back with its state)."""
+    post = run.post
+    if post is None or post.reference.kind != "table" or not fresh:
         return
     size, data = run.cfg.optim.batch_size, run.data
     for split, sequences in (("train", data.train), ("val", data.val)):

@@ -121,7 +121,6 @@ def open_run(
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
 
-    per_token = training_flops(model, cfg, data)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     in_place = resumed is not None and Path(resume) == run_dir
     trackers = open_trackers(
@@ -149,15 +148,14 @@ def open_run(
         marks=Marks(torch.zeros((), device=device), saved_step=state.step if resumed else -1),
         metrics=metrics,
         trackers=trackers,
-        mfu=MfuBasis(per_token, *peak_tflops(device, cfg.peak_tflops)),
+        mfu=MfuBasis(training_flops(model, cfg, data), *peak_tflops(device, cfg.peak_tflops)),
         info=info,
         staging=Staging(device),
         base=base,
         eval_tasks=eval_tasks,
         post=post,
     )
-    if post is not None and resumed is None:
-        fill_tables(post, run)  # --precompute-reference: with the model as training starts
+    fill_tables(run, fresh=resumed is None)  # --precompute-reference: the model as training starts
     if dist_info.is_main:
         facts = show_preflight(run, rep)
         write_run_config(run_dir, model_config, cfg)
