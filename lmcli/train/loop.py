@@ -127,6 +127,8 @@ def fit(run: Run, rep: Reporter) -> TrainResult:
     marks.log_step, marks.log_time = state.step, time.time()
     stopped = "max_steps"
     bar = rep.progress if run.dist.is_main else None
+    if isinstance(run.post, GRPOTraining) and state.step == 0:
+        baseline(run)
     if bar is not None:
         bar.start(run.max_steps, state.step, max_time)
     try:
@@ -291,6 +293,15 @@ def post_validation(run: Run) -> tuple[float, dict[str, float]]:
     batches = (b.to(run.device) for b in run.data.val_batches(size, limit))
     with autocast(run.device, run.amp):
         return run.post.validate(run.model, batches)
+
+
+def baseline(run: Run) -> None:
+    """grpo: the starting model's validation, logged at step 0 (what the run is to improve on);
+    it sets no best."""
+    _, scores = post_validation(run)
+    if run.dist.is_main:
+        run.trackers.log(0, {"step": 0, **scores})
+        run.info(f"step 0 (the starting model): {describe_validation(run, scores, 0.0)}")
 
 
 def describe_validation(run: Run, record: dict[str, Any], loss: float) -> str:
