@@ -306,12 +306,8 @@ def baseline(run: Run) -> None:
 
 def describe_validation(run: Run, record: dict[str, Any], loss: float) -> str:
     """A validation in words: its loss (and perplexity), or a post-training task's scores."""
-    if run.cfg.task == "grpo":
-        return f"val reward {record['val_reward']:.4f}, pass@1 {record['val_pass@1']:.3f}"
-    if run.cfg.task == "dpo":
-        return (
-            f"val loss {loss:.4f}, accuracy {record['val_accuracy']:.3f}, margin {record['val_margin']:.4f}"
-        )
+    if run.post is not None:
+        return run.post.summary(record)
     return f"val loss {loss:.4f} (ppl {math.exp(min(loss, 50)):.2f})"
 
 
@@ -334,7 +330,7 @@ def validation_record(run: Run, loss: float, scores: dict[str, float]) -> dict[s
     state, cfg = run.state, run.cfg
     record: dict[str, Any] = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
     if run.post is not None:  # dpo: its loss, no perplexity; grpo: the reward, no loss
-        record = {"step": state.step, **({"val_loss": loss} if cfg.task == "dpo" else {}), **scores}
+        record = {"step": state.step, **scores}
     for average in run.averages:
         record[f"val_loss_{average.name}"] = average.val_loss
     task = make_task(cfg)
@@ -404,11 +400,9 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
                 f"time limit reached at step {state.step}; "
                 f"continue with: lmcli train --resume {run.run_dir} --max-time ..."
             )
-        best_text = (
-            f"best validation reward {-state.best_val:.4f}"
-            if run.cfg.task == "grpo"
-            else f"best validation loss {state.best_val:.4f}"
-        )
+        best_text = f"best validation loss {state.best_val:.4f}"
+        if run.post is not None:
+            best_text = run.post.best(state.best_val)
         run.info(f"done in {fmt_duration(elapsed)}: {best_text}; run folder {run.run_dir}")
     best = state.best_val if math.isfinite(state.best_val) else None
     marks = run.marks

@@ -20,6 +20,7 @@ from lmcli.data.preferences import PairBatch, PreferenceRows, PromptRow, collate
 from lmcli.data.windows import IGNORE
 from lmcli.device import autocast
 from lmcli.model.transformer import Transformer
+from lmcli.tasks import Preference, Reinforcement, make_task
 from lmcli.text.tokenizer import Tokenizer
 from lmcli.train.grpo import PolicyOut, policy_loss, spread_fraction
 from lmcli.train.preference import PreferenceOut, preference_loss
@@ -172,6 +173,14 @@ class PostTraining:
         self._sums, self._counts = {}, {}
         return out
 
+    def summary(self, record: dict[str, Any]) -> str:
+        """A validation's record in words."""
+        raise NotImplementedError
+
+    def best(self, best_loss: float) -> str:
+        """The best validation, in the closing line."""
+        return f"best validation loss {best_loss:.4f}"
+
 
 class PreferenceTraining(PostTraining):
     """``--task dpo``: the loss of a micro-batch of pairs; validation on held-out pairs."""
@@ -188,8 +197,14 @@ class PreferenceTraining(PostTraining):
     def validate(self, model: nn.Module, batches: Iterable[PairBatch]) -> tuple[float, dict[str, float]]:
         """The validation loss (what ``best/`` follows) and the record: accuracy, margin, rewards."""
         scores = evaluate_pairs(model, batches, self.reference, self.settings)
-        record = {f"val_{k}": v for k, v in scores.items() if k not in ("loss", "pairs")}
+        record = {f"val_{k}": v for k, v in scores.items() if k != "pairs"}
         return scores["loss"], record
+
+    def summary(self, record: dict[str, Any]) -> str:
+        return (
+            f"val loss {record['val_loss']:.4f}, accuracy {record['val_accuracy']:.3f}, "
+            f"margin {record['val_margin']:.4f}"
+        )
 
 
 @dataclass(frozen=True)
@@ -285,6 +300,12 @@ class GRPOTraining(PostTraining):
             )
         return -record["val_reward"], record
 
+    def summary(self, record: dict[str, Any]) -> str:
+        return f"val reward {record['val_reward']:.4f}, pass@1 {record['val_pass@1']:.3f}"
+
+    def best(self, best_loss: float) -> str:
+        return f"best validation reward {-best_loss:.4f}"  # its loss: minus the reward
+
 
 # ----------------------------------------------------------------------------- opening a run
 
@@ -295,8 +316,8 @@ def open_post_training(
     """What ``--task dpo``/``grpo`` add to a run (None for the other tasks): the reference, the
     settings, the rewards (every row checked by them now). A precomputed reference's table is
     registered in ``states`` (a resume reads it back; ``fill_tables`` computes it otherwise)."""
-    post = cfg.post
-    if cfg.task == "grpo":
+    post, task = cfg.post, make_task(cfg)
+    if isinstance(task, Reinforcement):
         rewards = Rewards(post.reward)
         for prompt in [*data.train, *data.val]:
             rewards.check(prompt.row, prompt.where)
@@ -312,7 +333,7 @@ def open_post_training(
             post.group_size, post.ratio_clip, post.kl_coef, post.grpo_steps, True, sample
         )
         return GRPOTraining(make_reference(cfg, model, resumed, post.kl_coef > 0), rewards, settings)
-    if cfg.task == "dpo":
+    if isinstance(task, Preference):
         settings = PreferenceSettings(post.preference_loss, post.beta, post.simpo_gamma)
         if post.precompute_reference:
             reference = Reference("table")
@@ -360,13 +381,13 @@ def fill_tables(run: Any, fresh: bool) -> None:
             post.reference.fill_table(run.model, split, batches, n)
 
 
-def extra_memory(cfg: Any, model: Transformer, reference: Reference) -> int:
+def extra_memory(cfg: Any, model: Transformer, post: PostTraining) -> int:
     """Bytes post-training needs beyond the model's training step: the reference's frozen copy,
     and GRPO's decoding cache for its batch of replies (a full context per row)."""
     extra = 0
-    if reference.kind == "copy":
+    if post.reference.kind == "copy":
         extra += sum(p.numel() * p.element_size() for p in model.parameters())
-    if cfg.task == "grpo":
+    if isinstance(post, GRPOTraining):
         c = model.config
         rows = cfg.optim.batch_size * cfg.post.group_size
         extra += rows * (2 * c.n_layer * c.block_size * c.n_embd * 4 + 4 * c.padded_vocab_size * 4)

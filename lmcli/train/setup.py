@@ -38,6 +38,7 @@ from lmcli.formats.weights import model_from_state, model_state
 from lmcli.model import lora
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import refuse_symlinks
+from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
 from lmcli.train.distributed import (
     Dist,
@@ -195,9 +196,10 @@ def open_data(
 ) -> TrainData:
     """The run's training and validation data, tokenized by rank 0 first (the other ranks then
     read its cache)."""
-    if cfg.task in ("dpo", "grpo"):  # pairs or prompts in the model's tokenizer (no cache to share)
+    kind = make_task(cfg).examples
+    if kind in ("preferences", "prompts"):  # post-training's rows, in the model's tokenizer
         block = model_config.block_size
-        if cfg.task == "dpo":
+        if kind == "preferences":
             data: Any = load_preference_data(cfg, block, tokenizer)
             data.pad_multiple = pad_multiple(cfg.compile, device)
             return data
@@ -359,7 +361,7 @@ def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
         return measured_memory(torch.cuda.max_memory_allocated(run.device), trainable)
     shards = run.dist.world_size if run.parallel.sharded else 1
     longest = run.data.longest_example() if isinstance(run.data, ExampleData) else None
-    extra = extra_memory(run.cfg, run.model, run.post.reference) if run.post is not None else 0
+    extra = extra_memory(run.cfg, run.model, run.post) if run.post is not None else 0
     return estimated_memory(run.model, run.cfg, run.amp, run.device, shards, longest) + extra
 
 
@@ -369,7 +371,7 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
     cfg, model = run.cfg, run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     alone = not (cfg.compile or run.parallel.sharded)  # a sharded model steps with every rank
-    alone = alone and cfg.task != "grpo"  # a grpo step samples first: no probe
+    alone = alone and make_task(cfg).examples != "prompts"  # a grpo step samples first: no probe
     probe = probe_step_seconds(model, run.sampler, cfg, run.device, run.amp) if alone else None
     pre = Preflight(
         params=model.num_parameters(),

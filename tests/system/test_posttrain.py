@@ -264,3 +264,22 @@ def test_bad_grpo_inputs_are_one_line(setup: Path, tmp_path: Path, capsys) -> No
     code, _, err = run_cli(args, capsys)
     assert_one_line_error(code, err, "long.jsonl:1: the prompt is")
     assert not (tmp_path / "run").exists() and not (tmp_path / "x").exists()
+
+
+def test_bad_eval_preferences_inputs_are_one_line(setup: Path, tmp_path: Path, capsys) -> None:
+    pairs = str(setup / "val.jsonl")
+    code, _, err = run_cli(["eval", str(setup / "base"), "--reference", str(setup / "base")], capsys)
+    assert_one_line_error(code, err, "--reference needs --preferences")
+    make_run(tmp_path / "other", text="entirely different letters: qrstuv")
+    code, _, err = run_cli(
+        ["eval", str(setup / "base"), "--preferences", pairs, "--reference", str(tmp_path / "other")], capsys
+    )
+    assert_one_line_error(code, err, "has another tokenizer than the model")
+    code, _, err = run_cli(
+        ["eval", str(setup / "base"), "--preferences", str(tmp_path / "none.jsonl")], capsys
+    )
+    assert_one_line_error(code, err, "no such file")
+    code, _, err = run_cli(dpo_args(setup, tmp_path / "dpo", "--max-steps", "2"), capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["eval", str(tmp_path / "dpo")], capsys)
+    assert_one_line_error(code, err, "this is a preference-tuned model: give text to score")
