@@ -79,6 +79,7 @@ def dpo_args(setup: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [
@@ -101,6 +102,7 @@ def test_dpo_raises_held_out_preference_accuracy(setup: Path, tmp_path: Path, ca
     assert val[-1]["val_accuracy"] >= 0.9 and (tmp_path / "dpo" / "loss.png").exists()
 
 
+@pytest.mark.slow
 def test_dpo_with_lora_against_its_base(setup: Path, tmp_path: Path, capsys) -> None:
     """(Adapters on the blocks of this random base learn the rule slowly; with the embedding
     training too the reference is a frozen copy. The adapters-off reference is exact:
@@ -169,6 +171,7 @@ RESUMED = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(RESUMED))
 def test_resume_after_a_crash_equals_an_uninterrupted_run(setup: Path, tmp_path: Path, kind: str) -> None:
     options = dict(RESUMED[kind])

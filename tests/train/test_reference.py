@@ -134,3 +134,21 @@ def test_a_group_batch_scores_the_replies_and_its_loss_runs(tmp_path: Path) -> N
     out = group_loss(model, group, n_tokens=int(group.reply_tokens.sum()), clip=0.2, kl_coef=0.0)
     out.loss.backward()
     assert torch.isfinite(out.loss) and out.ratio.item() == pytest.approx(1.0)
+
+
+def test_the_preflight_counts_the_reference_copy_and_the_replies_cache() -> None:
+    from lmcli.train.posttrain import GRPOTraining, PreferenceTraining, RolloutSettings, extra_memory
+
+    model = tiny_model()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    dpo = train_config(task="dpo", init_from="m")
+    copy_ref = PreferenceTraining(Reference("copy", frozen_copy(model)), PreferenceSettings())
+    assert extra_memory(dpo, model, copy_ref) == params
+    assert (
+        extra_memory(dpo, model, PreferenceTraining(Reference("adapters", model), PreferenceSettings())) == 0
+    )
+    grpo = train_config(task="grpo", init_from="m", reward=("number",), group_size=4, batch_size=2)
+    post = GRPOTraining(Reference("none"), Rewards(["number"]), RolloutSettings(group=4))
+    c = model.config
+    per_row = 2 * c.n_layer * c.block_size * c.n_embd * 4 + 4 * c.padded_vocab_size * 4
+    assert extra_memory(grpo, model, post) == 8 * per_row  # 2 prompts x 4 replies
