@@ -6,14 +6,19 @@ and options are one line."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
+import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from helpers import assert_one_line_error, make_run, read_metrics, run_cli, train_config
+from helpers import assert_one_line_error, make_run, read_metrics, run_cli, saved_step, train_config
 from safetensors.torch import load_file
 
+from lmcli.cli.app import main
 from lmcli.config.model import ModelConfig
 from lmcli.train import Reporter, train
 
@@ -286,3 +291,40 @@ def test_bad_eval_preferences_inputs_are_one_line(setup: Path, tmp_path: Path, c
     assert code == 0, err
     code, _, err = run_cli(["eval", str(tmp_path / "dpo")], capsys)
     assert_one_line_error(code, err, "this is a preference-tuned model: give text to score")
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_an_uninterrupted_run(setup: Path, tmp_path: Path) -> None:
+    """A real kill of a grpo run (SIGKILL at a random moment after a checkpoint), then
+    ``--resume``: the same weights as a run never interrupted, its sampled replies included (the
+    crash tests above cover dpo and the other references)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["lmcli.cli.app", "lmcli.train.loop", "lmcli.train.display"])
+    extra = ("--max-steps", "24", "--eval-interval", "4", "--eval-batches", "1", "--kl-coef", "0.05")
+    args = grpo_args(setup, tmp_path / "full", *extra)
+
+    def run(argv: list[str]) -> Any:
+        process = ctx.Process(target=main, args=(argv,))
+        process.start()
+        return process
+
+    full = run(args)
+    full.join(120)
+    assert full.exitcode == 0
+    killed_args = [tmp_path / "killed" if a == str(tmp_path / "full") else a for a in args]
+    killed = run([str(a) for a in killed_args])
+    deadline = time.time() + 60
+    while saved_step(tmp_path / "killed") < 8:
+        assert killed.is_alive() and time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.1))
+    killed.kill()
+    killed.join(10)
+    assert killed.exitcode == -signal.SIGKILL and 8 <= saved_step(tmp_path / "killed") < 24
+    resumed = run(["train", "--resume", str(tmp_path / "killed"), "-q"])
+    resumed.join(120)
+    assert resumed.exitcode == 0
+    a, b = saved_tensors(tmp_path / "full"), saved_tensors(tmp_path / "killed")
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
