@@ -1,9 +1,10 @@
 """Post-training's model-facing steps: a DPO micro-batch's loss, GRPO's loss over a rollout
 group, and their validations (held-out pairs: preference accuracy and margin; held-out prompts:
-mean reward and pass@1 of greedy replies).
+mean reward and pass@1 of one seeded reply each), then the two objects the training loop asks
+(``run.post``): ``PreferenceTraining`` and ``GRPOTraining``, and what opens them with a run.
 
 The formulas are ``preference.py``'s and ``grpo.py``'s; the reference is ``reference.py``'s;
-the replies come from ``rollouts.py``. The training loop calls these with the model it trains.
+the replies come from ``rollouts.py``.
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ class RolloutSettings:
 
 class GRPOTraining(PostTraining):
     """``--task grpo``: a step samples and rewards the replies of its prompts, then takes
-    ``steps`` optimizer steps on them; validation scores greedy replies to held-out prompts."""
+    ``steps`` optimizer steps on them; validation rewards one seeded reply to each held-out
+    prompt, sampled as in training."""
 
     def __init__(self, reference: Reference, rewards: Rewards, settings: RolloutSettings) -> None:
         super().__init__(reference)
@@ -292,8 +294,8 @@ class GRPOTraining(PostTraining):
         return out
 
     def validate(self, run: Any, prompts: list[PromptRow]) -> tuple[float, dict[str, float]]:
-        """Greedy replies to held-out ``prompts``: the record (mean reward, pass@1), and minus
-        the mean reward as the loss ``best/`` follows (lower is better)."""
+        """One reply to each held-out prompt (``evaluate_prompts``): the record (mean reward,
+        pass@1), and minus the mean reward as the loss ``best/`` follows (lower is better)."""
         with autocast(run.device, run.amp):
             record = evaluate_prompts(
                 run.model, run.data.tokenizer, prompts, self.rewards, self.settings.sample
