@@ -23,7 +23,17 @@ Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-SELECT_METRICS = ("val_loss", "val_bleu", "val_chrf")  # --select: these, or task:NAME:METRIC
+# --select: these, or task:NAME:METRIC (translation computes BLEU and chrF, dpo the preference
+# accuracy and margin, grpo the reward and pass@1: tasks.Task.metrics)
+SELECT_METRICS = (
+    "val_loss",
+    "val_bleu",
+    "val_chrf",
+    "val_accuracy",
+    "val_margin",
+    "val_reward",
+    "val_pass@1",
+)
 TASK_SCORES = ("acc", "acc_norm", "exact_match")  # an --eval-task's scores --select may follow
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 
