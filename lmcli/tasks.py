@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from lmcli.errors import LmcliError
 
 BLEU_METRICS = ("val_bleu", "val_chrf")  # --select values only translation computes
+CUT_MARGIN = 64  # tokens beyond the context kept when a long text is cut before it is tokenized
 
 
 class TextPrompt:
@@ -42,6 +43,15 @@ class TextPrompt:
     def encode(self, text: str, tokenizer: Any) -> list[int]:
         """The ids of a user's text (``frame`` puts the prompt's own tokens around them)."""
         return tokenizer.encode(text)
+
+    def usable(self, text: str, tokenizer: Any, block_size: int) -> tuple[str, bool]:
+        """The part of ``text`` a prompt can use, cut before it is tokenized, and whether it was
+        cut: its end, long enough for ``block_size + CUT_MARGIN`` tokens at least
+        (``Tokenizer.longest_token`` characters each, times 4 for what a normalizer may join),
+        so a 100 MB line costs no more than a context's worth of tokens. The kept tokens are
+        those of the whole text but for the few at the cut, which the margin then drops."""
+        limit = (block_size + CUT_MARGIN) * tokenizer.longest_token * 4
+        return (text, False) if len(text) <= limit else (text[-limit:], True)
 
     def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
         """The prompt's ids around the text's ids ``body``, and whether part of ``body`` was left
@@ -65,6 +75,11 @@ class SourcePrompt(TextPrompt):
 
     def __init__(self, prefix_lm: bool = False) -> None:
         self.prefix_lm = prefix_lm  # the source attends to itself both ways (--prefix-lm)
+
+    def usable(self, text: str, tokenizer: Any, block_size: int) -> tuple[str, bool]:
+        """A source keeps its beginning (``TextPrompt.usable``, the head instead of the end)."""
+        limit = (block_size + CUT_MARGIN) * tokenizer.longest_token * 4
+        return (text, False) if len(text) <= limit else (text[:limit], True)
 
     def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
         if tokenizer.sep_id is None:
