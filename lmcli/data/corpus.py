@@ -50,7 +50,7 @@ def resolve_paths(patterns: tuple[str, ...] | list[str]) -> list[Path]:
             if not found:
                 raise LmcliError(f"folder {path} contains no files")
             files.extend(found)
-        elif path.is_file():
+        elif path.exists():  # a file; a device or a FIFO is refused when it is opened
             files.append(path)
         elif glob.has_magic(pattern):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))

@@ -30,6 +30,7 @@ quantized linear layer to take instead of a dequantized weight.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from lmcli.formats.gguf.check import check_gguf
 from lmcli.formats.gguf.vocab import tokenizer_from_gguf
 from lmcli.formats.weights import model_from_state
 from lmcli.model.transformer import Transformer
+from lmcli.safe_io import open_input
 from lmcli.text.tokenizer import Tokenizer
 
 MAGIC = b"GGUF"
@@ -61,11 +63,10 @@ _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 def is_gguf_file(path: str | Path) -> bool:
     """A file that starts with GGUF's magic bytes."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            return path.is_file() and f.read(4) == MAGIC
-    except OSError:
+    if not os.path.lexists(path) or path.is_dir():
         return False
+    with open_input(path) as f:  # a FIFO or a device named as a model is one line, not a hang
+        return f.read(4) == MAGIC
 
 
 @dataclass
@@ -132,11 +133,11 @@ def _tensors(scanned: Scanned) -> dict[str, GgufTensor]:
     """The tensor table of the bounded scan, each tensor's data a view of one copy-on-write
     memory map of the file at its checked offset; one line naming a type lmcli does not read."""
     where = str(scanned.path)
-    for info in scanned.tensors.values():
-        if info.type_name not in TYPES:
+    for t in scanned.tensors.values():
+        if t.type_name not in TYPES:
             reads = ", ".join(TYPES)
             raise LmcliError(
-                f"{where}: tensor {info.name} is {info.type_name}, a type lmcli does not read (it reads {reads})"
+                f"{where}: tensor {t.name} is {t.type_name}, a type lmcli does not read (it reads {reads})"
             )
     try:
         mm = np.memmap(scanned.path, dtype=np.uint8, mode="c")
@@ -157,7 +158,7 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
     """A GGUF file's metadata, tensor table, config and tokenizer, every one checked (see the
     module doc) before anything is built; one line naming the first problem."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise LmcliError(f"no such GGUF file: {path}")
     # the header scanned with bounds, its config read and every tensor's shape checked against
     # it first: gguf's reader trusts the file's counts
