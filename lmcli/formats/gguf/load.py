@@ -45,7 +45,7 @@ from lmcli.errors import LmcliError
 from lmcli.formats.families import FamilyAdapter, HFConfig
 from lmcli.formats.families.hf_config import GgufSchema
 from lmcli.formats.gguf.check import GgufHeader as Scanned
-from lmcli.formats.gguf.check import check_gguf
+from lmcli.formats.gguf.check import TensorInfo, check_gguf
 from lmcli.formats.gguf.vocab import tokenizer_from_gguf
 from lmcli.formats.weights import model_from_state
 from lmcli.model.transformer import Transformer
@@ -110,6 +110,7 @@ class GgufHeader:
     family: FamilyAdapter
     config: ModelConfig
     tokenizer: Tokenizer
+    table: dict[str, TensorInfo]  # the bounded scan's: GGML type, shape, offset in the file, bytes
 
     @property
     def name(self) -> str:
@@ -140,9 +141,12 @@ def _tensors(scanned: Scanned) -> dict[str, GgufTensor]:
                 f"{where}: tensor {t.name} is {t.type_name}, a type lmcli does not read (it reads {reads})"
             )
     try:
-        mm = np.memmap(scanned.path, dtype=np.uint8, mode="c")
+        with open_input(scanned.path, "GGUF file") as f:
+            mm = np.memmap(f, dtype=np.uint8, mode="c")  # the map outlives the file object
     except (OSError, ValueError) as exc:
         raise LmcliError(f"cannot read GGUF file {where}: {exc}") from None
+    if len(mm) != scanned.file_size:
+        raise LmcliError(f"{where} changed while it was read")
     out = {}
     for name, info in scanned.tensors.items():
         raw = mm[info.offset : info.offset + info.n_bytes]
@@ -169,7 +173,7 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
     tok = tokenizer_from_gguf(meta)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
-    return GgufHeader(path, meta, tensors, family, cfg, tok)
+    return GgufHeader(path, meta, tensors, family, cfg, tok, scanned.tensors)
 
 
 def gguf_state(
