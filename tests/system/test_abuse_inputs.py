@@ -27,6 +27,7 @@ from helpers import (
     tiny_tokenizer,
 )
 
+from lmcli.data.corpus import read_lines
 from lmcli.data.token_shards import file_check
 from lmcli.eval.downstream.scoring import ROWS, Group, score_groups
 from lmcli.eval.perplexity import LONG_LINE, evaluate_lines, score_ids
@@ -114,6 +115,18 @@ def test_a_long_prompt_is_cut_before_it_is_tokenized(tmp_path: Path, capsys) -> 
     assert long_sample < tail_sample + 25 and long_beam < tail_beam + 25, peaks(results)
     outputs = [run_cli(argv, capsys)[1] for argv in commands[2:]]  # the same text as the line's end
     assert outputs[0][-60:] == outputs[2][-60:] and outputs[1] == outputs[3]
+
+
+@pytest.mark.parametrize("end", [True, False], ids=["end", "beginning"])
+def test_a_long_line_is_read_as_the_part_kept(tmp_path: Path, end: bool) -> None:
+    """Row 301: ``read_lines(keep=...)`` gives each line as the plain reading cut to its kept
+    part, whatever the line breaks (CRLF, empty lines, none at the end), holding no more."""
+    big = "x" * (3 << 20) + "yz\r"
+    for text in ("a\nbb\r\n\n" + big + "\nlast", "\n", "", "one", big + "\n\n"):
+        path = tmp_path / "lines.txt"
+        path.write_bytes(text.encode())
+        expected = [line[-5:] if end else line[:5] for line in read_lines(path)]
+        assert read_lines(path, keep=5, end=end) == expected
 
 
 def test_eval_per_line_scores_a_long_line_as_a_stream() -> None:
