@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,11 @@ def eval_command(
             score, what = _eval_per_line(ckpt, cfg, tuple(paths or ()), output)
         else:
             score, what = evaluate_run(ckpt, cfg, tuple(paths or ()), progress=not json_out)
+        if not math.isfinite(score.mean_nll):
+            raise LmcliError(
+                f"{run_dir} gives a loss of {score.mean_nll} on {what}: it computes NaN or infinite "
+                f"values (lmcli verify {run_dir} checks its weights)"
+            )
         if score.unknown:
             print(
                 f"warning: {score.unknown} character(s) unknown to the tokenizer became <unk>",

@@ -55,7 +55,7 @@ def option(
     cli: bool = True,
     parse: Any = None,
     path: bool = False,
-    resume: Literal["fixed", "free", "derived"] = "fixed",
+    resume: Literal["fixed", "free", "derived", "data"] | None = None,
     stored: bool = True,
     absent: Any = None,
 ) -> Any:
@@ -66,12 +66,14 @@ def option(
     ``short``: a one-letter alias. ``default_help``: how help shows the default when the value
     itself says little. ``argument``: a positional argument. ``cli=False``: not a flag at all.
     ``parse``: converts text (a flag's or a TOML string) to the field's type. ``path``: a local
-    path, stored absolute so the run works from any folder. ``resume``: for model fields,
-    whether ``--resume`` may change it (``free``), must keep it (``fixed``), or neither because
-    the data sets it (``derived``). ``stored=False``: a run folder's stored value is never
-    used (resume, eval): a path lmcli writes to comes from this machine's flags or defaults,
-    not from a run folder someone shared. ``absent``: the value a run folder written before
-    the option existed had in effect (when it differs from today's default).
+    path, stored absolute so the run works from any folder. ``resume``: whether ``--resume``
+    may change it (``free``), must keep it (``fixed``), takes it from the data (``derived``), or
+    changes it only with ``--allow-new-data`` (``data``: what the run trains on); None: the
+    config's own rule (a ModelConfig field is fixed, a TrainConfig field free).
+    ``stored=False``: a run folder's stored value is never used (resume, eval): a path lmcli
+    writes to comes from this machine's flags or defaults, not from a run folder someone shared.
+    ``absent``: the value a run folder written before the option existed had in effect (when it
+    differs from today's default).
     """
     meta = {
         "help": help,

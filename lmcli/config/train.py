@@ -15,6 +15,7 @@ from lmcli.config.fields import (
     Section,
     check_fields,
     option,
+    option_fields,
     parse_duration,
     parse_select,
     task_name,
@@ -59,18 +60,29 @@ class DataConfig(Section):
         "column), or a folder of token shards (lmcli tokenize). None: a built-in corpus.",
         argument=True,
         path=True,
+        resume="data",
     )
     dataset: str | None = option(
-        None, "Hugging Face dataset NAME[:CONFIG] (or a local data file), read in streaming mode.", path=True
+        None,
+        "Hugging Face dataset NAME[:CONFIG] (or a local data file), read in streaming mode.",
+        path=True,
+        resume="data",
     )
-    text_column: str = option("text", "Dataset, JSONL or parquet column holding the text.")
-    split: str = option("train", "Dataset split to train on.")
-    val: str | None = option(None, "Validation corpus (file, folder or glob) instead of a split.", path=True)
-    val_fraction: float = option(0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1)
+    text_column: str = option("text", "Dataset, JSONL or parquet column holding the text.", resume="data")
+    split: str = option("train", "Dataset split to train on.", resume="data")
+    val: str | None = option(
+        None, "Validation corpus (file, folder or glob) instead of a split.", path=True, resume="data"
+    )
+    val_fraction: float = option(
+        0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1, resume="data"
+    )
     tokenizer: str = option(
-        "char", "char, byte, bpe (trained on the corpus) or a tokenizer.json path.", path=True
+        "char",
+        "char, byte, bpe (trained on the corpus) or a tokenizer.json path.",
+        path=True,
+        resume="fixed",
     )
-    vocab_size: int = option(8000, "Vocabulary size for bpe.", gt=0)
+    vocab_size: int = option(8000, "Vocabulary size for bpe.", gt=0, resume="fixed")
     cache_dir: str | None = option(
         None,
         "Token cache folder.",
@@ -95,12 +107,18 @@ class TranslationConfig(Section):
 
     TITLE: ClassVar[str] = "Translation"
 
-    source: str | None = option(None, "Translation: line-aligned source file (.gz allowed).", path=True)
-    target: str | None = option(None, "Translation: line-aligned target file (.gz allowed).", path=True)
-    source_field: str = option("source", "Translation: TSV/JSONL/dataset column or language of the source.")
-    target_field: str = option("target", "Translation: column or language of the target.")
-    val_source: str | None = option(None, "Translation: validation source file.", path=True)
-    val_target: str | None = option(None, "Translation: validation target file.", path=True)
+    source: str | None = option(
+        None, "Translation: line-aligned source file (.gz allowed).", path=True, resume="data"
+    )
+    target: str | None = option(
+        None, "Translation: line-aligned target file (.gz allowed).", path=True, resume="data"
+    )
+    source_field: str = option(
+        "source", "Translation: TSV/JSONL/dataset column or language of the source.", resume="data"
+    )
+    target_field: str = option("target", "Translation: column or language of the target.", resume="data")
+    val_source: str | None = option(None, "Translation: validation source file.", path=True, resume="data")
+    val_target: str | None = option(None, "Translation: validation target file.", path=True, resume="data")
     prefix_lm: bool = option(False, "Translation: source tokens attend to each other both ways.")
 
 
@@ -260,12 +278,20 @@ class TrainConfig:
         "lm",
         "lm (language modelling), translation (source <sep> target) or sft (prompt/response or "
         "chat rows; the loss on the replies only).",
+        resume="fixed",
     )
     init_from: str | None = option(
         None,
         "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: "
         "fine-tuning, with its tokenizer and chat template.",
         path=True,
+        resume="fixed",
+    )
+    allow_new_data: bool = option(
+        False,
+        "With --resume: continue on another corpus (or dataset, columns, validation data) than "
+        "the run's own, which a resume otherwise refuses.",
+        stored=False,  # asked each time: a resume of a resumed run is checked again
     )
     seed: int = option(1337, "Random seed (weights, data order, dropout).", ge=0, le=SEED_MAX)
     log_interval: int = option(10, "Log metrics every N steps.", gt=0)
@@ -332,6 +358,12 @@ class TrainConfig:
             raise LmcliError(
                 f"--select {select}: no --eval-task is named {select.split(':')[1]} (given: {given})"
             )
+
+    @classmethod
+    def on_resume(cls, kind: Literal["fixed", "free", "data"]) -> tuple[str, ...]:
+        """The options (flat names) a resumed run must keep (``fixed``: its task, base and
+        tokenizer), changes only with ``--allow-new-data`` (``data``), or may change (``free``)."""
+        return tuple(f.name for _, f, _ in option_fields(cls) if (f.metadata.get("resume") or "free") == kind)
 
     @property
     def trackers(self) -> tuple[str, ...]:

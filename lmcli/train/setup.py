@@ -46,7 +46,7 @@ from lmcli.train.distributed import (
 from lmcli.train.init_from import open_init
 from lmcli.train.losses import probe_step_seconds
 from lmcli.train.metrics import MetricsLog
-from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params, peak_tflops
+from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params
 from lmcli.train.optim import make_optimizer
 from lmcli.train.parallel import (
     Fill,
@@ -145,7 +145,7 @@ def open_run(
         marks=Marks(torch.zeros((), device=device), saved_step=state.step if resumed else -1),
         metrics=metrics,
         trackers=trackers,
-        mfu=MfuBasis(per_token, *peak_tflops(device, cfg.peak_tflops)),
+        mfu=MfuBasis.on(device, per_token, cfg.peak_tflops),
         info=info,
         staging=Staging(device),
         base=base,

@@ -208,7 +208,7 @@ SPECIAL_KEYS = {
     "unk": "tokenizer.ggml.unknown_token_id",
     "sep": "tokenizer.ggml.seperator_token_id",  # sic: GGUF's spelling
 }
-CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # gguf.TokenType
 
 
 def _applicable(merges: list[str], vocab: dict[str, int]) -> list[list[str]]:
@@ -291,6 +291,12 @@ def tokenizer_from_gguf(meta: HFConfig) -> Tokenizer:
     merges = _texts(get("tokenizer.ggml.merges", None) or [], "tokenizer.ggml.merges", where)
     if len(types) != len(tokens):
         raise LmcliError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    empty = [i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if not t and kind == NORMAL]
+    if empty:
+        raise LmcliError(
+            f"{where}: {len(empty)} of its {len(tokens)} tokens are empty text (the first: id {empty[0]}): "
+            "a normal token must spell something"
+        )
     spec = bpe_spec(tokens, types, merges, pre)
     try:
         hf = HFTokenizer.from_str(json.dumps(spec))
