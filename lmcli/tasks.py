@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from lmcli.errors import LmcliError
 
 BLEU_METRICS = ("val_bleu", "val_chrf")  # --select values only translation computes
+CUT_MARGIN = 64  # tokens beyond the context kept when a long text is cut before it is tokenized
 PREFERENCE_METRICS = ("val_accuracy", "val_margin")  # --select values only dpo computes
 REWARD_METRICS = ("val_reward", "val_pass@1")  # --select values only grpo computes
 # the post-training options (TrainConfig.post) each post-training task reads
@@ -46,10 +47,26 @@ class TextPrompt:
 
     prefix_lm = False  # the prompt attends causally, as every position in training
     shows_text = True  # a continuation reads on from its prompt's text (lmcli sample prints both)
+    keeps_end = True  # a text longer than the context keeps its end (a source: its beginning)
 
     def encode(self, text: str, tokenizer: Any) -> list[int]:
         """The ids of a user's text (``frame`` puts the prompt's own tokens around them)."""
         return tokenizer.encode(text)
+
+    def usable_chars(self, tokenizer: Any, block_size: int) -> int:
+        """Characters of a text that can reach a prompt: enough for ``block_size + CUT_MARGIN``
+        tokens at least (``Tokenizer.longest_token`` characters each, times 4 for what a
+        normalizer may join), so a 100 MB line is read and tokenized as a context's worth."""
+        return (block_size + CUT_MARGIN) * tokenizer.longest_token * 4
+
+    def usable(self, text: str, tokenizer: Any, block_size: int) -> tuple[str, bool]:
+        """The part of ``text`` a prompt can use, cut before it is tokenized (``usable_chars``:
+        its end, or with ``keeps_end`` false its beginning), and whether it was cut. The kept
+        tokens are those of the whole text but for the few at the cut, which the margin drops."""
+        limit = self.usable_chars(tokenizer, block_size)
+        if len(text) <= limit:
+            return text, False
+        return (text[-limit:] if self.keeps_end else text[:limit]), True
 
     def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
         """The prompt's ids around the text's ids ``body``, and whether part of ``body`` was left
@@ -70,6 +87,7 @@ class SourcePrompt(TextPrompt):
     half the context, as in training; an empty source has an empty translation."""
 
     shows_text = False
+    keeps_end = False
 
     def __init__(self, prefix_lm: bool = False) -> None:
         self.prefix_lm = prefix_lm  # the source attends to itself both ways (--prefix-lm)

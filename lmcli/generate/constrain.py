@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lmcli.errors import LmcliError
+from lmcli.safe_io import read_input
 from lmcli.text.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar"]
@@ -88,12 +89,10 @@ def read_constraint(json_schema: str | None, regex: str | None, grammar: str | N
     for kind, path in (("json_schema", json_schema), ("grammar", grammar)):
         if path is None:
             continue
-        file = Path(path).expanduser()
+        data = read_input(Path(path).expanduser(), MAX_CONSTRAINT_CHARS * 4, KIND_NAMES[kind])
         try:
-            if file.stat().st_size > MAX_CONSTRAINT_CHARS * 4:
-                raise ConstraintError(f"{path}: larger than {MAX_CONSTRAINT_CHARS >> 10} KiB")
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise ConstraintError(f"cannot read {KIND_NAMES[kind]} {path}: {exc}") from None
         return Constraint(kind, text)  # type: ignore[arg-type]
     return None

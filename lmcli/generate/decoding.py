@@ -53,13 +53,15 @@ def make_prompt(text: str, tokenizer: Tokenizer, block_size: int, form: TextProm
     """``text`` as the ids of a prompt in the model's ``form`` (its task's: ``<bos> text``, or
     ``<bos> source <sep>`` for a translation model, whose source keeps at most half the context).
 
-    A prompt longer than the context keeps its last ``block_size - 1`` tokens.
+    A prompt longer than the context keeps its last ``block_size - 1`` tokens; a very long text
+    is cut to what can be used before it is tokenized (``TextPrompt.usable``).
     """
-    body = form.encode(text, tokenizer)
+    used, cut = form.usable(text, tokenizer, block_size)
+    body = form.encode(used, tokenizer)
     ids, truncated = form.frame(body, tokenizer, block_size)
     if len(ids) > block_size - 1:
         ids, truncated = ids[-(block_size - 1) :], True
-    return Prompt(text, ids, tokenizer.count_unknown(body), truncated)
+    return Prompt(text, ids, tokenizer.count_unknown(body), truncated or cut)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

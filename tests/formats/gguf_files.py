@@ -15,6 +15,7 @@ positions), ``llama`` (rotary on adjacent pairs) and ``qwen2`` (rotary on halves
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -165,9 +166,11 @@ def write_gguf_model(
     name: str = "tiny",
     tok: Tokenizer | None = None,
     tokenizer_model: str = "gpt2",
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """A tiny random ``arch`` model, its matrices ``kind``, as llama.cpp's converter lays it out
-    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text)."""
+    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text;
+    ``extra``: called on the writer after the tokenizer, to add crafted metadata)."""
     rng = np.random.default_rng(seed)
     tok = tok or hf_tokenizer(SPECIALS)
     vocab = tok.get_vocab_size() + 4  # a few unused ids, as padded vocabularies have
@@ -187,6 +190,8 @@ def write_gguf_model(
         w.add_rope_freq_base(5000.0)
         w.add_rope_dimension_count(C // H)
     write_tokenizer(w, tok, vocab, pre, add_bos, tokenizer_model)
+    if extra is not None:
+        extra(w)
     for tname, value in model_tensors(arch, vocab, rng, tied).items():
         if value.ndim == 1:
             w.add_tensor(tname, value)
