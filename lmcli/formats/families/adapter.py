@@ -87,7 +87,7 @@ class SplitQKV:
         if key not in src:
             return
         kv = cfg.n_kv_head * cfg.head_dim
-        q, k, v = src.pop(key).split([cfg.n_embd, kv, kv])  # (C + 2*kv, ...) -> q, k, v rows
+        q, k, v = src.pop(key).split([cfg.q_width, kv, kv])  # (C + 2*kv, ...) -> q, k, v rows
         if self.pairs:
             q, k = pairs_from_halves(q, cfg.n_head), pairs_from_halves(k, cfg.n_kv_head)
         for name, piece in zip(self.theirs, (q, k, v), strict=True):
