@@ -231,7 +231,13 @@ class CausalSelfAttention(nn.Module):
 
 
 def softcapped_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None, cap: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    cap: float,
     dropout: float,
 ) -> Tensor:
     """Attention of q (B, H, T, D) over k, v (B, H, S, D) whose scores are capped softly,
@@ -247,7 +253,9 @@ def softcapped_attention(
     return weights @ v
 
 
-def window_mask(mask: Any, is_causal: bool, T: int, n_cached: int, window: int, device: torch.device) -> Tensor:
+def window_mask(
+    mask: Any, is_causal: bool, T: int, n_cached: int, window: int, device: torch.device
+) -> Tensor:
     """``mask`` (None with ``is_causal``, boolean or additive (B or 1, 1 or H, T, S)) narrowed to
     the sliding window: query column q sees key column k only when q - k < ``window``."""
     q = torch.arange(n_cached, n_cached + T, device=device)[:, None]  # (T, 1)
@@ -346,7 +354,11 @@ class Block(nn.Module):
         self.ln_2 = NORMS[cfg.norm](cfg.n_embd, cfg)
         self.mlp = MLPS[cfg.mlp](cfg)
         # sandwich norms: the attention's and the MLP's outputs normalized as well
-        self.post = nn.ModuleList(NORMS[cfg.norm](cfg.n_embd, cfg) for _ in range(2)) if cfg.norm_placement == "sandwich" else None
+        self.post = (
+            nn.ModuleList(NORMS[cfg.norm](cfg.n_embd, cfg) for _ in range(2))
+            if cfg.norm_placement == "sandwich"
+            else None
+        )
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         post = () if self.post is None else tuple(self.post)
@@ -367,7 +379,9 @@ class Transformer(nn.Module):
         self.positions = make_positions(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.ln_f = NORMS[cfg.norm](cfg.n_embd, cfg) if PLACEMENTS[cfg.norm_placement].final_norm else nn.Identity()
+        self.ln_f = (
+            NORMS[cfg.norm](cfg.n_embd, cfg) if PLACEMENTS[cfg.norm_placement].final_norm else nn.Identity()
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -442,9 +456,10 @@ class Transformer(nn.Module):
             T, cache, prefix_len, compute_dtype(idx.device, x.dtype), idx.device, document
         )
         ctx = Context(pos, mask, is_causal, cache, self.positions, mask, is_causal)
-        window = self.config.sliding_window
-        if window and n_cached + T > window:  # local layers see less than the whole context
-            ctx.local_mask, ctx.local_is_causal = window_mask(mask, is_causal, T, n_cached, window, idx.device), False
+        if self.config.sliding_window:  # local layers see less than the whole context
+            if prefix_len is not None and cache is not None and cache.ring is not None:
+                raise ValueError("a prefix LM's prompt attends both ways: its cache keeps every column")
+            ctx.local_mask, ctx.local_is_causal = self.local_mask(mask, is_causal, T, cache, idx.device)
         for block in self.h:
             x = block(x, ctx)
         if cache is not None:
@@ -454,6 +469,20 @@ class Transformer(nn.Module):
         elif output_index is not None:
             x = x.reshape(B * T, -1).index_select(0, output_index)  # (B, T, C) -> (N, C)
         return self.cap_logits(self.vocab_logits(self.lm_head(self.ln_f(x))))
+
+    def local_mask(
+        self, mask: Any, is_causal: bool, T: int, cache: KVCache | None, device: torch.device
+    ) -> tuple[Any, bool]:
+        """The sliding-window layers' mask of a forward of T new tokens whose other layers' is
+        ``mask`` (``is_causal``): the cache's ring's when it keeps only the window, else ``mask``
+        narrowed to the window once the sequence is longer than it."""
+        ring = cache.window_mask(T) if cache is not None else None
+        if ring is not None:
+            return ring, False
+        n_cached = cache.length if cache is not None else 0
+        if n_cached + T <= self.config.sliding_window:
+            return mask, is_causal
+        return window_mask(mask, is_causal, T, n_cached, self.config.sliding_window, device), False
 
     def embed(self, idx: Tensor, pos: Tensor) -> Tensor:
         """The input of the first block (B, T, C): token embeddings (times sqrt(C) in the weights'

@@ -50,7 +50,6 @@ from lmcli.model.transformer import (
     RMSNorm,
     Transformer,
     softcapped_attention,
-    window_mask,
 )
 
 if TYPE_CHECKING:
@@ -185,7 +184,6 @@ def rotary_turn(positions: Positions, pos: Tensor, dtype: torch.dtype, local: bo
     return lambda x: rotate_half(x, cos, sin)
 
 
-
 class StepRunner:
     """``model.fast_step``: the logits (B, 1, V) of one new token per row, as ``forward`` gives."""
 
@@ -236,10 +234,8 @@ class StepRunner:
         pos = cache.positions(1)  # (B or 1, 1)
         x = model.embed(idx, pos).view(B, -1)  # (B, 1, C) -> (B, C)
         mask, _ = model.attention_mask(1, cache, None, x.dtype, idx.device)
-        masks: Masks = (mask, mask)
         window = model.config.sliding_window
-        if window and cache.length + 1 > window:
-            masks = (mask, window_mask(mask, False, 1, cache.length, window, idx.device))
+        masks: Masks = (mask, model.local_mask(mask, False, 1, cache, idx.device)[0] if window else mask)
         rotate = model.positions.rotate
         turn = rotary_turn(model.positions, pos, x.dtype)
         turns: Turns = (turn, rotary_turn(model.positions, pos, x.dtype, local=True) if window else turn)
