@@ -14,14 +14,21 @@ transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
 
 from families import WINDOW, hf_folder  # noqa: E402
-from helpers import assert_float32_close, assert_one_line_error, run_cli  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_float32_close,
+    assert_one_line_error,
+    dequantized_reference,
+    run_cli,
+)
 
 from lmcli.config.commands import BeamConfig, SampleConfig  # noqa: E402
 from lmcli.formats.hf.load import load_hf_folder  # noqa: E402
+from lmcli.formats.sources import load_checkpoint  # noqa: E402
 from lmcli.generate.beam import beam_search  # noqa: E402
 from lmcli.generate.decoding import prefill  # noqa: E402
 from lmcli.generate.sampling import generate  # noqa: E402
 from lmcli.model.fastpath import inference  # noqa: E402
+from lmcli.model.quant import quantize  # noqa: E402
 from lmcli.text import chat_template  # noqa: E402
 
 WINDOWED = ["gemma3-window-scaled", "qwen3-window-untied", "smollm3-nope-window"]
@@ -109,3 +116,52 @@ def test_a_multimodal_gemma_folder_is_refused_in_one_line(tmp_path: Path, capsys
     (tmp_path / "t.txt").write_text("the cat sat on the mat.\n")
     code, _, err = run_cli(["eval", str(folder), str(tmp_path / "t.txt")], capsys)
     assert_one_line_error(code, err, "Gemma3ForConditionalGeneration is a multimodal model")
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_quantize_sft_full_and_lora_and_a_draft_on_each_family(tmp_path: Path, name: str, capsys) -> None:
+    """What a user does with a model, in one line each, past the window: ``--quantize int8/int4``
+    (logits near a float64 model of the dequantized weights), SFT from
+    the folder (full and LoRA, with the folder's chat template), and the model drafting for
+    itself (greedy text as without a draft)."""
+    folder = hf_folder(tmp_path, name)
+    _, tok = load_hf_folder(folder)
+    idx = torch.randint(0, tok.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    for mode in ("int8", "int4"):
+        model = quantize(load_hf_folder(folder)[0], mode, 32)
+        with torch.no_grad():
+            got, ref = model(idx).double(), dequantized_reference(model)(idx)
+        # the products round activations to bfloat16, and these folders' weights are wider than
+        # test_quant's: the Llama folders here are 2.5-4.2% off, these 0.5-5.6%
+        assert (got - ref).abs().max() <= 0.08 * ref.abs().max(), mode
+    sample = [
+        "sample",
+        str(folder),
+        "-p",
+        "the cat",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "20",
+        "--json",
+    ]
+    code, out, err = run_cli(sample, capsys)
+    assert code == 0, err
+    plain = json.loads(out)["tokens"]
+    for mode in ("int8", "int4"):
+        code, out, err = run_cli([*sample, "--quantize", mode], capsys)
+        assert code == 0 and json.loads(out)["tokens"], err
+    code, out, err = run_cli([*sample, "--draft", str(folder), "--draft-tokens", "3"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == plain and len(plain) > WINDOW
+    rows = [{"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat."}]}]
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 12))
+    for extra in ([], ["--lora-rank", "2"]):
+        run = tmp_path / f"sft{len(extra)}"
+        argv = ["train", "--task", "sft", str(tmp_path / "chats.jsonl"), "--init-from", str(folder)]
+        argv += ["-o", str(run), "--max-steps", "2", "--batch-size", "2", "--eval-interval", "2"]
+        code, _, err = run_cli([*argv, "--cache-dir", str(tmp_path / "c"), *extra, "-q"], capsys)
+        assert code == 0, err
+        tuned = load_checkpoint(run)  # LoRA: merged into the base
+        assert tuned.model_config == load_hf_folder(folder)[0].config
+        assert tuned.tokenizer.chat_template == tok.chat_template
