@@ -47,7 +47,7 @@ from lmcli.model.quant import quantized_elements
 from lmcli.model.transformer import (
     CausalSelfAttention,
     GeluMLP,
-    RMSNorm,
+    RMSNorm1p,
     Transformer,
     softcapped_attention,
 )
@@ -103,8 +103,10 @@ def functional_norm(norm: nn.Module) -> Norm:
         )
     if isinstance(norm, nn.Identity):  # post-norm models have no final norm
         return lambda x: x
-    if not isinstance(norm, RMSNorm):  # a (1 + weight) RMSNorm: several ops in float32, its own
-        return norm
+    if isinstance(norm, RMSNorm1p):  # (1 + weight) computed once: on float32 rows, one fused op
+        scale = (1.0 + norm.weight.detach().float()).contiguous()
+        fused = functools.partial(F.rms_norm, normalized_shape=(scale.numel(),), weight=scale, eps=norm.eps)
+        return lambda x: fused(x) if x.dtype == torch.float32 else norm(x)
     return functools.partial(
         F.rms_norm, normalized_shape=(norm.weight.numel(),), weight=norm.weight, eps=norm.eps
     )
