@@ -98,7 +98,7 @@ def from_gguf_arch(arch: str, where: str) -> FamilyAdapter:
     """The family that reads GGUF files of architecture ``arch`` (the first registered: llama.cpp
     writes Mistral models as ``llama``)."""
     for family in FAMILIES.values():
-        if family.gguf_arch == arch:
+        if family.gguf_arch == arch and family.reads_gguf:
             return family
-    known = ", ".join(dict.fromkeys(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch))
+    known = ", ".join(dict.fromkeys(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch and f.reads_gguf))
     raise LmcliError(f"{where}: unsupported GGUF architecture {arch!r} (lmcli reads {known})")

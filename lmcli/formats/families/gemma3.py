@@ -39,6 +39,7 @@ class Gemma3(Llama):
     name = "gemma3_text"
     architecture = "Gemma3ForCausalLM"
     gguf_arch = "gemma3"
+    reads_gguf = False  # (GGUF in and out of this family: the GGUF work of issue 37)
     norm, mlp, placement = "rmsnorm1p", "geglu", "sandwich"
     activation = "gelu_pytorch_tanh"
     hf_extra = {"attention_bias": False, "use_bidirectional_attention": False}

@@ -34,6 +34,7 @@ class Qwen3(Qwen2):
     name = "qwen3"
     architecture = "Qwen3ForCausalLM"
     gguf_arch = "qwen3"
+    reads_gguf = False  # (GGUF in and out of this family: the GGUF work of issue 37)
     qkv_bias = False
     hf_extra = {"attention_bias": False}
     hf_names = with_qk_norms(Llama.hf_names, QK_NORMS)

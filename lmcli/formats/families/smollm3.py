@@ -29,6 +29,7 @@ class SmolLM3(Llama):
     name = "smollm3"
     architecture = "SmolLM3ForCausalLM"
     gguf_arch = "smollm3"
+    reads_gguf = False  # (GGUF in and out of this family: the GGUF work of issue 37)
     hf_extra = {"attention_bias": False, "mlp_bias": False}
     expresses = Llama.expresses | {"layers without rotary", "a sliding window", "a layer pattern"}
 
