@@ -196,6 +196,10 @@ def load_gguf(
     dtype = dtype or default_dtype(header)
     state = gguf_state(header, lambda t: t.dequantized(dtype))
     model = model_from_state(header.config, state, f"in {header.path}").eval()
+    return model, header.tokenizer, gguf_meta(header)
+
+
+def gguf_meta(header: GgufHeader) -> dict[str, Any]:
+    """What a GGUF file says of itself: ``source``, ``name``, ``architecture``, tensor ``types``."""
     kinds = sorted({t.kind for t in header.tensors.values()})
-    meta = {"source": "gguf", "name": header.name, "architecture": header.family.gguf_arch, "types": kinds}
-    return model, header.tokenizer, meta
+    return {"source": "gguf", "name": header.name, "architecture": header.family.gguf_arch, "types": kinds}
