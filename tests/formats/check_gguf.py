@@ -32,6 +32,11 @@ modelled to that precision (Q4_1's minimum term uses f16(scale x sum), f16's pat
 traced): they pass on the 5% alone. The count and the difference to lmcli's own float32
 products are printed beside it.
 
+Then SentencePiece-style vocabularies (``check_spm``: GGUF's ``llama`` tokenizer model, laid out
+as Llama 2's and as Gemma's, written by the ``gguf`` package, and lmcli's export of the model read
+from each): llama.cpp's token ids of stress texts (Unicode, byte fallback, runs of spaces and
+newlines, digits, code, user-defined turn markers) and of a prompt must equal lmcli's.
+
 llama.cpp runs in this process when ``llama_cpp`` is importable; otherwise ``--llama-python PY``
 names a Python that has it (make check-gguf builds one in ~/.cache/lmcli/llama-venv) and this file
 runs there as a subprocess with ``--llama-side``, reading a JSON request on stdin, needing
@@ -68,10 +73,21 @@ GGML_TYPE_F32 = 0  # llama.cpp's KV cache in f32 (its default f16 would round ev
 
 
 def llama_side(request: dict[str, Any]) -> dict[str, Any]:
-    """What llama.cpp makes of one GGUF file (needs only llama_cpp and numpy)."""
+    """What llama.cpp makes of one GGUF file (needs only llama_cpp and numpy); ``vocab_only``:
+    its tokenizer alone."""
     import numpy as np
     from llama_cpp import Llama
 
+    if request.get("vocab_only"):
+        llm = Llama(model_path=request["gguf"], vocab_only=True, verbose=False)
+        return {
+            "version": __import__("llama_cpp").__version__,
+            "prompt": [int(t) for t in llm.tokenize(request["prompt"].encode(), add_bos=True, special=False)],
+            "texts": [
+                [int(t) for t in llm.tokenize(t.encode(), add_bos=False, special=False)]
+                for t in request["texts"]
+            ],
+        }
     llm = Llama(
         model_path=request["gguf"],
         n_ctx=request["n_ctx"],
@@ -429,10 +445,51 @@ def check_import(case: ImportCase, workdir: Path, llama_python: str | None) -> R
     return Result(case.name, lines, all(checks.values()), theirs["version"])
 
 
+SPM_CASES = ["llama", "gemma"]  # SentencePiece-style vocabularies laid out as Llama 2's, Gemma's
+
+
+def check_spm(style: str, workdir: Path, llama_python: str | None) -> Result:
+    """A SentencePiece-style vocabulary (``gguf_files.spm_source``) written by the gguf package,
+    and lmcli's GGUF export of the model read from it: llama.cpp's token ids of the stress texts
+    and of a prompt (``add_bos_token`` followed) must equal lmcli's rebuilt tokenizer's."""
+    import torch
+    from gguf_files import SPM_STRESS, spm_source, write_gguf_model
+
+    from lmcli.formats.export.gguf import write_gguf
+    from lmcli.formats.sources import load_model
+
+    source = workdir / f"spm-{style}.gguf"
+    exported = workdir / f"spm-{style}-exported.gguf"
+    for path in (source, exported):
+        path.unlink(missing_ok=True)
+    write_gguf_model(source, "llama", "F32", spm=spm_source(style), add_bos=style == "llama")
+    ckpt = load_model(source, dtype=torch.float32)
+    write_gguf(ckpt.model, ckpt.tokenizer, exported, "f32")
+    tok = ckpt.tokenizer
+    ours = {"prompt": tok.with_bos(tok.encode(PROMPT)), "texts": [tok.encode(t) for t in SPM_STRESS]}
+    lines, ok, version = [f"sentencepiece vocabulary, {style} layout"], True, ""
+    for path in (source, exported):
+        request = {"gguf": str(path), "vocab_only": True, "prompt": PROMPT, "texts": SPM_STRESS}
+        theirs = ask_llama(request, llama_python)
+        version = theirs["version"]
+        checks = {
+            f"{path.name}: prompt ids ({len(ours['prompt'])}, add_bos {tok.add_bos})": theirs["prompt"]
+            == ours["prompt"],
+            f"{path.name}: ids of {len(SPM_STRESS)} texts": theirs["texts"] == ours["texts"],
+        }
+        lines += [f"  {'ok  ' if good else 'FAIL'} {what}" for what, good in checks.items()]
+        ok = ok and all(checks.values())
+        for text, a, b in zip(SPM_STRESS, ours["texts"], theirs["texts"], strict=True):
+            if a != b:
+                lines.append(f"    {text!r}: lmcli {a} llama.cpp {b}")
+    return Result(f"spm {style}", lines, ok, version)
+
+
 def run_checks(workdir: Path, llama_python: str | None = None) -> list[Result]:
     """Every case, export and import; llama.cpp in-process unless ``llama_python`` is given."""
     exported = [check_case(case, workdir, llama_python) for case in cases()]
-    return exported + [check_import(case, workdir, llama_python) for case in import_cases()]
+    imported = [check_import(case, workdir, llama_python) for case in import_cases()]
+    return exported + imported + [check_spm(style, workdir, llama_python) for style in SPM_CASES]
 
 
 def main(argv: list[str] | None = None) -> int:

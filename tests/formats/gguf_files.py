@@ -6,6 +6,11 @@ and biases), its matrices in one tensor type: F32/F16/BF16 and Q8_0/Q4_0/Q4_1 th
 ``gguf.quants.quantize``; the K types (Q4_K, Q5_K, Q6_K), which ``gguf`` reads but does not
 write, as random blocks with sane scales. Nothing of lmcli writes these files.
 
+``spm_source`` is a SentencePiece-style vocabulary (tokens, scores, types: control, unknown,
+user-defined and ``<0xNN>`` byte tokens) of a BPE trained on text with spaces as ``▁``, as a
+SentencePiece BPE model holds it; ``write_gguf_model(..., spm=...)`` writes it as llama.cpp's
+converter does (``tokenizer.ggml.model = "llama"``, scores, types, ``add_space_prefix``).
+
 ``reference_logits`` is a forward pass written from GGUF's side: it reads nothing but the file
 (metadata and tensors, through ``gguf.GGUFReader``, dequantized with ``gguf.quants``) and
 computes what llama.cpp's graphs compute in float64: ``gpt2`` (LayerNorm, tanh-GELU, learned
@@ -15,6 +20,7 @@ positions), ``llama`` (rotary on adjacent pairs) and ``qwen2`` (rotary on halves
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -22,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from families import hf_tokenizer
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 T = gguf.GGMLQuantizationType
 KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -41,6 +47,98 @@ TEXTS = [  # pre-tokenization cases: contractions, digits, runs of spaces, newli
 
 def field(reader: gguf.GGUFReader, key: str):
     return reader.fields[key].contents()
+
+
+SPM_TEXTS = (  # a SentencePiece vocabulary's corpus: prose, code, digits, accents, whitespace runs
+    "The quick brown fox jumps over the lazy dog. Naïve cafés serve crème brûlée.\n",
+    "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # 123 4567\n",
+    "    indented    spaces    and\ttabs\n\nnew paragraphs, 2024-05-01, 3.14159 and 1,000,000.\n",
+    "for i in range(10):\n        print(i ** 2, end=' ')\nif x != y: return {'a': [1, 2]}\n",
+)
+SPM_SPECIALS = {"llama": ["<unk>", "<s>", "</s>"], "gemma": ["<pad>", "<eos>", "<bos>", "<unk>"]}
+USER_DEFINED = ["<start_of_turn>", "<end_of_turn>"]
+SPM_STRESS = [  # Unicode, runs of spaces and newlines, digits, code, turn markers, special-token text
+    "The quick brown fox: naïve café, crème brûlée — “quotes” and emoji 🙂; ümlaut ß 日本語\n",
+    "  two leading spaces,   three inside, a tab\tand trailing   ",
+    "\n\nnew paragraphs\n\n\n    indented 4\n        indented 8\r\n",
+    "digits 0 12 345 6789 3.14159 1,000,000 2024-05-01",
+    "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # {'a': [1, 2]}\n",
+    "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n",
+    "text that says <s> </s> <unk> <bos> <eos> is text",
+    " ",
+    "x",
+]
+
+
+@dataclass
+class SpmSource:
+    """A SentencePiece-style vocabulary as a GGUF file holds it."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]  # gguf.TokenType
+    add_space_prefix: bool
+    bos: int
+    eos: int
+    unk: int
+    pad: int | None = None
+
+
+def spm_source(style: str = "llama", vocab_size: int = 400) -> SpmSource:
+    """A vocabulary laid out as ``style``'s SentencePiece model: Llama 2's (<unk> <s> </s>, the
+    256 byte tokens, then the pieces; a space put in front of a text) or Gemma's (<pad> <eos>
+    <bos> <unk>, user-defined turn markers, bytes, pieces; no space in front). The pieces are a
+    BPE trained on ``SPM_TEXTS`` with spaces as ``▁``, scored as SentencePiece scores a BPE model:
+    a merge made earlier scores higher."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(  # words start with ▁; line breaks, tabs, digits alone
+        [
+            pre_tokenizers.Split(Regex("\u2581*[^\u2581\n\t]+|\u2581+|[\n\t]"), "isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False)
+    tok.train_from_iterator(SPM_TEXTS * 4, trainer=trainer)
+    pieces = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    TT = gguf.TokenType
+    specials = SPM_SPECIALS[style]
+    tokens = list(specials)
+    types = [TT.UNKNOWN if t == "<unk>" else TT.CONTROL for t in specials]
+    if style == "gemma":
+        tokens += USER_DEFINED
+        types += [TT.USER_DEFINED] * len(USER_DEFINED)
+    scores = [0.0] * len(tokens)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TT.BYTE] * 256
+    scores += [0.0] * 256
+    for rank, (piece, _) in enumerate(pieces):
+        tokens.append(piece)
+        types.append(TT.NORMAL)
+        scores.append(-float(rank + 1))
+    ids = {t: i for i, t in enumerate(tokens)}
+    if style == "gemma":
+        return SpmSource(
+            tokens, scores, [int(t) for t in types], False, ids["<bos>"], ids["<eos>"], ids["<unk>"], 0
+        )
+    return SpmSource(tokens, scores, [int(t) for t in types], True, ids["<s>"], ids["</s>"], ids["<unk>"])
+
+
+def write_spm_tokenizer(w: gguf.GGUFWriter, spm: SpmSource, add_bos: bool | None = True) -> None:
+    """A SentencePiece-style vocabulary's metadata as llama.cpp's converter writes it."""
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(spm.tokens)
+    w.add_token_scores(spm.scores)
+    w.add_token_types(spm.types)
+    w.add_bos_token_id(spm.bos)
+    w.add_eos_token_id(spm.eos)
+    w.add_unk_token_id(spm.unk)
+    if spm.pad is not None:
+        w.add_pad_token_id(spm.pad)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_add_space_prefix(spm.add_space_prefix)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -165,12 +263,15 @@ def write_gguf_model(
     name: str = "tiny",
     tok: Tokenizer | None = None,
     tokenizer_model: str = "gpt2",
+    spm: SpmSource | None = None,
 ) -> Path:
     """A tiny random ``arch`` model, its matrices ``kind``, as llama.cpp's converter lays it out
-    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text)."""
+    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text;
+    ``spm``: a SentencePiece-style vocabulary instead)."""
     rng = np.random.default_rng(seed)
     tok = tok or hf_tokenizer(SPECIALS)
-    vocab = tok.get_vocab_size() + 4  # a few unused ids, as padded vocabularies have
+    # a few unused ids, as padded vocabularies have
+    vocab = len(spm.tokens) if spm is not None else tok.get_vocab_size() + 4
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     C, H = SHAPE["n_embd"], SHAPE["n_head"]
@@ -186,7 +287,10 @@ def write_gguf_model(
         w.add_layer_norm_rms_eps(1e-6)
         w.add_rope_freq_base(5000.0)
         w.add_rope_dimension_count(C // H)
-    write_tokenizer(w, tok, vocab, pre, add_bos, tokenizer_model)
+    if spm is not None:
+        write_spm_tokenizer(w, spm, add_bos)
+    else:
+        write_tokenizer(w, tok, vocab, pre, add_bos, tokenizer_model)
     for tname, value in model_tensors(arch, vocab, rng, tied).items():
         if value.ndim == 1:
             w.add_tensor(tname, value)
