@@ -117,7 +117,7 @@ def write_gguf(
         w.add_file_type(file_type)
         if dtype in ("q8_0", "q4_0"):
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_context_length(cfg.block_size)
+        w.add_context_length(family.gguf_context(cfg))
         w.add_embedding_length(cfg.n_embd)
         w.add_block_count(cfg.n_layer)
         w.add_feed_forward_length(cfg.ffn_dim)

@@ -1,0 +1,148 @@
+"""Gemma 3 (text models, ``Gemma3ForCausalLM``: gemma-3-270m, gemma-3-1b): Llama's attention with
+every variant lmcli has for it. Four norms a block (``sandwich``), each an RMSNorm scaled by
+(1 + weight) in float32 (``rmsnorm1p``), query/key norms of the same kind, a GeGLU MLP with
+tanh-GELU, embeddings scaled by sqrt(hidden) in the weights' dtype, attention scaled by
+``query_pre_attn_scalar``, soft-capping when the config sets it, and a layer pattern: five local
+layers (sliding window, their own rotary base ``rope_local_base_freq``, unscaled) then a global one.
+
+``config.json`` comes in two dialects, both read: as published (transformers 4: ``rope_theta``,
+``rope_local_base_freq``, ``sliding_window_pattern``, ``rope_scaling`` of the global layers) and
+as transformers 5 writes it (``rope_parameters`` keyed by layer type, ``layer_types``); export
+writes the installed transformers' (the second). llama.cpp's ``gemma3`` turns halves, as lmcli.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmcli.config.model import ModelConfig
+from lmcli.errors import LmcliError
+from lmcli.formats.families.adapter import GGUF_BLOCK, GGUF_HEAD, Format, Rename, SplitQKV
+from lmcli.formats.families.hf_config import HFConfig
+from lmcli.formats.families.llama import (
+    _HF,
+    GLOBAL,
+    LOCAL,
+    Llama,
+    layer_types,
+    rope_scaling_dict,
+    rope_settings,
+)
+from lmcli.formats.families.qwen3 import GGUF_QK_NORMS, QK_NORMS
+
+DEFAULT_THETA = {GLOBAL: 1_000_000.0, LOCAL: 10_000.0}  # transformers' Gemma3TextConfig.default_theta
+
+
+class Gemma3(Llama):
+    name = "gemma3_text"
+    architecture = "Gemma3ForCausalLM"
+    gguf_arch = "gemma3"
+    norm, mlp, placement = "rmsnorm1p", "geglu", "sandwich"
+    activation = "gelu_pytorch_tanh"
+    hf_extra = {"attention_bias": False, "use_bidirectional_attention": False}
+    hf_names = (
+        Rename("wte", "model.embed_tokens"),
+        Rename("ln_f", "model.norm"),
+        Rename("lm_head", "lm_head"),
+        Rename("h.{i}.ln_1", _HF + "input_layernorm"),
+        Rename("h.{i}.post.0", _HF + "post_attention_layernorm"),
+        Rename("h.{i}.ln_2", _HF + "pre_feedforward_layernorm"),
+        Rename("h.{i}.post.1", _HF + "post_feedforward_layernorm"),
+        SplitQKV("h.{i}.attn.c_attn", tuple(f"{_HF}self_attn.{x}_proj" for x in "qkv")),  # type: ignore[arg-type]
+        *QK_NORMS,
+        Rename("h.{i}.attn.c_proj", _HF + "self_attn.o_proj"),
+        Rename("h.{i}.mlp.c_gate", _HF + "mlp.gate_proj"),
+        Rename("h.{i}.mlp.c_fc", _HF + "mlp.up_proj"),
+        Rename("h.{i}.mlp.c_proj", _HF + "mlp.down_proj"),
+    )
+    # (llama.cpp's converter stores the norms' weights with the 1 added: its reader and writer
+    # add and subtract it, the names here are the map alone)
+    gguf_names = (
+        Rename("wte", "token_embd"),
+        SplitQKV("h.{i}.attn.c_attn", tuple(f"blk.{{i}}.attn_{x}" for x in "qkv")),  # type: ignore[arg-type]
+        *GGUF_QK_NORMS,
+        *GGUF_BLOCK,
+        Rename("h.{i}.post.0", "blk.{i}.post_attention_norm"),
+        Rename("h.{i}.post.1", "blk.{i}.post_ffw_norm"),
+        Rename("h.{i}.mlp.c_gate", "blk.{i}.ffn_gate"),
+        *GGUF_HEAD,
+    )
+    expresses = frozenset(
+        {
+            "qk-norm",
+            "a head size apart from n-embd/n-head",
+            "a sliding window",
+            "a layer pattern",
+            "a local rotary base",
+            "scaled embeddings",
+            "an attention scale",
+            "attention soft-capping",
+            "logit soft-capping",
+        }
+    )
+
+    def expressed(self, fmt: Format) -> frozenset[str]:
+        return self.expresses  # (GGUF's gemma3 holds the window and the layer pattern in its own way)
+
+    def gguf_context(self, cfg: ModelConfig) -> int:
+        return cfg.block_size
+
+    def window(self, hf: HFConfig) -> int | None:
+        if hf.get("use_bidirectional_attention"):
+            raise LmcliError(f"{hf.where}: use_bidirectional_attention (an encoder) is not supported")
+        return hf.get("sliding_window")
+
+    def default_layer_types(self, hf: HFConfig, n_layer: int, window: int) -> list[str]:
+        every = hf.get("sliding_window_pattern", 6)
+        return [LOCAL if (i + 1) % every else GLOBAL for i in range(n_layer)]
+
+    def own_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
+        params = hf.section("rope_parameters")
+        if GLOBAL in params.named() or LOCAL in params.named():  # transformers 5: by layer type
+            full, local = params.section(GLOBAL), params.section(LOCAL)
+            rope = rope_settings(hf, full)
+            rope["rope_base"] = float(full.get("rope_theta", DEFAULT_THETA[GLOBAL]))
+            local_base = local.get("rope_theta", DEFAULT_THETA[LOCAL])
+            if local.get("rope_type", "default") != "default":
+                raise LmcliError(
+                    f"{hf.where}: unsupported rope_parameters.{LOCAL}.rope_type {local.get('rope_type')!r} "
+                    "(lmcli's local layers turn unscaled)"
+                )
+        else:  # as published: rope_theta and rope_scaling of the global layers
+            rope = rope_settings(hf)
+            rope["rope_base"] = float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_THETA[GLOBAL])))
+            local_base = hf.get("rope_local_base_freq", DEFAULT_THETA[LOCAL])
+        return {
+            **rope,
+            "rope_local_base": float(local_base),
+            "qk_norm": True,
+            "scale_embeddings": True,
+            "norm_placement": self.placement,
+            "attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
+            "attn_softcap": float(hf.get("attn_logit_softcapping", 0.0)),
+            "logit_softcap": float(hf.get("final_logit_softcapping", 0.0)),
+        }
+
+    def own_problems(self, cfg: ModelConfig, fmt: Format) -> list[str]:
+        found = ["biases"] if cfg.bias or cfg.qkv_bias else []
+        found += [] if cfg.qk_norm else ["no qk-norm"]
+        found += [] if cfg.scale_embeddings else ["unscaled embeddings"]
+        if cfg.sliding_window and not cfg.rope_local_base and cfg.rope_scaling != "none":
+            found.append("rope scaling on local layers")
+        return found
+
+    def hf_settings(self, cfg: ModelConfig) -> dict[str, Any]:
+        full = {"rope_type": "default", **(rope_scaling_dict(cfg) or {}), "rope_theta": cfg.rope_base}
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_base or cfg.rope_base}
+        scalar = cfg.attn_scalar or float(cfg.head_dim)
+        return {
+            "head_dim": cfg.head_dim,
+            "hidden_activation": self.activation,
+            "query_pre_attn_scalar": int(scalar) if scalar.is_integer() else scalar,  # (an int if it is one)
+            "sliding_window": cfg.sliding_window or None,
+            "layer_types": layer_types(cfg) if cfg.sliding_window else [GLOBAL] * cfg.n_layer,
+            "rope_parameters": {GLOBAL: full, LOCAL: local},
+            "attn_logit_softcapping": cfg.attn_softcap or None,
+            "final_logit_softcapping": cfg.logit_softcap or None,
+            "attention_dropout": 0.0,
+        }
