@@ -387,3 +387,102 @@ def reference_logits(path: Path, ids: list[int]) -> torch.Tensor:
         x = x + linear(h, b + "ffn_down")
     head = w.get("output.weight", w["token_embd.weight"])
     return norm(x, "output_norm") @ head.T
+
+
+# ----------------------------------------------------------------------------- llama.cpp's converter
+
+# Hugging Face's names in a block -> GGUF's, as llama.cpp's converter maps them (gemma3 has four norms)
+HF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GEMMA3_BLOCK = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+HF_ARCH = {"Gemma3ForCausalLM": "gemma3", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
+
+
+def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's ``LlamaModel.permute``: each head's rows from rotary halves to
+    adjacent pairs (its ``llama``-style architectures turn pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_to_gguf(folder: Path, path: Path, tokenizer_writer) -> Path:
+    """A Hugging Face folder of Gemma 3, Qwen3 or SmolLM3 as a float32 GGUF file, laid out as
+    llama.cpp's ``convert_hf_to_gguf.py`` writes it: names, metadata, Gemma 3's norm weights
+    with 1 added and its embedding cut to the tokenizer's rows, SmolLM3's query/key rows in
+    adjacent rotary pairs. ``tokenizer_writer(writer, n)`` writes the vocabulary as ``n``
+    tokens (the embedding's rows; unused ones after the tokenizer's)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    hp = json.loads((folder / "config.json").read_text())
+    arch = HF_ARCH[hp["architectures"][0]]
+    state = load_file(str(folder / "model.safetensors"))
+    n_layer, n_head = hp["num_hidden_layers"], hp["num_attention_heads"]
+    n_kv = hp.get("num_key_value_heads", n_head)
+    head_dim = hp.get("head_dim") or hp["hidden_size"] // n_head
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(folder.name)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    rope = hp.get("rope_parameters") or {}
+    if arch == "gemma3":
+        w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+        w.add_sliding_window(hp["sliding_window"])
+    else:
+        w.add_rope_freq_base(rope.get("rope_theta", hp.get("rope_theta", 10000.0)))
+    if arch in ("gemma3", "qwen3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        w.add_rope_dimension_count(head_dim)
+    n_vocab = hp["vocab_size"]
+    if arch == "gemma3":  # the rows past the tokenizer's tokens are cut off
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        n_vocab = len(set(spec["model"]["vocab"]) | {a["content"] for a in spec["added_tokens"]})
+    tokenizer_writer(w, n_vocab)
+    tensors = {}
+    for name, t in state.items():
+        t = t.float()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = t[:n_vocab] if arch == "gemma3" else t
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = t
+        elif name == "lm_head.weight":
+            if not hp.get("tie_word_embeddings", arch == "gemma3"):
+                tensors["output.weight"] = t
+        else:
+            _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{rest}.weight
+            module = rest.removesuffix(".weight")
+            norms = GEMMA3_BLOCK if arch == "gemma3" else {"post_attention_layernorm": "ffn_norm"}
+            table = HF_BLOCK | norms
+            if arch == "smollm3" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = llama_permute(t, n_head if module == "self_attn.q_proj" else n_kv)
+            tensors[f"blk.{i}.{table[module]}.weight"] = t
+    for name, t in tensors.items():
+        w.add_tensor(name, t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
