@@ -55,8 +55,13 @@ SPM_TEXTS = (  # a SentencePiece vocabulary's corpus: prose, code, digits, accen
     "    indented    spaces    and\ttabs\n\nnew paragraphs, 2024-05-01, 3.14159 and 1,000,000.\n",
     "for i in range(10):\n        print(i ** 2, end=' ')\nif x != y: return {'a': [1, 2]}\n",
 )
-SPM_SPECIALS = {"llama": ["<unk>", "<s>", "</s>"], "gemma": ["<pad>", "<eos>", "<bos>", "<unk>"]}
-USER_DEFINED = ["<start_of_turn>", "<end_of_turn>"]
+SPM_SPECIALS = {
+    "llama": ["<unk>", "<s>", "</s>"],
+    "gemma": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+}
+# added tokens that are not special (llama.cpp matches them in text even when it parses no special
+# tokens; it makes control tokens of a few names, such as <end_of_turn>, whatever the file says)
+USER_DEFINED = ["<start_of_image>", "<end_of_image>"]
 SPM_STRESS = [  # Unicode, runs of spaces and newlines, digits, code, turn markers, special-token text
     "The quick brown fox: naïve café, crème brûlée — “quotes” and emoji 🙂; ümlaut ß 日本語\n",
     "  two leading spaces,   three inside, a tab\tand trailing   ",
@@ -64,6 +69,7 @@ SPM_STRESS = [  # Unicode, runs of spaces and newlines, digits, code, turn marke
     "digits 0 12 345 6789 3.14159 1,000,000 2024-05-01",
     "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # {'a': [1, 2]}\n",
     "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n",
+    "see <start_of_image>pixels<end_of_image> here and<start_of_image>",
     "text that says <s> </s> <unk> <bos> <eos> is text",
     " ",
     "x",
@@ -87,7 +93,8 @@ class SpmSource:
 def spm_source(style: str = "llama", vocab_size: int = 400) -> SpmSource:
     """A vocabulary laid out as ``style``'s SentencePiece model: Llama 2's (<unk> <s> </s>, the
     256 byte tokens, then the pieces; a space put in front of a text) or Gemma's (<pad> <eos>
-    <bos> <unk>, user-defined turn markers, bytes, pieces; no space in front). The pieces are a
+    <bos> <unk> and the turn markers, user-defined image markers, bytes, pieces; no space in
+    front). The pieces are a
     BPE trained on ``SPM_TEXTS`` with spaces as ``▁``, scored as SentencePiece scores a BPE model:
     a merge made earlier scores higher."""
     tok = Tokenizer(models.BPE())
