@@ -266,6 +266,18 @@ EXPORTABLE = {
         dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_layer=4, rope_pattern="RRRN"),
         "SmolLM3ForCausalLM",
     ),
+    "qwen2-window-pattern": (
+        dict(
+            position="rope",
+            norm="rmsnorm",
+            mlp="swiglu",
+            bias=False,
+            qkv_bias=True,
+            sliding_window=4,
+            layer_pattern="GL",
+        ),
+        "Qwen2ForCausalLM",
+    ),
     "mistral-window": (
         dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, sliding_window=4),
         "MistralForCausalLM",
