@@ -177,6 +177,22 @@ class Gemma3(Llama):
     def to_gguf(self, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
         return super().to_gguf(_shift_norms(state, 1.0), cfg)
 
+    def hf_settings(self, cfg: ModelConfig) -> dict[str, Any]:
+        full = {"rope_type": "default", **(rope_scaling_dict(cfg) or {}), "rope_theta": cfg.rope_base}
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_base or cfg.rope_base}
+        scalar = cfg.attn_scalar or float(cfg.head_dim)
+        return {
+            "head_dim": cfg.head_dim,
+            "hidden_activation": self.activation,
+            "query_pre_attn_scalar": int(scalar) if scalar.is_integer() else scalar,  # (an int if it is one)
+            "sliding_window": cfg.sliding_window or None,
+            "layer_types": layer_types(cfg) if cfg.sliding_window else [GLOBAL] * cfg.n_layer,
+            "rope_parameters": {GLOBAL: full, LOCAL: local},
+            "attn_logit_softcapping": cfg.attn_softcap or None,
+            "final_logit_softcapping": cfg.logit_softcap or None,
+            "attention_dropout": 0.0,
+        }
+
 
 GGUF_PATTERN = 6  # llama.cpp's gemma3: layer i is local unless i % 6 == 5
 GGUF_LOCAL_BASE = 10_000.0  # and its local layers turn by this base, unscaled
@@ -215,19 +231,3 @@ def _shift_norms(state: dict[str, Tensor], by: float) -> dict[str, Tensor]:
     """``state`` (lmcli's names) with ``by`` added to every norm weight: GGUF's (1 + weight)."""
     ends = tuple(f".{n}.weight" for n in _NORMS)
     return {k: v + by if k == "ln_f.weight" or k.endswith(ends) else v for k, v in state.items()}
-
-    def hf_settings(self, cfg: ModelConfig) -> dict[str, Any]:
-        full = {"rope_type": "default", **(rope_scaling_dict(cfg) or {}), "rope_theta": cfg.rope_base}
-        local = {"rope_type": "default", "rope_theta": cfg.rope_local_base or cfg.rope_base}
-        scalar = cfg.attn_scalar or float(cfg.head_dim)
-        return {
-            "head_dim": cfg.head_dim,
-            "hidden_activation": self.activation,
-            "query_pre_attn_scalar": int(scalar) if scalar.is_integer() else scalar,  # (an int if it is one)
-            "sliding_window": cfg.sliding_window or None,
-            "layer_types": layer_types(cfg) if cfg.sliding_window else [GLOBAL] * cfg.n_layer,
-            "rope_parameters": {GLOBAL: full, LOCAL: local},
-            "attn_logit_softcapping": cfg.attn_softcap or None,
-            "final_logit_softcapping": cfg.logit_softcap or None,
-            "attention_dropout": 0.0,
-        }
