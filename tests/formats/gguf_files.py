@@ -62,6 +62,7 @@ SPM_SPECIALS = {
 # added tokens that are not special (llama.cpp matches them in text even when it parses no special
 # tokens; it makes control tokens of a few names, such as <end_of_turn>, whatever the file says)
 USER_DEFINED = ["<start_of_image>", "<end_of_image>"]
+SPACE_RUNS = ["  ", "    "]  # Gemma's user-defined runs of spaces, as llama.cpp's converter writes them
 SPM_STRESS = [  # Unicode, runs of spaces and newlines, digits, code, turn markers, special-token text
     "The quick brown fox: naïve café, crème brûlée — “quotes” and emoji 🙂; ümlaut ß 日本語\n",
     "  two leading spaces,   three inside, a tab\tand trailing   ",
@@ -113,8 +114,8 @@ def spm_source(style: str = "llama", vocab_size: int = 400) -> SpmSource:
     tokens = list(specials)
     types = [TT.UNKNOWN if t == "<unk>" else TT.CONTROL for t in specials]
     if style == "gemma":
-        tokens += USER_DEFINED
-        types += [TT.USER_DEFINED] * len(USER_DEFINED)
+        tokens += USER_DEFINED + SPACE_RUNS
+        types += [TT.USER_DEFINED] * (len(USER_DEFINED) + len(SPACE_RUNS))
     scores = [0.0] * len(tokens)
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [TT.BYTE] * 256

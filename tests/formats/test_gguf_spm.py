@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from check_gguf import SPM_CASES, check_spm  # noqa: E402
 from gguf_files import SPM_STRESS as TEXTS  # noqa: E402
-from gguf_files import USER_DEFINED, field, spm_source, write_gguf_model  # noqa: E402
+from gguf_files import field, spm_source, write_gguf_model  # noqa: E402
 from helpers import run_cli  # noqa: E402
 from tokenizers import AddedToken, decoders, models, normalizers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
@@ -49,7 +49,8 @@ def transformers_tokenizer(style: str):
     TT = gguf.TokenType
     control = [t for t, k in zip(spm.tokens, spm.types, strict=True) if k in (TT.CONTROL, TT.UNKNOWN)]
     tok.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in USER_DEFINED if t in vocab])
+    user = [t for t, k in zip(spm.tokens, spm.types, strict=True) if k == TT.USER_DEFINED]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     tok.backend_tokenizer.encode_special_tokens = True
     return tok
 
@@ -69,6 +70,7 @@ def test_encodes_as_transformers_tokenizer_of_the_same_vocabulary(tmp_path: Path
     assert any(spm.types[i] == gguf.TokenType.BYTE for i in tok.encode(TEXTS[0]))  # byte fallback ran
     if style == "gemma":  # user-defined tokens are matched whole in text, control ones are not
         assert tok.encode("<start_of_image>") == [spm.tokens.index("<start_of_image>")]
+        assert spm.tokens.index("    ") in tok.encode("a     b")  # a run of spaces matched whole
         assert spm.tokens.index("<start_of_turn>") not in tok.encode("<start_of_turn>")
     specials = (tok.bos_id, tok.eos_id, tok.unk_id)
     assert specials == (spm.bos, spm.eos, spm.unk) and tok.add_bos

@@ -66,6 +66,10 @@ class Gemma3(Llama):
         Rename("h.{i}.mlp.c_fc", _HF + "mlp.up_proj"),
         Rename("h.{i}.mlp.c_proj", _HF + "mlp.down_proj"),
     )
+    gguf_needs = (
+        "Gemma 3's variants as llama.cpp fixes them: five local layers (rotary base 10000) then a "
+        "global one, attention scaled by 1/sqrt(head size), no rope scaling or soft-capping"
+    )
     # (llama.cpp's converter stores the norms' weights with the 1 added: ``from_gguf`` and
     # ``to_gguf`` take it off and put it on)
     gguf_names = (
