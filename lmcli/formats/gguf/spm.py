@@ -57,12 +57,12 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)
-    merges = []
-    for token, i in ids.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ids and right in ids:
-                merges.append((-scores[i], i, left, right))
+    merges = [  # (-score, id, left, right): about a second for Gemma's 262,144 tokens
+        (-scores[i], i, token[:cut], token[cut:])
+        for token, i in ids.items()
+        for cut in range(1, len(token))
+        if token[:cut] in ids and token[cut:] in ids
+    ]
     merges.sort(key=lambda m: (m[0], m[1]))
     return [(left, right) for _, _, left, right in merges]
 
