@@ -111,6 +111,7 @@ class WindowRing:
         self.k = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.v = torch.zeros_like(self.k)
         self.high = 0  # the longest length the cache had: columns before high - size are gone
+        self._plan: tuple[int, int, Tensor, Tensor | None] | None = None  # see ``slots``
 
     def in_place(self, T: int) -> bool:
         """Whether a forward of T new columns attends over the ring itself."""
@@ -125,23 +126,34 @@ class WindowRing:
             return end - 1 - (end - 1 - slots) % self.size
         return torch.arange(max(0, length - self.window + 1), end, device=self.k.device)
 
+    def slots(self, length: int, T: int) -> tuple[Tensor, Tensor | None]:
+        """Where a forward of T new columns from ``length`` on writes the newest of them (those
+        the ring keeps), and (when it does not attend over the ring itself) the slots of the
+        columns before them it attends to; computed once per forward, for all local layers."""
+        if self._plan is None or self._plan[:2] != (length, T):
+            device = self.k.device
+            n = min(T, self.size)  # the newest columns stay
+            new = torch.arange(length + T - n, length + T, device=device) % self.size
+            old = None
+            if not self.in_place(T):
+                old = torch.arange(max(0, length - self.window + 1), length, device=device) % self.size
+            self._plan = (length, T, new, old)
+        return self._plan[2], self._plan[3]
+
     def update(self, layer: int, length: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, KV, T, D) of columns length.. and return the keys and values to attend
         over, in the order of ``key_columns``."""
         i, T = self.slot[layer], k.size(2)
         keys, values = self.k[i], self.v[i]
-        if self.in_place(T):
-            slots = torch.arange(length, length + T, device=k.device) % self.size
-            keys.index_copy_(2, slots, k)
-            values.index_copy_(2, slots, v)
+        new, old = self.slots(length, T)
+        if old is None:  # the ring itself
+            keys.index_copy_(2, new, k)
+            values.index_copy_(2, new, v)
             return keys, values
-        old = torch.arange(max(0, length - self.window + 1), length, device=k.device) % self.size
         all_k = torch.cat([keys.index_select(2, old), k], dim=2)  # (B, KV, S, D) in column order
         all_v = torch.cat([values.index_select(2, old), v], dim=2)
-        n = min(T, self.size)  # the newest columns stay
-        slots = torch.arange(length + T - n, length + T, device=k.device) % self.size
-        keys.index_copy_(2, slots, k[:, :, T - n :])
-        values.index_copy_(2, slots, v[:, :, T - n :])
+        keys.index_copy_(2, new, k[:, :, T - new.numel() :])
+        values.index_copy_(2, new, v[:, :, T - new.numel() :])
         return all_k, all_v
 
     def mask(self, length: int, T: int, start: Tensor | None) -> Tensor:
@@ -164,6 +176,7 @@ class WindowRing:
             )
 
     def reorder(self, parent_idx: Tensor) -> None:
+        self._plan = None
         self.k = self.k.index_select(1, parent_idx)
         self.v = self.v.index_select(1, parent_idx)
 

@@ -99,7 +99,6 @@ class SandwichNorm:
     ``post`` holds those two norms."""
 
     final_norm = True
-    norms = 4
 
     @staticmethod
     def residual(
@@ -131,7 +130,7 @@ class Context:
     is_causal: bool  # let SDPA apply plain causality itself
     cache: KVCache | None
     positions: Positions
-    local_mask: Any = None  # the mask of sliding-window layers (``Transformer.window_mask``)
+    local_mask: Any = None  # the mask of sliding-window layers (``Transformer.local_mask``)
     local_is_causal: bool = False
 
 

@@ -1,6 +1,6 @@
 """Gemma 3, Qwen3 and SmolLM3 folders beyond what every family runs (``test_families.py``): the
 published (transformers 4) config.json dialect reads as the transformers 5 one, the decoders'
-caches past the sliding window, beam size 1, the chat template, a multimodal folder refused."""
+caches past the sliding window, beam size 1, the chat template, a multimodal folder's text tower."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ transformers.utils.logging.disable_progress_bar()
 from families import WINDOW, hf_folder  # noqa: E402
 from helpers import (  # noqa: E402
     assert_float32_close,
-    assert_one_line_error,
     dequantized_reference,
     run_cli,
 )
@@ -108,14 +107,79 @@ def test_gemma_chat_turns_are_transformers(tmp_path: Path) -> None:
     assert ours == list(theirs) and tok.token(ours[1]) == "<start_of_turn>"
 
 
-def test_a_multimodal_gemma_folder_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
-    folder = hf_folder(tmp_path, "gemma3-window-scaled")
+def multimodal_folder(tmp: Path) -> Path:
+    """A tiny Gemma3ForConditionalGeneration (the text tower of ``gemma3-window-scaled``, a
+    one-layer SigLIP vision tower) saved by transformers, with the text folder's tokenizer."""
+    text = hf_folder(tmp, "gemma3-window-scaled")
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig.from_pretrained(text),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    folder = tmp / "gemma3-multimodal"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_text((text / name).read_text())
+    return folder
+
+
+def as_published_multimodal(folder: Path) -> None:
+    """Rewrite a multimodal folder as the hub's were published: transformers 4's tensor names,
+    a text_config naming only what differs from the defaults, in transformers 4's keys."""
+    from safetensors.torch import load_file, save_file
+
+    renames = (
+        ("model.language_model.", "language_model.model."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("lm_head.", "language_model.lm_head."),
+    )
+    state = load_file(str(folder / "model.safetensors"))
+    renamed = {}
+    for key, value in state.items():
+        new = next((b + key[len(a) :] for a, b in renames if key.startswith(a)), key)
+        renamed[new] = value
+    save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
     data = json.loads((folder / "config.json").read_text())
-    data.update(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3")
+    text = data["text_config"]
+    for key in ("layer_types", "rope_parameters", "rms_norm_eps", "tie_word_embeddings"):
+        text.pop(key, None)
+    text.update(
+        rope_theta=100000.0,
+        rope_local_base_freq=100.0,
+        sliding_window_pattern=3,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
     (folder / "config.json").write_text(json.dumps(data))
-    (tmp_path / "t.txt").write_text("the cat sat on the mat.\n")
-    code, _, err = run_cli(["eval", str(folder), str(tmp_path / "t.txt")], capsys)
-    assert_one_line_error(code, err, "Gemma3ForConditionalGeneration is a multimodal model")
+
+
+def test_a_multimodal_gemma_folder_is_read_as_its_text_tower(tmp_path: Path) -> None:
+    folder = multimodal_folder(tmp_path)
+    ours, tok = load_hf_folder(folder)
+    text, _ = load_hf_folder(tmp_path / "gemma3-window-scaled")
+    assert ours.config == text.config
+    idx = torch.randint(0, tok.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder).eval()(idx).logits
+        assert_float32_close(ours(idx), theirs, ours.config)
+        as_published_multimodal(folder)
+        again, _ = load_hf_folder(folder)
+        assert again.config == ours.config
+        assert_float32_close(again(idx), theirs, ours.config)
 
 
 @pytest.mark.parametrize("name", WINDOWED)

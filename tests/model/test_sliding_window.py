@@ -138,3 +138,27 @@ def test_decoding_keeps_only_the_window_of_local_layers() -> None:
             model(torch.tensor([[t % 20 + 1]]), cache)
     assert cache.length == 51
     assert cache.ring is not None and cache.ring.k.size(3) == cache.ring.v.size(3) == W  # stays at W
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--sliding-window", "4", "--layer-pattern", "LLX"],
+            "invalid layer-pattern 'LLX': use the letters L and G",
+        ),
+        (["--layer-pattern", "LG"], "layer-pattern needs --sliding-window"),
+        (["--rope-pattern", "RN"], "rope-local-base and rope-pattern need --position rope"),
+        (["--position", "rope", "--rope-pattern", "RRN"], "at most one per layer (2)"),
+        (["--sliding-window", "-1"], "sliding-window must be >= 0, got -1"),
+        (["--n-embd", "30", "--n-head", "4"], "n-embd (30) must be divisible by n-head (4)"),
+    ],
+)
+def test_bad_variant_options_are_one_line_errors(tmp_path, capsys, flags: list[str], message: str) -> None:
+    from helpers import TINY_TEXT, assert_one_line_error, run_cli
+
+    (tmp_path / "c.txt").write_text(TINY_TEXT)
+    argv = ["train", str(tmp_path / "c.txt"), "-o", str(tmp_path / "run"), "--n-layer", "2", *flags]
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, message)
+    assert not (tmp_path / "run").exists()

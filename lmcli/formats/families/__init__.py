@@ -17,7 +17,7 @@ from __future__ import annotations
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.formats.families.adapter import FamilyAdapter, Format
-from lmcli.formats.families.gemma3 import Gemma3
+from lmcli.formats.families.gemma3 import Gemma3, Gemma3Multimodal
 from lmcli.formats.families.gpt2 import GPT2
 from lmcli.formats.families.hf_config import HFConfig
 from lmcli.formats.families.llama import Llama
@@ -29,7 +29,8 @@ from lmcli.formats.families.smollm3 import SmolLM3
 FAMILIES: dict[str, FamilyAdapter] = {
     f.name: f for f in (GPT2(), Llama(), Qwen2(), Mistral(), Qwen3(), SmolLM3(), Gemma3())
 }
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}  # refused, naming the text model
+# multimodal folders whose text tower is read (import only: export writes the text model's family)
+MULTIMODAL: dict[str, FamilyAdapter] = {f.architecture: f for f in (Gemma3Multimodal(),)}
 ARCHITECTURES = {f.architecture: f.name for f in FAMILIES.values()}
 
 __all__ = [
@@ -48,12 +49,8 @@ def from_hf_config(hf: HFConfig) -> FamilyAdapter:
     must agree with); one line naming an architecture lmcli lacks."""
     archs = hf.get("architectures") or []
     kind = hf.get("model_type")
-    for arch in archs:
-        if arch in MULTIMODAL:
-            raise LmcliError(
-                f"{hf.where}: {arch} is a multimodal model; lmcli reads text models: use the text-only "
-                f"{MULTIMODAL[arch]} release of the same size (gemma-3-270m, gemma-3-1b)"
-            )
+    if archs and all(a in MULTIMODAL for a in archs) and kind == MULTIMODAL[archs[0]].name:
+        return MULTIMODAL[archs[0]]
     if kind in FAMILIES and all(ARCHITECTURES.get(a) == kind for a in archs):
         return FAMILIES[kind]
     name = next((a for a in archs if a not in ARCHITECTURES), None) or kind
@@ -114,7 +111,7 @@ def from_gguf_arch(arch: str, where: str) -> FamilyAdapter:
     """The family that reads GGUF files of architecture ``arch`` (the first registered: llama.cpp
     writes Mistral models as ``llama``)."""
     for family in FAMILIES.values():
-        if family.gguf_arch == arch:
+        if family.gguf_arch == arch and family.reads_gguf:
             return family
-    known = ", ".join(dict.fromkeys(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch))
+    known = ", ".join(dict.fromkeys(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch and f.reads_gguf))
     raise LmcliError(f"{where}: unsupported GGUF architecture {arch!r} (lmcli reads {known})")

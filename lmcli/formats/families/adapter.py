@@ -177,6 +177,7 @@ class FamilyAdapter:
     name: ClassVar[str]  # config.json's model_type
     architecture: ClassVar[str]  # config.json's architectures
     gguf_arch: ClassVar[str | None] = None  # GGUF's general.architecture
+    reads_gguf: ClassVar[bool] = True  # whether GGUF files of ``gguf_arch`` are read through it
     position: ClassVar[str]  # what the family computes, as lmcli's options say it
     norm: ClassVar[str]
     mlp: ClassVar[str]

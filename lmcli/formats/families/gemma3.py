@@ -235,3 +235,60 @@ def _shift_norms(state: dict[str, Tensor], by: float) -> dict[str, Tensor]:
     """``state`` (lmcli's names) with ``by`` added to every norm weight: GGUF's (1 + weight)."""
     ends = tuple(f".{n}.weight" for n in _NORMS)
     return {k: v + by if k == "ln_f.weight" or k.endswith(ends) else v for k, v in state.items()}
+
+
+# transformers' Gemma3TextConfig defaults: a published multimodal folder's text_config names only
+# what differs from them (gemma-3-4b-it's: hidden_size, intermediate_size, num_hidden_layers,
+# rope_scaling, sliding_window)
+TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+}
+# the text tower's tensors under a multimodal folder's names: as published (transformers 4) and
+# as transformers 5 saves them
+TOWER_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+class Gemma3Multimodal(Gemma3):
+    """A multimodal Gemma 3 folder (``Gemma3ForConditionalGeneration``: gemma-3-4b and larger)
+    read as its text tower, a ``Gemma3ForCausalLM``: the ``text_config`` (transformers' defaults
+    for what it leaves out) and the tower's tensors; the vision tower and its projector are left
+    unread. Not registered for export: what it writes is the text model (``gemma3_text``)."""
+
+    name = "gemma3"
+    architecture = "Gemma3ForConditionalGeneration"
+    hf_buffers = (r"(model\.)?vision_tower\..*", r"(model\.)?multi_modal_projector\..*")
+
+    def config_from_hf(self, hf: HFConfig) -> tuple[ModelConfig, list[str]]:
+        text = {**TEXT_DEFAULTS, **hf.get("text_config", {})}
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        cfg, notices = super().config_from_hf(HFConfig(text, hf.where, hf.schema, "text_config."))
+        return cfg, [
+            *notices,
+            "a multimodal Gemma 3 model: its text tower is read, its vision tower left out",
+        ]
+
+    def from_hf(self, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+        return super().from_hf({tower_name(k): v for k, v in state.items()}, cfg)
+
+
+def tower_name(key: str) -> str:
+    """A multimodal folder's tensor name as the text model's (others unchanged)."""
+    for theirs, ours in TOWER_PREFIXES:
+        if key.startswith(theirs):
+            return ours + key[len(theirs) :]
+    return key

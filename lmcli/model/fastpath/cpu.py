@@ -47,7 +47,7 @@ from lmcli.model.quant import quantized_elements
 from lmcli.model.transformer import (
     CausalSelfAttention,
     GeluMLP,
-    RMSNorm,
+    RMSNorm1p,
     Transformer,
     softcapped_attention,
 )
@@ -103,8 +103,10 @@ def functional_norm(norm: nn.Module) -> Norm:
         )
     if isinstance(norm, nn.Identity):  # post-norm models have no final norm
         return lambda x: x
-    if not isinstance(norm, RMSNorm):  # a (1 + weight) RMSNorm: several ops in float32, its own
-        return norm
+    if isinstance(norm, RMSNorm1p):  # (1 + weight) computed once: on float32 rows, one fused op
+        scale = (1.0 + norm.weight.detach().float()).contiguous()
+        fused = functools.partial(F.rms_norm, normalized_shape=(scale.numel(),), weight=scale, eps=norm.eps)
+        return lambda x: fused(x) if x.dtype == torch.float32 else norm(x)
     return functools.partial(
         F.rms_norm, normalized_shape=(norm.weight.numel(),), weight=norm.weight, eps=norm.eps
     )
@@ -126,19 +128,20 @@ class LayerStep:
     gate: LinearFn | None
     mlp_out: LinearFn
     post: tuple[Norm, ...]  # sandwich norms of the sublayers' outputs, or none
+    local: int  # 1: a sliding-window layer (its mask and rotary turn are the second of each pair)
+    one_turn: bool  # rotary without QK-norm: queries and keys turned in one call
 
     def __call__(
         self, x: Tensor, pos: Tensor, masks: Masks, rotate: Rotate, cache: KVCache, turns: Turns
     ) -> Tensor:
-        heads = self.heads
-        mask, turn = (masks[1], turns[1]) if heads.local else (masks[0], turns[0])
+        heads, mask, turn = self.heads, masks[self.local], turns[self.local]
 
         def attn(h: Tensor) -> Tensor:
             B = h.size(0)
             H, KV, D = heads.n_head, heads.n_kv_head, heads.head_dim
             qkv = self.qkv(h).view(B, H + 2 * KV, D)  # (B, H * D + 2 * KV * D) -> (B, heads, D)
             v = qkv[:, H + KV :].unsqueeze(2)  # (B, KV, 1, D)
-            if turn is not None and heads.q_norm is None and heads.rotary:  # queries and keys in one turn
+            if turn is not None and self.one_turn:
                 qk = turn(qkv[:, : H + KV])  # (B, H + KV, D)
                 q, k = qk[:, :H].unsqueeze(2), qk[:, H:].unsqueeze(2)  # (B, H, 1, D), (B, KV, 1, D)
             else:
@@ -146,7 +149,10 @@ class LayerStep:
                 if heads.rotary:
                     q, k = rotate(q, k, pos, local=heads.local)
             keys, values = cache.update(self.layer, k, v)  # (B, KV, S, D)
-            y = grouped_attention(q, keys, values, mask, heads.scale, heads.softcap)  # (B, KV, G, D)
+            if heads.scale is None and not heads.softcap:
+                y = grouped_attention(q, keys, values, mask)  # (B, KV, G, D)
+            else:
+                y = grouped_attention(q, keys, values, mask, heads.scale, heads.softcap)
             return self.attn_out(y.reshape(B, H * D))
 
         def mlp(h: Tensor) -> Tensor:
@@ -169,6 +175,8 @@ def grouped_attention(
         mask = mask.reshape(mask.size(0), KV, G, -1)  # -> (B or 1, KV, G, S)
     if cap:  # soft-capped scores (``--attn-softcap``): the model's own attention
         return softcapped_attention(q.reshape(B, KV, G, D), keys, values, mask, False, scale, cap, 0.0)
+    if scale is None:
+        return F.scaled_dot_product_attention(q.reshape(B, KV, G, D), keys, values, attn_mask=mask)
     return F.scaled_dot_product_attention(q.reshape(B, KV, G, D), keys, values, attn_mask=mask, scale=scale)
 
 
@@ -217,6 +225,8 @@ class StepRunner:
                     linear(mlp.c_gate) if mlp.c_gate is not None else None,
                     linear(mlp.c_proj),
                     () if block.post is None else tuple(functional_norm(n) for n in block.post),
+                    int(attn.local),
+                    attn.q_norm is None and attn.rotary,
                 )
             )
         return layers, functional_norm(self.model.ln_f), linear(self.model.lm_head)
