@@ -164,3 +164,21 @@ def test_what_llama_cpp_fixes_otherwise_is_refused_on_export(
     code, _, err = run_cli(["export", str(folder), str(tmp_path / "x.gguf"), "--format", "gguf"], capsys)
     assert_one_line_error(code, err, message)
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("name", list(GGUF_VARIANTS))
+def test_sample_and_verify_read_the_file_as_the_folder(tmp_path: Path, capsys, name: str) -> None:
+    """Greedy tokens from the GGUF file equal those from the folder (past the window)."""
+    import json
+
+    folder, path = converted(tmp_path, name)
+    capsys.readouterr()
+    got = []
+    for source in (folder, path):
+        command = ["sample", str(source), "-p", "the cat sat", "--max-new-tokens", "12", "--json"]
+        code, out, err = run_cli([*command, "--temperature", "0"], capsys)
+        assert code == 0, err
+        got.append(json.loads(out)["tokens"])
+    assert got[0] == got[1]
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 0, err
