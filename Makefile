@@ -6,13 +6,22 @@ BIN := $(VENV)/bin
 # resolver from fetching a multi-GB CUDA build. Elsewhere pip picks any torch in range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install browser test test-fast lint bench clean check-gguf llama-venv check-gpu
+.PHONY: install check-native browser test test-fast lint bench clean check-gguf llama-venv check-gpu
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH_PIN) || $(BIN)/pip install -q "torch>=2.4,<3"
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/python -m lmcli.model.native build
 	@echo "installed: activate with 'source $(VENV)/bin/activate', then run 'lmcli --help'"
+
+# the native kernels' tests under AddressSanitizer and UBSan: the library built with
+# -fsanitize=address,undefined (its own cache entry), libasan preloaded into Python
+NATIVE_CXX ?= g++
+check-native:
+	CXX=$(NATIVE_CXX) $(BIN)/python -m lmcli.model.native build --sanitize
+	CXX=$(NATIVE_CXX) LMCLI_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
+		LD_PRELOAD=$$($(NATIVE_CXX) -print-file-name=libasan.so) $(BIN)/python -m pytest tests/model/test_native.py tests/model/test_native_gguf.py -q
 
 # Debian's chromium for the chat page's browser test (tests/serve/test_page.py skips without it)
 browser:

@@ -13,6 +13,10 @@ greedy tokens one at a time (decode tokens/s). lmcli's figures are the ones ``lm
 llama-cpp-python (``make check-gguf`` builds it in ~/.cache/lmcli/llama-venv; ``LLAMA_PYTHON``
 names another Python that has it; without one the rows say "skipped: llama_cpp absent").
 
+On a CPU where lmcli's native kernels build (``lmcli.model.native``), lmcli's int8/int4 are
+GGUF's q8_0/q4_0 blocks multiplied by them; the "gguf q8_0"/"gguf q4_0" rows have lmcli run
+llama.cpp's own file, its matrices as stored (each row's JSON says which products ran).
+
 Each decode figure is also given as a fraction of the bandwidth limit: the bytes of weights a
 token reads (every matrix once, the tied vocabulary table as the head) over the machine's
 memory-copy bandwidth, measured here (bytes read + written per second by a 256 MiB copy, on
@@ -20,8 +24,8 @@ the same threads).
 
 The memory rows (lmcli alone): a fresh process loads the Qwen2.5-shaped model (the lmcli
 checkpoint, float32, for fp32; a Hugging Face folder of it in bfloat16, as the hub's are, for
-bf16 and int8) and generates ``NEW`` tokens; peak RSS minus the RSS before loading, over the
-bytes of the weights as held (goal <= 1.3x).
+bf16 and int8; the q4_0 GGUF file as stored for gguf q4_0) and generates ``NEW`` tokens; peak
+RSS minus the RSS before loading, over the bytes of the weights as held (goal <= 1.3x).
 
     python -m bench.bench_cpu_decode              # 1 thread
     BENCH_THREADS=1,2 python -m bench.bench_cpu_decode
@@ -46,6 +50,9 @@ PROMPT = 256
 MEMORY_GOAL = 1.3
 MEMORY_SHAPE = "qwen2.5"  # the memory rows' model (1 GB in bf16, as bench_load's)
 PAIRS = (("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
+# lmcli running llama.cpp's own file: its q8_0/q4_0 matrices as stored, by the native kernels
+GGUF_PAIRS = (("gguf q8_0", "q8_0"), ("gguf q4_0", "q4_0"))
+STORED = {"fp32": "float32", "gguf q4_0": "GGUF q4_0"}  # the memory rows' sources (else bfloat16)
 GROUP_SIZE = 64
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(
@@ -132,12 +139,14 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     from lmcli.formats.sources import load_model
     from lmcli.generate.sampling import generate
     from lmcli.model import fastpath
+    from lmcli.model.native import ops
     from lmcli.model.quant import quantize, weight_bytes
 
     set_threads(threads)
     before = resident()
     t0 = time.perf_counter()
-    ckpt = load_model(run, "cpu")  # in the dtype stored: float32, or bfloat16 (the bf16 folder)
+    # in the dtype stored: float32, or bfloat16 (the bf16 folder); a GGUF file's blocks as stored
+    ckpt = load_model(run, "cpu", as_stored=mode.startswith("gguf"))
     quantize(ckpt.model, mode if mode in ("int8", "int4") else "none", GROUP_SIZE)
     loaded = time.perf_counter() - t0
     model, tok = ckpt.model, ckpt.tokenizer
@@ -149,6 +158,7 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     speed = out.speed.report()
     held = weight_bytes(model)
     return {
+        "products": ops.backend_line(),
         "prefill": speed["prefill_tokens_per_s"],
         "decode": speed["decode_tokens_per_s"],
         "new_tokens": len(out.ids),
@@ -162,11 +172,13 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
 
 def untied_embedding_bytes(model: Any) -> int:
     """Bytes of a token embedding that no product reads (an untied table: one row a token)."""
-    from lmcli.model.quant import Int8Embedding
+    from lmcli.model.quant import BlockEmbedding, Int8Embedding
 
     wte = model.wte
     if model.config.tie_embeddings:
         return 0
+    if isinstance(wte, BlockEmbedding):
+        return wte.table.blocks.numel()
     if isinstance(wte, Int8Embedding):
         return wte.qweight.numel() + wte.scales.numel() * wte.scales.element_size()
     return wte.weight.numel() * wte.weight.element_size()
@@ -304,8 +316,12 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
     log(f"{shape}, {threads} thread(s): copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = []
     prompt = json.dumps(prompt_ids(SHAPES[shape]["vocab_size"]))
-    for mode, gguf_type in PAIRS:
-        run = str(folder / ("bf16" if mode == "bf16" else "fp32"))
+    for mode, gguf_type in PAIRS + GGUF_PAIRS:
+        run = (
+            files[gguf_type]
+            if mode.startswith("gguf")
+            else str(folder / ("bf16" if mode == "bf16" else "fp32"))
+        )
         ours_runs, theirs_runs = [], []
         for _ in range(2):  # A, B, A, B
             ours_runs.append(child(sys.executable, "lmcli", run, mode, str(threads)))
@@ -320,13 +336,17 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
     return rows
 
 
-def memory_rows(folder: Path, shape: str) -> list:
-    """Peak RSS of load + ``NEW`` tokens over the weights as held, fp32, bf16 and int8."""
+def memory_rows(folder: Path, shape: str, files: dict[str, str]) -> list:
+    """Peak RSS of load + ``NEW`` tokens over the weights as held, fp32, bf16 and int8, and a
+    q4_0 GGUF file run as stored (its weights as held: the file's bytes)."""
     from bench.common import Row, log
 
     rows = []
-    for mode in ("fp32", "bf16", "int8"):
-        m = child(sys.executable, "lmcli", str(folder / ("fp32" if mode == "fp32" else "bf16")), mode, "1")
+    for mode in ("fp32", "bf16", "int8", "gguf q4_0"):
+        run = (
+            files["q4_0"] if mode.startswith("gguf") else str(folder / ("fp32" if mode == "fp32" else "bf16"))
+        )
+        m = child(sys.executable, "lmcli", run, mode, "1")
         x = (m["peak_rss"] - m["rss_before_load"]) / m["weight_bytes"]
         log(f"memory {mode}: {x:.2f}x of {m['weight_bytes'] / 1e6:.0f} MB")
         rows.append(
@@ -340,7 +360,7 @@ def memory_rows(folder: Path, shape: str) -> list:
                 lower_is_better=True,
                 valid=x <= MEMORY_GOAL,
                 note=f"peak RSS minus RSS before loading over {m['weight_bytes'] / 1e6:.0f} MB of weights "
-                f"as held (stored {'float32' if mode == 'fp32' else 'bfloat16'}): "
+                f"as held (stored {STORED.get(mode, 'bfloat16')}): "
                 f"{'met' if x <= MEMORY_GOAL else 'MISSED'}",
                 extra=m,
             )
@@ -362,7 +382,7 @@ def run() -> list:
             files = child(sys.executable, "write", str(folder), shape)["gguf"]
             log(f"wrote {shape}: {', '.join(Path(f).name for f in files.values())}")
             if shape == MEMORY_SHAPE or len(shapes) == 1:
-                rows += memory_rows(folder, shape)
+                rows += memory_rows(folder, shape, files)
             for n in threads:
                 rows += decode_rows(folder, shape, files, n, llama)
             for f in folder.rglob("*"):

@@ -329,7 +329,7 @@ def temps(run: Path) -> list[str]:
 
 def dequantized_reference(quantized: torch.nn.Module) -> torch.nn.Module:
     """A float64 copy of ``quantized`` holding its dequantized weights as plain modules."""
-    from lmcli.model.quant import Int8Embedding, QuantLinear
+    from lmcli.model.quant import BlockEmbedding, Int8Embedding, QuantLinear
 
     ref = copy.deepcopy(quantized)
     for parent in list(ref.modules()):
@@ -343,4 +343,6 @@ def dequantized_reference(quantized: torch.nn.Module) -> torch.nn.Module:
             elif isinstance(child, Int8Embedding):
                 table = child.qweight.float() * child.scales[:, None]
                 setattr(parent, name, torch.nn.Embedding.from_pretrained(table))
+            elif isinstance(child, BlockEmbedding):
+                setattr(parent, name, torch.nn.Embedding.from_pretrained(child.table.dequantized()))
     return ref.double()

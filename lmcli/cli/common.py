@@ -51,7 +51,10 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
 
     cfg = build(DeviceConfig, options)
     set_threads(cfg.threads)
-    ckpt = load_model(run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype))
+    # a GGUF file's quantized matrices run as stored unless --quantize asks for lmcli's own
+    ckpt = load_model(
+        run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype), as_stored=cfg.quantize == "none"
+    )
     quantize(ckpt.model, cfg.quantize, cfg.group_size)
     return ckpt
 
@@ -79,7 +82,7 @@ def load_draft(options: dict[str, Any], ckpt: Any) -> Any:
     from lmcli.generate.speculative import Draft, check_draft
 
     param = next(ckpt.model.parameters())
-    draft = load_model(cfg.draft, param.device, param.dtype)
+    draft = load_model(cfg.draft, param.device, param.dtype, as_stored=True)
     check_draft(ckpt.tokenizer, draft.tokenizer, cfg.draft)
     return Draft(draft.model, draft.tokenizer, cfg.draft_tokens)
 

@@ -37,6 +37,7 @@ from lmcli.formats.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from lmcli.formats.gguf.as_stored import load_gguf_as_stored
 from lmcli.formats.gguf.load import is_gguf_file, load_gguf, read_gguf_header
 from lmcli.formats.hf.load import is_hf_folder, load_hf_folder
 from lmcli.formats.hf.load import read_json as read_hf_json
@@ -85,11 +86,15 @@ def base_model(path: Path) -> Transformer:
 
 
 def load_model(
-    path: str | Path | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    path: str | Path | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    as_stored: bool = False,
 ) -> Checkpoint:
     """What a command is given: an lmcli run or checkpoint folder, a local Hugging Face folder,
     a GGUF file, or (None) the newest run under ``checkpoints/``; in eval mode on ``device``,
-    weights in ``dtype`` (None: as stored)."""
+    weights in ``dtype`` (None: as stored). ``as_stored``: a GGUF file's q8_0/q4_0/K-quant
+    matrices stay in their blocks on a CPU, multiplied by the native kernels (inference only)."""
     path = Path(path) if path is not None else find_latest_run(Path("checkpoints"))
     if is_hf_folder(path):
         model, tok = load_hf_folder(path, dtype)
@@ -97,7 +102,8 @@ def load_model(
         meta = {"source": "huggingface", "name": path.resolve().name}
         return Checkpoint(path, model, model.config, TrainConfig(), tok, meta)
     if is_gguf_file(path):
-        model, tok, meta = load_gguf(path, dtype)
+        blocks = as_stored and torch.device(device).type == "cpu"
+        model, tok, meta = (load_gguf_as_stored if blocks else load_gguf)(path, dtype)
         model.to(device).eval()
         return Checkpoint(path, model, model.config, TrainConfig(), tok, meta)
     ckpt = load_checkpoint(path, device)

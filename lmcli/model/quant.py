@@ -27,6 +27,14 @@ The products (docs/quantization.md has the measurements that chose them):
   paths follow torch's and gpt-fast's documented use; this project's machines have no GPU to
   run them on.
 
+- on a CPU with lmcli's native kernels (``lmcli.model.native``, the default where they build),
+  int8 is GGUF's q8_0 and int4 its q4_0 (blocks of 32 inputs, one fp16 scale each; int4 ignores
+  ``group_size``), held as the block bytes a GGUF file stores (``BlockLinear``) and multiplied
+  with int8 activations by integer dot products; the head and the embedding are q8_0 (a tied
+  embedding looks its rows up in the head's blocks, ``BlockEmbedding``). A GGUF file's own
+  q8_0/q4_0/q4_K/q5_K/q6_K matrices load into the same layers as stored
+  (``lmcli.formats.gguf.as_stored``).
+
 ``lmcli.model.fastpath``'s CPU scope leaves these modules alone (they are no ``nn.Linear``: nothing is
 packed again) and its one-token step calls them as it calls a linear layer.
 """
@@ -40,6 +48,8 @@ from torch import Tensor, nn
 from lmcli.config.commands import GROUP_SIZES
 from lmcli.device import release_freed_memory
 from lmcli.errors import LmcliError
+from lmcli.model.native import ops
+from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks
 
 MODES = ("none", "int8", "int4")
 # torch 2.13's CPU int8 kernel reads past the end of inputs whose width is no multiple of 16 (it
@@ -47,6 +57,10 @@ MODES = ("none", "int8", "int4")
 INT8_KERNEL_K = 16
 INT8_KERNEL_MAX_ROWS = 48  # from 64 rows on, dequantizing to bfloat16 and a GEMM is faster
 CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
+BLOCK = 32  # values of a q8_0/q4_0 block: the widths the native kernels take from --quantize
+# from this many rows on (a prompt) a block layer's weight is rather dequantized to bfloat16 for
+# one GEMM, as int8's is: 2-2.5x faster than the kernels' rows at 256 (docs/native-kernels.md)
+BLOCK_GEMM_ROWS = 96
 
 
 # ----------------------------------------------------------------------------- quantizing
@@ -204,6 +218,95 @@ class Int8Embedding(nn.Module):
         return rows * F.embedding(idx, self.scales[:, None]).to(self.dtype)  # times (.., 1)
 
 
+class BlockLinear(QuantLinear):
+    """Weights as GGUF blocks (q8_0, q4_0, q4_K, q5_K, q6_K; ``lmcli.model.native``), multiplied
+    by the native kernels: activations rounded to int8 per block, integer dot products (a
+    prompt of ``BLOCK_GEMM_ROWS`` rows or more: the weight dequantized to bfloat16, one GEMM).
+
+    ``blocks`` (out, row bytes) uint8 is the bytes a GGUF file stores (a view of a memory-mapped
+    file, or ``quantize_blocks``'s output), so the layer takes the file's size. One row (decode)
+    and many (a prompt) go through the same kernel, on ``torch.get_num_threads()`` threads.
+    Without the kernels the weight is dequantized once, on first use, for torch's product."""
+
+    def __init__(
+        self,
+        blocks: Tensor,
+        fmt: str,
+        in_features: int,
+        bias: Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        checked = ops.check_blocks(blocks, fmt, in_features)
+        super().__init__(in_features, blocks.size(0), bias, dtype)
+        self.format = checked
+        self.fmt, self.bits = fmt, 8 * self.format.block_bytes / self.format.block
+        self.register_buffer("blocks", blocks, persistent=False)
+        self._bound: ops.BoundProduct | None = None  # the kernel call for these blocks, made on first use
+        self._float: Tensor | None = None  # the fallback's weight, made on first use
+
+    @classmethod
+    def quantized(cls, module: nn.Linear, fmt: str) -> BlockLinear:
+        """``module`` with its weight rounded to ``fmt`` ("q8_0" or "q4_0") blocks."""
+        return cls(
+            quantize_blocks(module.weight, fmt), fmt, module.in_features, _bias(module), module.weight.dtype
+        )
+
+    def product(self, x: Tensor) -> Tensor:
+        if not ops.available():
+            if self._float is None:
+                self._float = self.dequantized()
+            return F.linear(x, self._float.to(x.dtype))
+        if x.size(0) >= BLOCK_GEMM_ROWS:  # a prompt: a transient bfloat16 weight and one GEMM
+            return F.linear(x.to(torch.bfloat16), self.dequantized().to(torch.bfloat16))
+        if self._bound is None or self._bound.blocks is not self.blocks:  # new blocks: checked first
+            self.format = ops.check_blocks(self.blocks, self.fmt, self.in_features)
+            self._bound = ops.BoundProduct(self.blocks, self.format, self.in_features)
+        return self._bound(x, torch.get_num_threads())
+
+    def dequantized(self) -> Tensor:
+        return dequantize_blocks(self.blocks, self.fmt, self.in_features)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_bound": None}  # a copy (deepcopy, pickle) binds its own blocks
+
+    def weight_rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` of the weight, float32 (ids.shape + (in,)): a block embedding's lookup."""
+        rows = self.blocks[ids.reshape(-1)]  # (len(ids), row bytes)
+        return dequantize_blocks(rows, self.fmt, self.in_features).reshape(*ids.shape, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class StackedBlockLinear(QuantLinear):
+    """Output rows in parts of different block formats (a GGUF file's q, k and v as lmcli's one
+    fused projection, v often in another format): the parts' products side by side."""
+
+    def __init__(self, parts: list[BlockLinear], bias: Tensor | None = None) -> None:
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise LmcliError("stacked block layers need parts of one width and no bias of their own")
+        super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias, parts[0].dtype)
+        self.parts = nn.ModuleList(parts)
+
+    def product(self, x: Tensor) -> Tensor:
+        return torch.cat([p.product(x) for p in self.parts], -1)  # (M, out)
+
+    def dequantized(self) -> Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding looked up in a BlockLinear's rows (a tied model's head, or a table kept
+    as stored): each row dequantized as it is looked up, in ``dtype``."""
+
+    def __init__(self, table: BlockLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.table.weight_rows(idx).to(self.dtype)  # (.., C)
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -223,22 +326,40 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
         raise LmcliError(f"--quantize int4 runs on a CPU or CUDA, not on {device.type}: use int8")
     if mode == "int4" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         raise LmcliError("--quantize int4 on CUDA needs a GPU of compute capability 8.0 or later (Ampere)")
+    native = device.type == "cpu" and ops.available()
     with torch.no_grad():
         for block in model.h:
             for parent in (block.attn, block.mlp):
                 for name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:
-                        int4 = mode == "int4" and int4_fits(child, group_size)
-                        setattr(parent, name, Int4Linear(child, group_size) if int4 else Int8Linear(child))
-        _quantize_vocabulary(model)
+                        setattr(parent, name, _quantized(child, mode, group_size, native))
+        _quantize_vocabulary(model, native)
     release_freed_memory()
     return model
 
 
-def _quantize_vocabulary(model: nn.Module) -> None:
-    """The head and the token embedding as int8, one table when they are tied."""
+def _quantized(child: nn.Linear, mode: str, group_size: int, native: bool) -> QuantLinear:
+    """``child`` quantized: GGUF blocks for the native kernels (q8_0 for int8, q4_0 for int4,
+    where the width is whole blocks of 32), else torch's int8/int4 layouts."""
+    if native and child.in_features % BLOCK == 0:
+        return BlockLinear.quantized(child, "q8_0" if mode == "int8" else "q4_0")
+    int4 = mode == "int4" and int4_fits(child, group_size)
+    return Int4Linear(child, group_size) if int4 else Int8Linear(child)
+
+
+def _quantize_vocabulary(model: nn.Module, native: bool) -> None:
+    """The head and the token embedding as int8 (q8_0 blocks for the native kernels), one table
+    when they are tied."""
     head, wte = model.lm_head, model.wte
     dtype = wte.weight.dtype
+    if native and head.in_features % BLOCK == 0:
+        model.lm_head = BlockLinear.quantized(head, "q8_0")
+        w = wte.weight
+        table = (
+            model.lm_head if head.weight is w else BlockLinear(quantize_blocks(w, "q8_0"), "q8_0", w.size(1))
+        )
+        model.wte = BlockEmbedding(table, dtype)
+        return
     if head.weight is wte.weight:
         q, s = quantize_int8(head.weight)
         model.lm_head = Int8Linear(head, q, s)
@@ -250,7 +371,9 @@ def _quantize_vocabulary(model: nn.Module) -> None:
 
 def quantized_elements(model: nn.Module) -> int:
     """Weights held quantized (counted as parameters would be), 0 for a float model."""
-    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    parts = {id(p) for m in layers if isinstance(m, StackedBlockLinear) for p in m.parts}
+    return sum(m.in_features * m.out_features for m in layers if id(m) not in parts)
 
 
 def weight_bytes(model: nn.Module) -> int:

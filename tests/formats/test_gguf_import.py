@@ -147,7 +147,14 @@ def test_hf_folder_to_gguf_and_back(tmp_path: Path, name: str, capsys, monkeypat
 # ----------------------------------------------------------------------------- every command
 
 
-def test_every_command_reads_a_gguf_file(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_every_command_reads_a_gguf_file(tmp_path: Path, capsys, monkeypatch, request) -> None:
+    # torch's products on the dequantized file, to compare exactly with the exported folder (the
+    # native kernels' own run of GGUF files: tests/model/test_native_gguf.py)
+    from lmcli.model.native import ops
+
+    monkeypatch.setenv("LMCLI_NATIVE", "0")
+    ops._load.cache_clear()
+    request.addfinalizer(ops._load.cache_clear)  # the next test loads the kernels again
     path = write_gguf_model(tmp_path / "m.gguf", "qwen2", "Q8_0", tied=True)
     (tmp_path / "t.txt").write_text(TEXT * 4)
     # export to Hugging Face: transformers computes the file's logits

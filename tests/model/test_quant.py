@@ -22,10 +22,26 @@ from lmcli.config.commands import SampleConfig
 from lmcli.generate.sampling import generate
 from lmcli.model import fastpath
 from lmcli.model.kv_cache import KVCache
-from lmcli.model.quant import Int4Linear, Int8Embedding, Int8Linear, QuantLinear, quantize
+from lmcli.model.native import ops
+from lmcli.model.quant import (
+    BlockEmbedding,
+    BlockLinear,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    QuantLinear,
+    quantize,
+)
 
 LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, n_embd=64)
-LOGIT_BOUND = 0.02  # |quantized - reference| over the reference's largest |logit|
+# on a CPU with lmcli's native kernels, int8/int4 are GGUF's q8_0/q4_0 blocks (BlockLinear); else
+# torch's layouts (CI runs the suite both ways)
+NATIVE = ops.available()
+# |quantized - reference| over the reference's largest |logit|: bfloat16 activations (torch's
+# kernels) or int8 ones per 32 values (the native kernels: 7 bits under each block's largest,
+# about twice bfloat16's error; their exact products are tested in test_native*.py)
+LOGIT_BOUND = 0.04 if NATIVE else 0.02
+INT8, INT4 = (BlockLinear, BlockLinear) if NATIVE else (Int8Linear, Int4Linear)
 
 
 def spread(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -51,9 +67,17 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int]
 
 def test_int8_greedy_tokens_equal_a_float64_reference_of_the_int8_weights() -> None:
     tok = tiny_tokenizer()
-    model = quantize(spread(tiny_model(tok.vocab_size, **LLAMA)), "int8")
-    assert all(type(m) is Int8Linear for m in model.modules() if isinstance(m, QuantLinear))
-    assert isinstance(model.wte, Int8Embedding) and model.lm_head.qweight is model.wte.qweight  # tied
+    # a model whose greedy margins are clear for the weights as rounded (q8_0 blocks where native)
+    model = quantize(spread(tiny_model(tok.vocab_size, **LLAMA), seed=1 if NATIVE else 0), "int8")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert all(
+        type(m) is (INT8 if m.in_features % 32 == 0 else Int8Linear) for m in layers
+    )  # q8_0: whole blocks
+    if NATIVE:  # tied: the embedding looks its rows up in the head's q8_0 blocks
+        assert isinstance(model.wte, BlockEmbedding) and model.wte.table is model.lm_head
+        assert {m.fmt for m in model.modules() if isinstance(m, BlockLinear)} == {"q8_0"}
+    else:
+        assert isinstance(model.wte, Int8Embedding) and model.lm_head.qweight is model.wte.qweight  # tied
     prompt = [tok.bos_id, *tok.encode("the cat")]
     expected, ref_logits = greedy(reference(model), prompt, 16)
     margins = ref_logits.topk(2).values
@@ -70,8 +94,10 @@ def test_int4_logits_are_within_the_bound_of_the_dequantized_reference(group_siz
     tok = tiny_tokenizer()
     model = quantize(spread(tiny_model(tok.vocab_size, **{**LLAMA, "d_ff": 128})), "int4", group_size)
     kinds = {name: type(m) for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    assert kinds["h.0.attn.c_attn"] is Int4Linear and kinds["h.0.mlp.c_proj"] is Int4Linear
-    assert kinds["lm_head"] is Int8Linear  # the vocabulary head stays int8
+    assert kinds["h.0.attn.c_attn"] is INT4 and kinds["h.0.mlp.c_proj"] is INT4
+    assert type(model.lm_head) is INT8  # the vocabulary head stays int8
+    if NATIVE:
+        assert model.h[0].mlp.c_proj.fmt == "q4_0" and model.lm_head.fmt == "q8_0"
     idx = torch.randint(0, tok.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, ref = model(idx).double(), reference(model)(idx)
@@ -84,7 +110,7 @@ def test_the_one_token_step_calls_the_quantized_products_and_equals_the_full_for
 ) -> None:
     model = quantize(tiny_model(**{**LLAMA, "d_ff": 128}), mode, 32)
     calls = []
-    for cls in (Int8Linear, Int4Linear):
+    for cls in (Int8Linear, Int4Linear, BlockLinear):
         product = cls.product
         monkeypatch.setattr(cls, "product", lambda self, x, f=product: calls.append(self) or f(self, x))
     idx = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -82,10 +82,26 @@ def test_streamed_and_n(client) -> None:
 
 
 def test_json_object(client) -> None:
-    r = ask(client, 5, response_format={"type": "json_object"}, max_tokens=40)  # may be cut at 40
-    assert r.choices[0].message.content.startswith("{")
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    """``json_object``: replies that end by themselves are JSON objects; a reply cut at
+    ``max_tokens`` is the start of one (the decoder never left the grammar); unconstrained, the
+    same seeds do not write JSON."""
+    fmt = {"type": "json_object"}
+    replies = [ask(client, seed, response_format=fmt, max_tokens=120).choices[0] for seed in range(6)]
+    ended = [r for r in replies if r.finish_reason == "stop"]
+    assert ended, "no json_object reply ended within 120 tokens"
+    for r in ended:
+        assert isinstance(json.loads(r.message.content), dict)
+    for r in replies:
+        assert r.message.content.lstrip().startswith("{")
+    free = [ask(client, seed, max_tokens=120).choices[0].message.content for seed in range(6)]
+    assert not all(_is_json_object(text) for text in free)
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 @pytest.mark.parametrize(

@@ -199,6 +199,10 @@ def load_gguf(
     state = gguf_state(header, lambda t: t.dequantized(dtype if len(t.shape) > 1 else None))
     state = {name: t.to(dtype) for name, t in state.items()}
     model = model_from_state(header.config, state, f"in {header.path}").eval()
+    return model, header.tokenizer, gguf_meta(header)
+
+
+def gguf_meta(header: GgufHeader) -> dict[str, Any]:
+    """What a GGUF file says of itself: ``source``, ``name``, ``architecture``, tensor ``types``."""
     kinds = sorted({t.kind for t in header.tensors.values()})
-    meta = {"source": "gguf", "name": header.name, "architecture": header.family.gguf_arch, "types": kinds}
-    return model, header.tokenizer, meta
+    return {"source": "gguf", "name": header.name, "architecture": header.family.gguf_arch, "types": kinds}

@@ -1,0 +1,83 @@
+"""The native kernels alone: weight bytes streamed per second for one activation row (decode)
+and for 64 rows (prefill, weight bytes per row-product), per block format, at the MLP shapes of
+SmolLM2-135M (576 x 1536) and Qwen2.5-0.5B (896 x 4864), against torch's products on the same
+shapes (float32 ``F.linear``; ``_weight_int8pack_mm`` with bfloat16 activations, lmcli's int8).
+
+The weight is the down projection, (hidden, MLP) = (n, k): every format's block divides k.
+Indicative only on a shared machine (best of ``REPS`` timings a case).
+
+    OMP_NUM_THREADS=1 python -m bench.bench_native_kernels          # 1 thread
+    BENCH_THREADS=2 python -m bench.bench_native_kernels
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lmcli.model.native import ops
+
+SHAPES = {"smollm2": (576, 1536), "qwen2.5": (896, 4864), "from memory": (24576, 4864)}
+FROM_MEMORY = "from memory"  # weights of 64-170 MB, far past the caches: the DRAM-bound figure
+REPS = 7
+
+
+def best_time(fn: Callable[[], object], min_s: float = 0.2) -> float:
+    """The best over REPS of the mean time of a call, each rep at least ``min_s`` long."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.05:
+        fn()
+        calls += 1
+    per = max(1, int(calls * min_s / 0.05))
+    best = float("inf")
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / per)
+    return best
+
+
+def blocks_for(fmt: str, n: int, k: int) -> torch.Tensor:
+    """Random blocks (the speed does not depend on the values) with finite fp16 scales."""
+    f = ops.FORMATS[fmt]
+    raw = np.random.default_rng(0).integers(0, 256, (n * k // f.block, f.block_bytes), dtype=np.uint8)
+    for at in (208,) if fmt == "q6_K" else (0, 2) if fmt in ("q4_K", "q5_K") else (0,):
+        raw[:, at : at + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def report(case: str, kind: str, bytes_streamed: int, t: float) -> None:
+    print(f"{case} {kind:12} {bytes_streamed / t / 1e9:6.1f} GB/s  {t * 1e6:8.1f} us")
+
+
+def main() -> None:
+    threads = int(os.environ.get("BENCH_THREADS", "1"))
+    torch.set_num_threads(threads)
+    print(ops.backend_line(), f"| threads {threads}")
+    for shape, (n, k) in SHAPES.items():
+        for rows in (1,) if shape == FROM_MEMORY else (1, 64):
+            x = torch.randn(rows, k)
+            case = f"{shape} {n}x{k} {'decode' if rows == 1 else f'{rows} rows':8}"
+            for fmt in ops.FORMATS:
+                b = blocks_for(fmt, n, k)
+                t = best_time(lambda: ops.matmul(x, b, fmt, k, threads=threads))  # noqa: B023
+                report(case, f"native {fmt}", b.numel() * rows, t)
+            if shape != FROM_MEMORY:  # (a float32 table of that shape is 0.5 GB)
+                w = torch.randn(n, k)
+                t = best_time(lambda: F.linear(x, w))  # noqa: B023
+                report(case, "torch f32", w.numel() * 4 * rows, t)
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            s, xb = torch.rand(n, dtype=torch.bfloat16), x.bfloat16()
+            t = best_time(lambda: torch.ops.aten._weight_int8pack_mm(xb, q, s))  # noqa: B023
+            report(case, "torch int8", q.numel() * rows, t)
+
+
+if __name__ == "__main__":
+    main()

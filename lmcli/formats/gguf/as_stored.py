@@ -1,0 +1,127 @@
+"""A GGUF file's matrices kept as stored (``load_gguf_as_stored``, what a CPU decode loads): its
+q8_0/q4_0/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the memory-mapped file's
+bytes (no dequantize, no requantize), so the model takes the file's size in memory; norms,
+biases and float matrices load as usual.
+
+The family adapter maps GGUF's tensors to lmcli's names by moving whole rows (the fused q/k/v
+projection, llama's rotary row order). Here it maps row numbers instead of values: each stored
+matrix stands in as ``arange`` of global row ids, and what comes out names, for each of lmcli's
+weights, the file rows it is made of. A run of rows in file order is a view of the file; a
+reordered run (llama's q and k) is one copy of those rows; rows of different formats (q/k in
+q4_K, v in q6_K) become the parts of a ``StackedBlockLinear``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lmcli.errors import check_names
+from lmcli.formats.gguf.load import (
+    GgufHeader,
+    GgufTensor,
+    default_dtype,
+    gguf_meta,
+    load_gguf,
+    read_gguf_header,
+)
+from lmcli.model.native import ops
+from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear
+from lmcli.model.transformer import Transformer
+from lmcli.text.tokenizer import Tokenizer
+
+KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K"}
+
+
+def keeps_blocks(t: GgufTensor) -> bool:
+    """A matrix the kernels multiply as stored (a native format, whole blocks a row)."""
+    return t.kind in KINDS and len(t.shape) == 2 and t.shape[1] % ops.FORMATS[KINDS[t.kind]].block == 0
+
+
+def _parts(ids: Tensor, sources: list[GgufTensor], starts: Tensor, dtype: torch.dtype) -> list[BlockLinear]:
+    """The BlockLinear parts holding file rows ``ids`` (global row ids), in order."""
+    which = torch.searchsorted(starts, ids, right=True) - 1  # (n,) index of each row's tensor
+    runs: list[tuple[str, Tensor]] = []  # (format, rows)
+    edges = [0, *((which[1:] != which[:-1]).nonzero().flatten() + 1).tolist(), len(ids)]
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        src = sources[int(which[lo])]
+        local = ids[lo:hi] - starts[which[lo]]
+        rows = src.rows()  # (rows, row bytes), a view of the file
+        if torch.equal(local, torch.arange(int(local[0]), int(local[0]) + len(local))):
+            rows = rows[int(local[0]) : int(local[0]) + len(local)]  # file order: still a view
+        else:
+            rows = rows[local]  # reordered: a copy of these rows
+        fmt = KINDS[src.kind]
+        if runs and runs[-1][0] == fmt:  # same format as the run before: one part
+            runs[-1] = (fmt, torch.cat([runs[-1][1], rows]))
+        else:
+            runs.append((fmt, rows))
+    k = {sources[int(i)].shape[1] for i in which.unique()}
+    if len(k) != 1:  # the adapter only stacks rows of one width: a bug, not bad input
+        raise RuntimeError(f"rows of widths {sorted(k)} stacked into one matrix")
+    width = k.pop()
+    return [BlockLinear(rows, fmt, width, dtype=dtype) for fmt, rows in runs]
+
+
+def _layer(parts: list[BlockLinear], bias: Tensor | None) -> nn.Module:
+    if len(parts) == 1:
+        p = parts[0]
+        return BlockLinear(p.blocks, p.fmt, p.in_features, bias, p.dtype)
+    return StackedBlockLinear(parts, bias)
+
+
+def load_as_stored(header: GgufHeader, dtype: torch.dtype) -> Transformer:
+    """The model of ``header``'s file with every ``keeps_blocks`` matrix as stored and the rest
+    converted to ``dtype``; eval mode, on the CPU."""
+    sources = [t for t in header.tensors.values() if keeps_blocks(t)]
+    starts = torch.tensor([0, *torch.tensor([t.shape[0] for t in sources]).cumsum(0).tolist()])
+    state, first = {}, dict(zip((t.name for t in sources), starts.tolist(), strict=False))
+    for name, t in header.tensors.items():
+        state[name] = (
+            torch.arange(first[name], first[name] + t.shape[0]) if name in first else t.dequantized(dtype)
+        )
+    state = header.family.from_gguf(state, header.config)
+    cfg = header.config
+    blocks = {name: state.pop(name) for name in [n for n, v in state.items() if v.dtype == torch.int64]}
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for name, ids in blocks.items():
+        module = name.removesuffix(".weight")
+        parts = _parts(ids, sources, starts, dtype)
+        if module == "wte":
+            table = _layer(parts, None)
+            model.wte = BlockEmbedding(table, dtype)
+            if cfg.tie_embeddings:
+                model.lm_head = table
+        else:
+            parent, attr = model.get_submodule(module.rpartition(".")[0]), module.rpartition(".")[2]
+            setattr(parent, attr, _layer(parts, state.pop(f"{module}.bias", None)))
+    expected = {n for n, t in model.state_dict().items() if t.is_meta}
+    if cfg.tie_embeddings and "wte.weight" in state:
+        expected.discard("lm_head.weight")  # tied below, as model_from_state does
+    check_names(expected, state, f"weights {header.path} do not fit the model config")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings and "wte.weight" in state:
+        model.lm_head.weight = model.wte.weight
+    with torch.device("cpu"):
+        model.positions.make_tables(cfg)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # a tensor the file does not hold and nothing computed: a bug, not bad input
+        raise RuntimeError(f"not materialized after loading: {', '.join(left[:3])}")
+    return model.eval()
+
+
+def load_gguf_as_stored(
+    path: str | Path, dtype: torch.dtype | None = None
+) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """``load_gguf`` with the block matrices as stored where the native kernels run (else, or
+    when the file has none, ``load_gguf`` itself); ``meta["products"]`` says which path."""
+    header = read_gguf_header(path)
+    if not ops.available() or not any(keeps_blocks(t) for t in header.tensors.values()):
+        model, tok, meta = load_gguf(path, dtype)
+        return model, tok, {**meta, "products": ops.backend_line()}
+    model = load_as_stored(header, dtype or default_dtype(header))
+    return model, header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}

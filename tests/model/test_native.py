@@ -1,0 +1,247 @@
+"""The native kernels against gguf's own dequantizers: each format, each instruction set this CPU
+runs, batched and threaded forms, the size checks in front of the kernels, and the fallback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmcli.errors import LmcliError
+from lmcli.model.native import ops
+from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks
+from lmcli.model.quant import BlockLinear
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
+
+QT = gguf.GGMLQuantizationType
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """(n, row bytes) uint8: q8_0/q4_0 from gguf's own quantizer, K-quants as random valid blocks
+    (random bits with finite fp16 scales; gguf has no K-quant quantizer)."""
+    rng = np.random.default_rng(seed)
+    f = ops.FORMATS[fmt]
+    if fmt in ("q8_0", "q4_0"):
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        return gguf.quants.quantize(w, QT[fmt.upper()])
+    raw = rng.integers(0, 256, (n * (k // 256), f.block_bytes), dtype=np.uint8)
+    d = lambda size: (rng.random(size) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
+    if fmt in ("q4_K", "q5_K"):
+        raw[:, 0:2], raw[:, 2:4] = d(len(raw)), d(len(raw))
+    else:  # q6_K: d is the last field
+        raw[:, 208:210] = d(len(raw))
+    return raw.reshape(n, -1)
+
+
+def dequantized(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    return gguf.quants.dequantize(blocks, QT[fmt.upper().replace("_K", "_K")]).astype(np.float64)
+
+
+def quantized_activations(x: np.ndarray, block: int) -> np.ndarray:
+    """x rounded as the kernels round it: int8 per block, scale max|x| / 127 (float32 arithmetic)."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+FMTS = list(ops.FORMATS)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_product_equals_dequantized_weights(fmt: str) -> None:
+    n, k, m = 37, 512, 3
+    f = ops.FORMATS[fmt]
+    blocks = random_blocks(fmt, n, k)
+    w = dequantized(blocks, fmt)  # (n, k) gguf's reading of the same bytes
+    x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
+    # against the activations rounded as the kernel rounds them: float32 summation order only
+    xq = quantized_activations(x, f.block)
+    scale = np.abs(xq) @ np.abs(w).T
+    for isa in ops.library().isas:
+        y = ops.matmul(torch.from_numpy(x), torch.from_numpy(blocks), fmt, k, isa=isa).double().numpy()
+        np.testing.assert_array_less(np.abs(y - xq @ w.T), 1e-5 * scale + 1e-30, err_msg=isa)
+    # against float activations: within the rounding of the activations (half a step a value)
+    step = np.repeat(np.abs(x).reshape(m, -1, f.block).max(-1) / 127, f.block, axis=1)
+    bound = (step / 2) @ np.abs(w).T
+    np.testing.assert_array_less(np.abs(y - x.astype(np.float64) @ w.T), bound * (1 + 1e-4) + 1e-6 * scale)
+    assert np.abs(y - x @ w.T).max() < 0.02 * np.abs(x @ w.T).max()
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_every_instruction_set_equals_scalar(fmt: str) -> None:
+    n, k = 33, 768 if fmt.endswith("K") else 96
+    blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=2))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    ref = ops.matmul(x, blocks, fmt, k, isa="scalar").double()
+    scale = x.abs() @ torch.from_numpy(np.abs(dequantized(blocks.numpy(), fmt))).T.float()
+    lib = ops.library()
+    assert lib is not None and "scalar" in lib.isas
+    for isa in lib.isas:
+        y = ops.matmul(x, blocks, fmt, k, isa=isa).double()
+        assert ((y - ref).abs() <= 1e-5 * scale.double() + 1e-30).all(), isa
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q6_K"])
+def test_batched_and_threaded_equal_one_row_at_a_time(fmt: str) -> None:
+    n, k = 45, 512
+    blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=4))
+    x = torch.randn(2, 9, k, generator=torch.Generator().manual_seed(5))
+    batched = ops.matmul(x, blocks, fmt, k, threads=3)
+    assert batched.shape == (2, 9, n)
+    rows = torch.stack([ops.matmul(r, blocks, fmt, k) for r in x.reshape(-1, k)]).reshape(2, 9, n)
+    assert torch.equal(batched, rows)  # each output is the same dot product, whatever the split
+    assert torch.equal(ops.matmul(x, blocks, fmt, k, threads=64), batched)  # more threads than rows
+
+
+def test_threads_are_distinct() -> None:
+    lib = ops.library().lib
+    assert [lib.lmcli_native_pool_threads(t) for t in (1, 3, 2, 5)] == [1, 3, 2, 5]
+
+
+def test_zero_and_huge_activations() -> None:
+    k = 64
+    blocks = torch.from_numpy(random_blocks("q8_0", 4, k))
+    assert torch.equal(ops.matmul(torch.zeros(1, k), blocks, "q8_0", k), torch.zeros(1, 4))
+    x = torch.zeros(1, k)
+    x[0, 3] = 1e30  # one huge value: its block's scale is huge, the rest of the row is unaffected
+    y = ops.matmul(x, blocks, "q8_0", k)
+    w = dequantized(blocks.numpy(), "q8_0")
+    np.testing.assert_allclose(y[0].double().numpy(), 1e30 * w[:, 3], rtol=1e-5)
+
+
+def test_bad_sizes_are_refused() -> None:
+    k = 64
+    blocks = torch.from_numpy(random_blocks("q8_0", 4, k))
+    x = torch.randn(2, k)
+    bad = [
+        lambda: ops.matmul(x, blocks, "q8_0", 48),  # k does not match the row bytes
+        lambda: ops.matmul(x, blocks, "q8_0", 65),  # k not a multiple of the block
+        lambda: ops.matmul(x, blocks[:, :-1], "q8_0", k),  # truncated rows
+        lambda: ops.matmul(x, blocks.reshape(-1), "q8_0", k),  # not 2-D
+        lambda: ops.matmul(x, blocks.view(torch.int8), "q8_0", k),  # wrong dtype
+        lambda: ops.matmul(x, torch.cat([blocks, blocks], 1)[:, ::2], "q8_0", k),  # not contiguous
+        lambda: ops.matmul(x[:, :32], blocks, "q8_0", k),  # inputs of the wrong width
+        lambda: ops.matmul(x.long(), blocks, "q8_0", k),  # integer inputs
+        lambda: ops.matmul(x, blocks, "q4_1", k),  # no kernel for the format
+        lambda: ops.matmul(x, blocks, "q4_K", k),  # a K-quant needs 256-value rows
+        lambda: ops.matmul(x, blocks, "q8_0", k, threads=0),
+        lambda: ops.matmul(x, blocks, "q8_0", k, isa="sse9"),
+    ]
+    for i, call in enumerate(bad):
+        with pytest.raises(LmcliError):
+            call()
+            pytest.fail(f"case {i} was not refused")
+
+
+CROSS = ("aarch64-linux-gnu-g++", "qemu-aarch64")
+
+
+@pytest.mark.skipif(not all(map(shutil.which, CROSS)), reason="no aarch64 cross compiler and qemu-user")
+def test_neon_dotprod_equals_scalar_under_qemu(tmp_path) -> None:
+    """The aarch64 path (NEON sdot), cross-compiled and run on an emulated CPU with dotprod."""
+    exe = tmp_path / "isa_check"
+    src = [Path(__file__).with_name("native_isa_check.cpp"), Path(ops.__file__).with_name("kernels.cpp")]
+    cmd = [CROSS[0], "-O2", "-std=c++17", "-pthread", "-static", "-o", str(exe), *map(str, src)]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # make check-native's libasan
+    subprocess.run(cmd, check=True, timeout=300, env=env)
+    out = subprocess.run(
+        [CROSS[1], "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count("neon_dotprod ok") == len(ops.FORMATS)
+
+
+def test_disabled_or_unbuildable_falls_back_to_torch(tmp_path, monkeypatch) -> None:
+    try:
+        monkeypatch.setenv("LMCLI_NATIVE", "0")
+        ops._load.cache_clear()
+        assert not ops.available()
+        assert ops.backend_line() == "quantized products: torch (native kernels off (LMCLI_NATIVE=0))"
+        with pytest.raises(LmcliError):
+            ops.matmul(torch.randn(1, 32), torch.zeros(1, 34, dtype=torch.uint8), "q8_0", 32)
+        monkeypatch.setenv("LMCLI_NATIVE", "1")
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv("LMCLI_NATIVE_DIR", str(tmp_path))
+        ops._load.cache_clear()
+        assert not ops.available()
+        line = ops.backend_line()
+        assert line.startswith("quantized products: torch (") and "compiler" in line
+    finally:
+        ops._load.cache_clear()  # the next test loads the real library again
+
+
+# ----------------------------------------------------------------------------- BlockLinear
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantize_blocks_writes_gguf_bytes(fmt: str) -> None:
+    w = torch.randn(70, 96, generator=torch.Generator().manual_seed(6)) * 0.1
+    w[0, :32] = 0  # an all-zero block
+    w[1, 5] = -w[1].abs().max() * 2  # a negative peak (q4_0's scale sign)
+    ours = quantize_blocks(w, fmt)
+    theirs = gguf.quants.quantize(w.numpy(), QT[fmt.upper()])
+    assert np.array_equal(ours.numpy(), theirs)
+    np.testing.assert_array_equal(
+        dequantize_blocks(ours, fmt, 96).numpy(), gguf.quants.dequantize(theirs, QT[fmt.upper()])
+    )
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_block_linear_decode_and_prefill(fmt: str) -> None:
+    n, k = 24, 512
+    blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=7))
+    bias = torch.randn(n)
+    layer = BlockLinear(blocks, fmt, k, bias)
+    assert layer.blocks.untyped_storage().nbytes() == blocks.numel()  # memory = the file's bytes
+    w = torch.from_numpy(dequantized(blocks.numpy(), fmt)).float()
+    for shape in [(1, 1, k), (2, 17, k)]:  # one row (decode), many (a prompt)
+        x = torch.randn(*shape)
+        ref = F.linear(x, w, bias)
+        y = layer(x)
+        assert y.shape == ref.shape
+        torch.testing.assert_close(y, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    ids = torch.tensor([[3, 0], [23, 3]])
+    torch.testing.assert_close(layer.weight_rows(ids), w[ids])
+
+
+def test_block_linear_prompt_rows_take_a_bfloat16_gemm() -> None:
+    from lmcli.model.quant import BLOCK_GEMM_ROWS
+
+    lin = torch.nn.Linear(256, 40)
+    layer = BlockLinear.quantized(lin, "q4_0")
+    x = torch.randn(BLOCK_GEMM_ROWS + 3, 256)
+    w = dequantize_blocks(layer.blocks, "q4_0", 256)
+    ref = F.linear(x.double(), w.double(), lin.bias.double())
+    torch.testing.assert_close(layer(x).double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    rows = torch.cat([layer(r) for r in x.split(BLOCK_GEMM_ROWS - 1)])  # the kernels' rows
+    torch.testing.assert_close(rows.double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+
+
+def test_block_linear_from_linear_and_fallback(monkeypatch) -> None:
+    lin = torch.nn.Linear(64, 10)
+    layer = BlockLinear.quantized(lin, "q8_0")
+    x = torch.randn(3, 64)
+    native = layer(x)
+    torch.testing.assert_close(native, lin(x), rtol=0.02, atol=0.02)
+    try:
+        monkeypatch.setenv("LMCLI_NATIVE", "0")
+        ops._load.cache_clear()
+        fallback = BlockLinear.quantized(lin, "q8_0")(x)  # dequantized weight, torch's product
+        w = dequantize_blocks(layer.blocks, "q8_0", 64)
+        torch.testing.assert_close(fallback, F.linear(x, w, lin.bias))
+    finally:
+        ops._load.cache_clear()
+    with pytest.raises(LmcliError):
+        BlockLinear(layer.blocks[:, :-2].contiguous(), "q8_0", 64)
+    with pytest.raises(LmcliError):
+        quantize_blocks(torch.randn(4, 40), "q4_0")
