@@ -426,7 +426,7 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_to_gguf(folder: Path, path: Path, tokenizer_writer) -> Path:
+def hf_to_gguf(folder: Path, path: Path, tokenizer_writer, kind: str = "F32") -> Path:
     """A Hugging Face folder of Gemma 3, Qwen3 or SmolLM3 as a float32 GGUF file, laid out as
     llama.cpp's ``convert_hf_to_gguf.py`` writes it: names, metadata, Gemma 3's norm weights
     with 1 added and its embedding cut to the tokenizer's rows, SmolLM3's query/key rows in
@@ -487,8 +487,12 @@ def hf_to_gguf(folder: Path, path: Path, tokenizer_writer) -> Path:
             if arch == "smollm3" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 t = llama_permute(t, n_head if module == "self_attn.q_proj" else n_kv)
             tensors[f"blk.{i}.{table[module]}.weight"] = t
-    for name, t in tensors.items():
-        w.add_tensor(name, t.contiguous().numpy())
+    for name, t in tensors.items():  # ``kind`` Q8_0: the matrices whose rows hold whole blocks
+        data = t.contiguous().numpy()
+        if kind == "Q8_0" and data.ndim == 2 and data.shape[1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(data, T.Q8_0), raw_dtype=T.Q8_0)
+        else:
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -88,7 +88,7 @@ def _variants(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(VARIANTS, name, variant)
 
 
-def converted(tmp_path: Path, name: str) -> tuple[Path, Path]:
+def converted(tmp_path: Path, name: str, kind: str = "F32") -> tuple[Path, Path]:
     """The variant's folder and the GGUF file llama.cpp's converter would make of it."""
     folder = hf_folder(tmp_path, name)
     tok = load_model(folder).tokenizer
@@ -96,7 +96,7 @@ def converted(tmp_path: Path, name: str) -> tuple[Path, Path]:
     def vocabulary(writer, n: int) -> None:  # (the tokenizer is not what this file tests)
         write_vocab(writer, gguf_vocab(tok, n, gguf.TokenType), tok.chat_template)
 
-    return folder, hf_to_gguf(folder, tmp_path / f"{name}.gguf", vocabulary)
+    return folder, hf_to_gguf(folder, tmp_path / f"{name}-{kind}.gguf", vocabulary, kind)
 
 
 def logits(ckpt, ids: list[int]) -> torch.Tensor:
@@ -182,3 +182,29 @@ def test_sample_and_verify_read_the_file_as_the_folder(tmp_path: Path, capsys, n
     assert got[0] == got[1]
     code, out, err = run_cli(["verify", str(path)], capsys)
     assert code == 0, err
+
+
+@pytest.mark.parametrize("name", list(GGUF_VARIANTS))
+def test_a_q8_0_file_runs_as_stored_as_it_reads_dequantized(tmp_path: Path, name: str) -> None:
+    """The native kernels' path (block matrices kept as stored, the rest mapped as read): each
+    product on its dequantized blocks gives the logits of the file read dequantized."""
+    from lmcli.formats.gguf.as_stored import load_as_stored
+    from lmcli.formats.gguf.load import load_gguf, read_gguf_header
+    from lmcli.model.native import ops
+    from lmcli.model.native.blocks import dequantize_blocks
+    from lmcli.model.quant import BlockLinear
+
+    if not ops.available():
+        pytest.skip("native kernels not built here")
+    folder, path = converted(tmp_path, name, "Q8_0")
+    stored = load_as_stored(read_gguf_header(path), torch.float32)
+    plain, tok, _ = load_gguf(path, torch.float32)
+    assert any(isinstance(m, BlockLinear) for m in stored.modules())
+    ids = torch.tensor([tok.encode(TEXT)])
+
+    def product(self: BlockLinear, x: torch.Tensor) -> torch.Tensor:
+        return x @ dequantize_blocks(self.blocks, self.fmt, self.in_features).to(x.dtype).T
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BlockLinear, "product", product)
+        torch.testing.assert_close(stored(ids), plain(ids), rtol=1e-4, atol=1e-4)
