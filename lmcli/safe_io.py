@@ -9,6 +9,7 @@ later start can remove the leftovers of writers that died (``remove_stale_temps`
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -29,16 +30,35 @@ def _prefix(dest: Path) -> str:
     return f".{dest.name}.{os.getpid()}."
 
 
+def _mkstemp(dest: Path) -> tuple[int, str]:
+    """``tempfile.mkstemp`` beside ``dest``; a folder that refuses it is one line naming ``dest``
+    and its folder, never the temporary name."""
+    try:
+        return tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    except OSError as exc:
+        raise LmcliError(cannot_create(dest, exc)) from None
+
+
+def cannot_create(dest: Path, exc: OSError) -> str:
+    """Why nothing could be created beside ``dest``: its folder refuses it, or the OS's reason."""
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {dest}: its folder {dest.parent} is read-only or immutable ({exc.strerror})"
+    return f"cannot write {dest}: {exc.strerror or exc}"
+
+
 def temp_file(dest: Path) -> Path:
     """A new, empty temporary file beside ``dest``, created exclusively (never a followed link)."""
-    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    fd, name = _mkstemp(dest)
     os.close(fd)
     return Path(name)
 
 
 def temp_dir(dest: Path) -> Path:
     """A new, private temporary folder beside ``dest``."""
-    return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
+    try:
+        return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
+    except OSError as exc:
+        raise LmcliError(cannot_create(dest, exc)) from None
 
 
 def file_mode() -> int:
@@ -51,7 +71,7 @@ def file_mode() -> int:
 def atomic_write(dest: Path, data: bytes | str) -> None:
     """Write ``dest`` whole or not at all, through an exclusive temporary file and a rename."""
     dest = Path(dest)
-    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    fd, name = _mkstemp(dest)
     try:
         os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:

@@ -29,6 +29,14 @@ from typing import Any, ClassVar
 from lmcli.errors import LmcliError
 
 BLEU_METRICS = ("val_bleu", "val_chrf")  # --select values only translation computes
+PREFERENCE_METRICS = ("val_accuracy", "val_margin")  # --select values only dpo computes
+REWARD_METRICS = ("val_reward", "val_pass@1")  # --select values only grpo computes
+# the post-training options (TrainConfig.post) each post-training task reads
+DPO_OPTIONS = ("beta", "preference_loss", "simpo_gamma", "precompute_reference")
+GRPO_OPTIONS = (
+    "reward", "group_size", "kl_coef", "ratio_clip", "grpo_steps",
+    "max_new_tokens", "temperature", "top_k", "top_p", "stop",
+)  # fmt: skip
 
 
 class TextPrompt:
@@ -90,6 +98,9 @@ class Task:
     val_hint: ClassVar[str] = ""  # the options that give separate validation examples
     scored: ClassVar[str] = ""  # the part of an example the loss reads ("target", "reply")
     reads_pair_files: ClassVar[bool] = False  # lmcli eval --source/--target apply
+    own_split: ClassVar[bool] = True  # lmcli eval RUN alone scores the run's validation examples
+    post_options: ClassVar[tuple[str, ...]] = ()  # the TrainConfig.post options it reads
+    metrics: ClassVar[tuple[str, ...]] = ()  # the --select values only it computes
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg  # the TrainConfig
@@ -114,6 +125,23 @@ class Task:
             raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
         if select in BLEU_METRICS:
             raise LmcliError(f"--select {select} needs --task translation and --bleu-samples above 0")
+        self.check_post()
+
+    def check_post(self) -> None:
+        """Refuse post-training options and metrics of another task (``--reward`` with sft)."""
+        post, select = self.cfg.post, self.cfg.validation.select
+        for name, task, options in (("dpo", Preference, DPO_OPTIONS), ("grpo", Reinforcement, GRPO_OPTIONS)):
+            if self.name == name:
+                continue
+            changed = [o for o in options if getattr(post, o) != getattr(type(post)(), o)]
+            if changed:
+                raise LmcliError(f"--{changed[0].replace('_', '-')} needs --task {name}")
+            if select in task.metrics:
+                raise LmcliError(f"--select {select} needs --task {name}")
+
+    def sequences(self) -> int:
+        """Sequences a training step runs per example (a pair: 2; a prompt: its G replies)."""
+        return 1
 
     def default_optimizer(self) -> str:
         """``--optimizer auto``: AdamW."""
@@ -169,6 +197,7 @@ class Translation(Task):
         val = self.cfg.validation
         if val.select in BLEU_METRICS and not val.bleu_samples:
             raise LmcliError(f"--select {val.select} needs --task translation and --bleu-samples above 0")
+        self.check_post()
 
     def default_metric(self) -> str:
         return "val_bleu" if self.cfg.validation.bleu_samples else "val_loss"
@@ -190,7 +219,74 @@ class Supervised(Task):
     scored = "reply"
 
 
-TASKS: dict[str, type[Task]] = {"lm": LanguageModel, "translation": Translation, "sft": Supervised}
+class PostTraining(Task):
+    """What ``--task dpo`` and ``--task grpo`` share: a model to start from (the reference),
+    rows in the chat template, the loss on replies; decoding as an SFT model."""
+
+    example_noun = "row(s)"
+    val_hint = "--val FILE"
+    scored = "reply"
+    own_split = False
+
+    def check(self) -> None:
+        super().check()
+        if not self.cfg.init_from:
+            raise LmcliError(
+                f"--task {self.name} tunes a model: give --init-from (a run folder, a Hugging Face "
+                "folder or a GGUF file)"
+            )
+
+
+class Preference(PostTraining):
+    """``--task dpo``: preference pairs, DPO's loss (or IPO's, SimPO's) against the reference."""
+
+    name = "dpo"
+    described = "a preference-tuned model"
+    examples = "preferences"
+    example_noun = "pair(s)"
+    post_options = DPO_OPTIONS
+    metrics = PREFERENCE_METRICS
+
+    def sequences(self) -> int:
+        return 2
+
+    def check(self) -> None:
+        super().check()
+        post = self.cfg.post
+        if post.precompute_reference and post.preference_loss == "simpo":
+            raise LmcliError("--precompute-reference: --preference-loss simpo reads no reference")
+
+
+class Reinforcement(PostTraining):
+    """``--task grpo``: prompts, replies sampled in groups and rewarded, GRPO's clipped objective;
+    ``best/`` follows the validation reward."""
+
+    name = "grpo"
+    described = "an RL-tuned model"
+    examples = "prompts"
+    example_noun = "prompt(s)"
+    post_options = GRPO_OPTIONS
+    metrics = REWARD_METRICS
+
+    def check(self) -> None:
+        super().check()
+        if not self.cfg.post.reward:
+            raise LmcliError("--task grpo needs --reward (e.g. --reward number; docs/post-training.md)")
+
+    def sequences(self) -> int:
+        return self.cfg.post.group_size
+
+    def default_metric(self) -> str:
+        return "val_reward"
+
+
+TASKS: dict[str, type[Task]] = {
+    "lm": LanguageModel,
+    "translation": Translation,
+    "sft": Supervised,
+    "dpo": Preference,
+    "grpo": Reinforcement,
+}
 
 
 def make_task(cfg: Any) -> Task:

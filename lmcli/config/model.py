@@ -195,4 +195,4 @@ class ModelConfig:
     def on_resume(cls, kind: Literal["fixed", "free", "derived"]) -> tuple[str, ...]:
         """The fields a resumed run must keep (``fixed``: all that define what the weights
         compute), may change (``free``), or takes from its data (``derived``)."""
-        return tuple(f.name for f in fields(cls) if f.metadata.get("resume") == kind)
+        return tuple(f.name for f in fields(cls) if (f.metadata.get("resume") or "fixed") == kind)

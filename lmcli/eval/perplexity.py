@@ -391,8 +391,13 @@ def evaluate_run(
     if stride > context:
         raise LmcliError(f"stride must be between 1 and the context ({context}), got {stride}")
     task = make_task(ckpt.train_config)
+    if not task.own_split and not (paths or cfg.dataset):
+        raise LmcliError(
+            f"this is {task.described}: give text to score (files or --dataset), --task FILE, or "
+            "--preferences FILE"
+        )
     with fastpath.inference(model):
-        if task.examples is not None:  # supervised examples: the response tokens only
+        if task.examples is not None and task.own_split:  # supervised examples: the response tokens only
             pairs, what = _pairs_to_evaluate(ckpt, cfg)
             return evaluate_pairs(model, tok, pairs, task.prefix_lm, cfg.batch_size), what
         chunks, what = _text_to_evaluate(ckpt, cfg, paths)

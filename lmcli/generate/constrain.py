@@ -150,9 +150,15 @@ class Grammars:
             grammar = constraint.grammar()
         except (ValueError, TypeError) as exc:
             raise ConstraintError(f"invalid {name}: {_first_line(exc)}") from None
+        if constraint.kind == "json_schema":
+            _check_satisfiable(constraint.text)
         matcher = LLMatcher(self._lltokenizer(), grammar, log_level=0, limits=LLParserLimits(**LIMITS))
         if matcher.is_error():
             raise ConstraintError(f"invalid {name}: {_first_line(matcher.get_error())}")
+        probe = matcher.deep_copy()  # the first mask: a grammar that allows nothing fails here
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ConstraintError(f"invalid {name}: no text satisfies it ({_first_line(probe.get_error())})")
         return matcher
 
     def processor(self, constraint: Constraint) -> GrammarMask:
@@ -181,8 +187,22 @@ class _Vocabulary:
         return self.tokenizer.encode(text)
 
 
+def _check_satisfiable(text: str) -> None:
+    """One line when the JSON schema ``text`` admits no finite value (``schemas.no_finite_value``)."""
+    from lmcli.generate.schemas import no_finite_value
+
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return  # the compiler has said what is wrong with it
+    reason = no_finite_value(schema)
+    if reason is not None:
+        raise ConstraintError(f"invalid JSON schema: {reason}")
+
+
 def _first_line(text: Any) -> str:
-    line = " ".join(str(text).split()) or "rejected"
+    """An error of the grammar library in one short line: without its parser's state."""
+    line = " ".join(str(text).split()).split(" <state>")[0] or "rejected"
     return line[:300]
 
 

@@ -192,13 +192,17 @@ def _hellaswag(row: dict[str, Any], where: str) -> dict[str, Any]:
         )
     try:
         context = row.get("activity_label", "") + ": " + row["ctx_a"] + " " + row["ctx_b"].capitalize()
-        return {
-            "context": _hellaswag_clean(context),
-            "choices": [_hellaswag_clean(e) for e in row["endings"]],
-            "answer": int(row["label"]),
-        }
+        endings = [_hellaswag_clean(e) for e in row["endings"]]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise LmcliError(f"{where}: not a HellaSwag row ({type(exc).__name__}: {exc})") from None
+    label = row["label"]
+    number = int(label) if type(label) is int or (isinstance(label, str) and label.isdecimal()) else None
+    if number is None or not 0 <= number < len(endings):
+        raise LmcliError(
+            f"{where}: HellaSwag label {label!r} is not the index of one of its {len(endings)} endings "
+            f"(0 to {len(endings) - 1})"
+        )
+    return {"context": _hellaswag_clean(context), "choices": endings, "answer": number}
 
 
 def _arc(row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -211,12 +215,19 @@ def _arc(row: dict[str, Any], where: str) -> dict[str, Any]:
         }
     if not isinstance(question, str) or not isinstance(choices, dict):
         raise LmcliError(f"{where}: not an ARC row (question and choices with text and label)")
-    labels = choices.get("label") or []
+    labels, texts = choices.get("label") or [], choices.get("text") or []
+    if not isinstance(labels, list) or not isinstance(texts, list) or len(labels) != len(texts):
+        count = [len(v) if isinstance(v, list) else "no list of" for v in (texts, labels)]
+        raise LmcliError(
+            f"{where}: an ARC row with {count[0]} choice texts and {count[1]} labels: one label a text"
+        )
+    if len(set(map(str, labels))) != len(labels):
+        raise LmcliError(f"{where}: an ARC row whose labels repeat ({labels})")
     if row["answerKey"] not in labels:
         raise LmcliError(f"{where}: answerKey {row['answerKey']!r} is not one of the labels {labels}")
     return {
         "context": f"Question: {question}\nAnswer:",
-        "choices": choices.get("text"),
+        "choices": texts,
         "answer": labels.index(row["answerKey"]),
     }
 

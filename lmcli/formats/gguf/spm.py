@@ -83,7 +83,6 @@ def spm_tokenizer(meta: HFConfig) -> Any:
 
     get, where = meta.get, meta.where
     tokens = _list(meta.require("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", where, (str,))
-    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp names an empty token so
     n = len(tokens)
     scores = _list(
         get("tokenizer.ggml.scores", None) or [0.0] * n, "tokenizer.ggml.scores", where, (float, int)
@@ -91,6 +90,10 @@ def spm_tokenizer(meta: HFConfig) -> Any:
     types = _list(get("tokenizer.ggml.token_type", None) or [NORMAL] * n, "the token types", where, (int,))
     if len(scores) != n or len(types) != n:
         raise LmcliError(f"{where}: {len(scores)} scores and {len(types)} token types for {n} tokens")
+    from lmcli.formats.gguf.vocab import check_not_empty  # (vocab.py imports this module)
+
+    check_not_empty(tokens, types, where)
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # another empty token: llama.cpp's name
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)  # a repeated text keeps its first id

@@ -228,7 +228,7 @@ SPECIAL_KEYS = {
     "unk": "tokenizer.ggml.unknown_token_id",
     "sep": "tokenizer.ggml.seperator_token_id",  # sic: GGUF's spelling
 }
-CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # gguf.TokenType
 
 
 def _applicable(merges: list[str], vocab: dict[str, int]) -> list[list[str]]:
@@ -280,6 +280,16 @@ def bpe_spec(tokens: list[str], types: list[int], merges: list[str], pre: str) -
             "merges": _applicable(merges, vocab),
         },
     }
+
+
+def check_not_empty(tokens: list[str], types: list[int], where: str) -> None:
+    """One line when a normal token is empty text (it must spell something)."""
+    empty = [i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if not t and kind == NORMAL]
+    if empty:
+        raise LmcliError(
+            f"{where}: {len(empty)} of its {len(tokens)} tokens are empty text (the first: id {empty[0]}): "
+            "a normal token must spell something"
+        )
 
 
 def _texts(value: Any, what: str, where: str, kind: type = str) -> list:
@@ -343,6 +353,7 @@ def _bpe_tokenizer(meta: HFConfig) -> Any:
     merges = _texts(get("tokenizer.ggml.merges", None) or [], "tokenizer.ggml.merges", where)
     if len(types) != len(tokens):
         raise LmcliError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    check_not_empty(tokens, types, where)
     spec = bpe_spec(tokens, types, merges, pre)
     try:
         hf = HFTokenizer.from_str(json.dumps(spec))
