@@ -66,12 +66,14 @@ def for_export(cfg: ModelConfig, fmt: Format) -> FamilyAdapter:
     Hugging Face: learned -> gpt2; sandwich norms, (1 + weight) norms or GeGLU -> gemma3_text;
     layers without rotary -> smollm3; qk-norm -> qwen3; query/key/value biases or a sliding
     window on some layers -> qwen2; a window on every layer -> mistral; anything else -> llama.
-    GGUF: rope -> llama (llama.cpp's ``llama`` reads biases where present), anything else -> gpt2.
+    GGUF: learned (or any other non-rotary) positions -> gpt2; sandwich norms, (1 + weight) norms
+    or GeGLU -> gemma3; layers without rotary -> smollm3; qk-norm -> qwen3; anything else -> llama
+    (llama.cpp's ``llama`` reads biases where present).
     """
     if fmt == "hf":
         name = hf_family(cfg)
     else:
-        name = "llama" if cfg.position == "rope" else "gpt2"
+        name = gguf_family(cfg)
     family = FAMILIES[name]
     problems = family.problems(cfg, fmt)
     if problems:
@@ -92,6 +94,17 @@ def hf_family(cfg: ModelConfig) -> str:
     if cfg.qkv_bias or cfg.layer_pattern:
         return "qwen2"
     return "mistral" if cfg.sliding_window else "llama"
+
+
+def gguf_family(cfg: ModelConfig) -> str:
+    """The family whose GGUF architecture holds ``cfg`` (``for_export``'s order)."""
+    if cfg.position != "rope":
+        return "gpt2"
+    if cfg.norm_placement == "sandwich" or cfg.norm == "rmsnorm1p" or cfg.mlp == "geglu":
+        return "gemma3_text"
+    if cfg.rope_pattern:
+        return "smollm3"
+    return "qwen3" if cfg.qk_norm else "llama"
 
 
 def from_gguf_arch(arch: str, where: str) -> FamilyAdapter:

@@ -252,6 +252,7 @@ class FamilyAdapter:
                 vocab_multiple=1,  # the file's shapes as they are
                 position=self.position,
                 norm=self.norm,
+                norm_placement=self.placement,
                 mlp=self.mlp,
                 **settings,
             )

@@ -9,6 +9,14 @@ layers (sliding window, their own rotary base ``rope_local_base_freq``, unscaled
 ``rope_local_base_freq``, ``sliding_window_pattern``, ``rope_scaling`` of the global layers) and
 as transformers 5 writes it (``rope_parameters`` keyed by layer type, ``layer_types``); export
 writes the installed transformers' (the second). llama.cpp's ``gemma3`` turns halves, as lmcli.
+
+GGUF (llama.cpp's ``gemma3``): the norm weights stored with the 1 of (1 + weight) added, as
+llama.cpp's converter writes them; ``head_dim`` as ``attention.key_length``; the window as
+``attention.sliding_window``. llama.cpp fixes the rest in code, not metadata: every sixth layer
+global (``i % 6 == 5``), the others local with rotary base 10,000 unscaled; attention scaled by
+1/sqrt(head_dim) (by 1/sqrt(hidden/heads) for a 62-layer model, the 27B); no attention
+soft-capping. A file reads so; export writes a model only where it computes the same, and a
+model without a window with a window as long as its context (a window that never cuts).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from lmcli.formats.families.llama import (
     layer_types,
     rope_scaling_dict,
     rope_settings,
+    shortest_period,
 )
 from lmcli.formats.families.qwen3 import GGUF_QK_NORMS, QK_NORMS
 
@@ -39,7 +48,6 @@ class Gemma3(Llama):
     name = "gemma3_text"
     architecture = "Gemma3ForCausalLM"
     gguf_arch = "gemma3"
-    reads_gguf = False  # (GGUF in and out of this family: the GGUF work of issue 37)
     norm, mlp, placement = "rmsnorm1p", "geglu", "sandwich"
     activation = "gelu_pytorch_tanh"
     hf_extra = {"attention_bias": False, "use_bidirectional_attention": False}
@@ -58,8 +66,12 @@ class Gemma3(Llama):
         Rename("h.{i}.mlp.c_fc", _HF + "mlp.up_proj"),
         Rename("h.{i}.mlp.c_proj", _HF + "mlp.down_proj"),
     )
-    # (llama.cpp's converter stores the norms' weights with the 1 added: its reader and writer
-    # add and subtract it, the names here are the map alone)
+    gguf_needs = (
+        "Gemma 3's variants as llama.cpp fixes them: five local layers (rotary base 10000) then a "
+        "global one, attention scaled by 1/sqrt(head size), no rope scaling or soft-capping"
+    )
+    # (llama.cpp's converter stores the norms' weights with the 1 added: ``from_gguf`` and
+    # ``to_gguf`` take it off and put it on)
     gguf_names = (
         Rename("wte", "token_embd"),
         SplitQKV("h.{i}.attn.c_attn", tuple(f"blk.{{i}}.attn_{x}" for x in "qkv")),  # type: ignore[arg-type]
@@ -132,7 +144,42 @@ class Gemma3(Llama):
         found += [] if cfg.scale_embeddings else ["unscaled embeddings"]
         if cfg.sliding_window and not cfg.rope_local_base and cfg.rope_scaling != "none":
             found.append("rope scaling on local layers")
-        return found
+        return found + (gguf_problems(cfg) if fmt == "gguf" else [])
+
+    def gguf_metadata(self, writer: Any, cfg: ModelConfig) -> None:
+        writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_rope_freq_base(cfg.rope_base)  # the global layers'
+        writer.add_sliding_window(cfg.sliding_window or cfg.block_size)
+
+    def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        arch = self.gguf_arch
+        out = super().gguf_settings(meta, shapes)
+        n_layer, width = meta.require(f"{arch}.block_count"), meta.require(f"{arch}.embedding_length")
+        heads = meta.require(f"{arch}.attention.head_count")
+        head_dim = out["head_size"] or width // heads
+        window = meta.get(f"{arch}.attention.sliding_window", 0)
+        pattern = "".join("L" if gguf_local(i) else "G" for i in range(n_layer))
+        if window:
+            out.update(
+                sliding_window=window,
+                layer_pattern="" if "G" not in pattern else shortest_period(pattern),
+                rope_local_base=GGUF_LOCAL_BASE,
+            )
+        return out | {
+            "qk_norm": True,
+            "scale_embeddings": True,
+            "attn_scalar": float(width // heads if n_layer == GGUF_27B_LAYERS else head_dim),
+            "logit_softcap": float(meta.get(f"{arch}.final_logit_softcapping", 0.0)),
+        }
+
+    def from_gguf(self, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+        return _shift_norms(super().from_gguf(state, cfg), -1.0)
+
+    def to_gguf(self, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+        return super().to_gguf(_shift_norms(state, 1.0), cfg)
 
     def hf_settings(self, cfg: ModelConfig) -> dict[str, Any]:
         full = {"rope_type": "default", **(rope_scaling_dict(cfg) or {}), "rope_theta": cfg.rope_base}
@@ -149,6 +196,45 @@ class Gemma3(Llama):
             "final_logit_softcapping": cfg.logit_softcap or None,
             "attention_dropout": 0.0,
         }
+
+
+GGUF_PATTERN = 6  # llama.cpp's gemma3: layer i is local unless i % 6 == 5
+GGUF_LOCAL_BASE = 10_000.0  # and its local layers turn by this base, unscaled
+GGUF_27B_LAYERS = 62  # the model whose attention llama.cpp scales by 1/sqrt(hidden / heads)
+_NORMS = ("ln_1", "ln_2", "post.0", "post.1", "attn.q_norm", "attn.k_norm")
+
+
+def gguf_local(layer: int) -> bool:
+    """Whether llama.cpp's gemma3 attends through the window in ``layer``."""
+    return layer % GGUF_PATTERN < GGUF_PATTERN - 1
+
+
+def gguf_problems(cfg: ModelConfig) -> list[str]:
+    """What of ``cfg`` llama.cpp's gemma3 computes otherwise (see the module doc)."""
+    found = []
+    cut = 0 < cfg.sliding_window < cfg.block_size  # a window as long as the context never cuts
+    if cut and any(cfg.is_local(i) != gguf_local(i) for i in range(cfg.n_layer)):
+        pattern = cfg.layer_pattern or "L"
+        found.append(f"a layer pattern other than five local layers then a global one ({pattern!r})")
+    for i in range(cfg.n_layer):  # each layer's rotary base: llama.cpp's local layers turn by 10,000
+        ours = cfg.rope_local_base or cfg.rope_base if cfg.is_local(i) else cfg.rope_base
+        theirs = GGUF_LOCAL_BASE if gguf_local(i) else cfg.rope_base
+        if ours != theirs:
+            found.append(f"a rotary base of {ours:g} on layer {i}, where llama.cpp turns by {theirs:g}")
+            break
+    if cfg.rope_scaling != "none":
+        found.append(f"rope scaling {cfg.rope_scaling!r}")
+    scalar = float(cfg.n_embd // cfg.n_head if cfg.n_layer == GGUF_27B_LAYERS else cfg.head_dim)
+    if (cfg.attn_scalar or cfg.head_dim) != scalar:
+        found.append(f"an attention scale of 1/sqrt({cfg.attn_scalar:g}) (llama.cpp's: 1/sqrt({scalar:g}))")
+    found += ["attention soft-capping"] if cfg.attn_softcap else []
+    return found + (["logit soft-capping"] if cfg.logit_softcap else [])
+
+
+def _shift_norms(state: dict[str, Tensor], by: float) -> dict[str, Tensor]:
+    """``state`` (lmcli's names) with ``by`` added to every norm weight: GGUF's (1 + weight)."""
+    ends = tuple(f".{n}.weight" for n in _NORMS)
+    return {k: v + by if k == "ln_f.weight" or k.endswith(ends) else v for k, v in state.items()}
 
 
 # transformers' Gemma3TextConfig defaults: a published multimodal folder's text_config names only

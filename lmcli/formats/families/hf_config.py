@@ -173,6 +173,9 @@ GGUF_FIELDS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.layer_norm_epsilon": "layer_norm_epsilon",
     "rope.freq_base": "rope_theta",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
 GGUF_ROPE = {"rope.scaling.type": "type", "rope.scaling.factor": "factor"}
 

@@ -122,7 +122,11 @@ class Llama(FamilyAdapter):
     def expressed(self, fmt: Format) -> frozenset[str]:
         # GGUF's llama has no window: a window over every layer is written as a context capped at
         # it (exact for every sequence that fits in it)
-        return self.expresses if fmt == "hf" else frozenset({"a sliding window"})
+        return self.expresses if fmt == "hf" else self.gguf_expresses
+
+    gguf_expresses: ClassVar[frozenset[str]] = frozenset(
+        {"a sliding window", "a head size apart from n-embd/n-head"}
+    )
 
     def gguf_context(self, cfg: ModelConfig) -> int:
         if cfg.sliding_window and not cfg.layer_pattern:  # (a layer pattern is refused)
@@ -205,21 +209,28 @@ class Llama(FamilyAdapter):
         """The config.json fields of ``cfg``'s sliding window (none for Llama)."""
         return {}
 
+    gguf_head_lengths: ClassVar[bool] = False  # key_length/value_length always written (else when needed)
+
     def gguf_metadata(self, writer: Any, cfg: ModelConfig) -> None:
         writer.add_layer_norm_rms_eps(cfg.norm_eps)
         writer.add_rope_dimension_count(cfg.head_dim)
         writer.add_rope_freq_base(cfg.rope_base)
+        if self.gguf_head_lengths or cfg.q_width != cfg.n_embd:  # llama.cpp's default: n_embd / n_head
+            writer.add_key_length(cfg.head_dim)
+            writer.add_value_length(cfg.head_dim)
 
     def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-        """Norm epsilon, rope base and scaling, and the biases the tensors hold; one line for what
-        lmcli's rope cannot compute (a partial rotary dimension, frequency factors, yarn)."""
+        """Norm epsilon, head size, rope base and scaling, and the biases the tensors hold; one
+        line for what lmcli's rope cannot compute (a partial rotary dimension, frequency
+        factors, yarn)."""
         arch = self.gguf_arch
         width, heads = meta.require(f"{arch}.embedding_length"), meta.require(f"{arch}.attention.head_count")
-        head_dim = width // heads if isinstance(width, int) and isinstance(heads, int) and heads else None
-        for key in (f"{arch}.rope.dimension_count", f"{arch}.attention.key_length"):
+        head_dim = meta.get(f"{arch}.attention.key_length", width // heads)
+        for key in (f"{arch}.rope.dimension_count", f"{arch}.attention.value_length"):
             if meta.get(key, head_dim) != head_dim:
                 raise LmcliError(f"{meta.where}: {key} {meta.get(key)} is not the head size {head_dim}")
         out: dict[str, Any] = {
+            "head_size": head_dim if head_dim * heads != width else 0,
             "norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
             "rope_base": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             "bias": "blk.0.attn_output.bias" in shapes,

@@ -34,15 +34,20 @@ class Qwen3(Qwen2):
     name = "qwen3"
     architecture = "Qwen3ForCausalLM"
     gguf_arch = "qwen3"
-    reads_gguf = False  # (GGUF in and out of this family: the GGUF work of issue 37)
     qkv_bias = False
     hf_extra = {"attention_bias": False}
     hf_names = with_qk_norms(Llama.hf_names, QK_NORMS)
     gguf_names = with_qk_norms(gguf_names(pairs=False), GGUF_QK_NORMS)
     expresses = Qwen2.expresses | {"qk-norm"}
+    gguf_expresses = Llama.gguf_expresses | {"qk-norm"}  # (llama.cpp's qwen3 has no window: capped)
+    gguf_head_lengths = True  # as llama.cpp's converter writes them
+    gguf_needs = "rotary positions without scaling, pre-RMSNorm, a SwiGLU MLP and qk-norm"
 
     def own_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
         return {"qk_norm": True}
+
+    def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        return super().gguf_settings(meta, shapes) | {"qk_norm": True}
 
     def own_problems(self, cfg: ModelConfig, fmt: str) -> list[str]:
         found = super().own_problems(cfg, fmt)

@@ -1,6 +1,8 @@
 """SmolLM3: Llama whose every fourth layer has no rotary positions (``no_rope_layers``: 1 where a
 layer turns, 0 where not; lmcli's ``rope_pattern``), with a sliding window on those layers when
-``use_sliding_window`` says so. llama.cpp's ``smollm3`` turns adjacent pairs, as its ``llama``.
+``use_sliding_window`` says so. llama.cpp's ``smollm3`` turns adjacent pairs, as its ``llama``,
+and fixes the layers without rotary in code (every fourth: ``(i + 1) % 4 == 0``), with no
+metadata key and no window: a GGUF file of it reads so, and export refuses another pattern.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from typing import Any
 
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
+from lmcli.formats.families.adapter import Format
 from lmcli.formats.families.hf_config import HFConfig
 from lmcli.formats.families.llama import GLOBAL, LOCAL, Llama, layer_types, shortest_period
 
@@ -25,13 +28,36 @@ def rotary_flags(hf: HFConfig, n_layer: int) -> list[int]:
     return flags
 
 
+GGUF_NO_ROPE_STEP = 4  # llama.cpp's smollm3: layer i turns unless (i + 1) % 4 == 0
+
+
+def gguf_rope_pattern(n_layer: int) -> str:
+    """lmcli's ``rope_pattern`` of llama.cpp's smollm3 with ``n_layer`` layers ("" if all turn)."""
+    letters = "".join("N" if (i + 1) % GGUF_NO_ROPE_STEP == 0 else "R" for i in range(n_layer))
+    return "" if "N" not in letters else shortest_period(letters)
+
+
 class SmolLM3(Llama):
     name = "smollm3"
     architecture = "SmolLM3ForCausalLM"
     gguf_arch = "smollm3"
-    reads_gguf = False  # (GGUF in and out of this family: the GGUF work of issue 37)
     hf_extra = {"attention_bias": False, "mlp_bias": False}
     expresses = Llama.expresses | {"layers without rotary", "a sliding window", "a layer pattern"}
+    gguf_expresses = Llama.gguf_expresses | {"layers without rotary"}
+    gguf_needs = (
+        "rotary positions without scaling on every layer but each fourth, pre-RMSNorm and a SwiGLU MLP"
+    )
+
+    def own_problems(self, cfg: ModelConfig, fmt: Format) -> list[str]:
+        found = super().own_problems(cfg, fmt)
+        turns = [(i + 1) % GGUF_NO_ROPE_STEP != 0 for i in range(cfg.n_layer)]  # llama.cpp's layers
+        if fmt == "gguf" and any(cfg.is_rotary(i) != t for i, t in enumerate(turns)):
+            found.append(f"layers without rotary other than each fourth (rope-pattern {cfg.rope_pattern!r})")
+        return found
+
+    def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        n_layer = meta.require(f"{self.gguf_arch}.block_count")
+        return super().gguf_settings(meta, shapes) | {"rope_pattern": gguf_rope_pattern(n_layer)}
 
     def window(self, hf: HFConfig) -> int | None:
         return hf.get("sliding_window") if hf.get("use_sliding_window") else None
