@@ -197,7 +197,10 @@ def load_gguf(
     its Tokenizer and what it says of itself (``source``, ``name``, tensor types)."""
     header = read_gguf_header(path)
     dtype = dtype or default_dtype(header)
-    state = gguf_state(header, lambda t: t.dequantized(dtype))
+    # vectors (norms, biases) as stored until the adapter's map is done: Gemma 3's norm weights
+    # are stored with 1 added, which comes off in float32 before the weights' dtype rounds them
+    state = gguf_state(header, lambda t: t.dequantized(dtype if len(t.shape) > 1 else None))
+    state = {name: t.to(dtype) for name, t in state.items()}
     model = model_from_state(header.config, state, f"in {header.path}").eval()
     return model, header.tokenizer, gguf_meta(header)
 
