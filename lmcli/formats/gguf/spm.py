@@ -51,6 +51,16 @@ _BYTE_TOKEN = re.compile(r"^<0x[0-9A-F]{2}>$")
 # ----------------------------------------------------------------------------- in
 
 
+def check_not_empty(tokens: list[str], types: list[int], where: str) -> None:
+    """One line when a normal token is empty text (it must spell something)."""
+    empty = [i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if not t and kind == NORMAL]
+    if empty:
+        raise LmcliError(
+            f"{where}: {len(empty)} of its {len(tokens)} tokens are empty text (the first: id {empty[0]}): "
+            "a normal token must spell something"
+        )
+
+
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of every token into two tokens, ranked by the joined token's score (highest
     first; ties by id): llama.cpp's order of merging (see the module doc)."""
@@ -90,8 +100,6 @@ def spm_tokenizer(meta: HFConfig) -> Any:
     types = _list(get("tokenizer.ggml.token_type", None) or [NORMAL] * n, "the token types", where, (int,))
     if len(scores) != n or len(types) != n:
         raise LmcliError(f"{where}: {len(scores)} scores and {len(types)} token types for {n} tokens")
-    from lmcli.formats.gguf.vocab import check_not_empty  # (vocab.py imports this module)
-
     check_not_empty(tokens, types, where)
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # another empty token: llama.cpp's name
     ids: dict[str, int] = {}

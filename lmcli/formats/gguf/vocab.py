@@ -37,7 +37,14 @@ from typing import Any
 
 from lmcli.errors import LmcliError
 from lmcli.formats.families.hf_config import HFConfig
-from lmcli.formats.gguf.spm import DEFAULT_IDS, SpmVocab, is_sentencepiece, spm_tokenizer, spm_vocab
+from lmcli.formats.gguf.spm import (
+    DEFAULT_IDS,
+    SpmVocab,
+    check_not_empty,
+    is_sentencepiece,
+    spm_tokenizer,
+    spm_vocab,
+)
 from lmcli.text.tokenizer import Tokenizer
 
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -280,16 +287,6 @@ def bpe_spec(tokens: list[str], types: list[int], merges: list[str], pre: str) -
             "merges": _applicable(merges, vocab),
         },
     }
-
-
-def check_not_empty(tokens: list[str], types: list[int], where: str) -> None:
-    """One line when a normal token is empty text (it must spell something)."""
-    empty = [i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if not t and kind == NORMAL]
-    if empty:
-        raise LmcliError(
-            f"{where}: {len(empty)} of its {len(tokens)} tokens are empty text (the first: id {empty[0]}): "
-            "a normal token must spell something"
-        )
 
 
 def _texts(value: Any, what: str, where: str, kind: type = str) -> list:
