@@ -32,7 +32,7 @@ The products (docs/quantization.md has the measurements that chose them):
   ``group_size``), held as the block bytes a GGUF file stores (``BlockLinear``) and multiplied
   with int8 activations by integer dot products; the head and the embedding are q8_0 (a tied
   embedding looks its rows up in the head's blocks, ``BlockEmbedding``). A GGUF file's own
-  q8_0/q4_0/q4_K/q5_K/q6_K matrices load into the same layers as stored
+  q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K matrices load into the same layers as stored
   (``lmcli.formats.gguf.as_stored``).
 
 ``lmcli.model.fastpath``'s CPU scope leaves these modules alone (they are no ``nn.Linear``: nothing is
@@ -219,7 +219,7 @@ class Int8Embedding(nn.Module):
 
 
 class BlockLinear(QuantLinear):
-    """Weights as GGUF blocks (q8_0, q4_0, q4_K, q5_K, q6_K; ``lmcli.model.native``), multiplied
+    """Weights as GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K; ``lmcli.model.native``), multiplied
     by the native kernels: activations rounded to int8 per block, integer dot products (a
     prompt of ``BLOCK_GEMM_ROWS`` rows or more: the weight dequantized to bfloat16, one GEMM).
 

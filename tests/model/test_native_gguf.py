@@ -30,6 +30,9 @@ TEXT = "the cat sat on the mat. 12 birds sang, didn't they?\n"
         ("llama", "Q8_0", True),
         ("qwen2", "Q4_0", False),
         ("qwen2", "Q5_K", False),
+        ("qwen2", "Q5_0", False),  # Q4_K_M files of 896-wide models hold some matrices in Q5_0
+        ("llama", "Q4_1", True),
+        ("qwen2", "Q5_1", True),
     ],
 )
 def test_logits_of_a_file_run_as_stored(tmp_path: Path, arch: str, kind: str, tied: bool) -> None:

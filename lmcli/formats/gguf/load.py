@@ -48,7 +48,7 @@ from lmcli.text.tokenizer import Tokenizer
 
 MAGIC = b"GGUF"
 # the tensor types lmcli reads (dequantized with gguf's quants); GGML's names
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 

@@ -1,5 +1,5 @@
 // lmcli's native CPU products: activations quantized to int8 per block x weights stored in GGUF's
-// block layouts (q8_0, q4_0, q4_K, q5_K, q6_K, byte for byte as ggml writes them).
+// block layouts (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K, byte for byte as ggml writes them).
 //
 // A plain C ABI (loaded with ctypes, see ops.py). The instruction set is picked at run time: each
 // SIMD version is the same code (simd_body.inc) compiled under a function target attribute, and
@@ -37,15 +37,15 @@
 namespace {
 
 // weight types: GGML's numbers (gguf.GGMLQuantizationType)
-enum WType { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum WType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 // instruction sets, best last
 enum Isa { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3, NEON_DOT = 4 };
 
-constexpr int QK = 32;    // elements of a q8_0 / q4_0 block (and of a q8 activation block)
+constexpr int QK = 32;    // elements of a q8_0 / q4_0 / q4_1 / q5_0 / q5_1 block (and of a q8 activation block)
 constexpr int QK_K = 256; // elements of a K-quant super-block
 
 // One activation row quantized to int8: per 32-block (d32, s32: scale, sum of the block's q) for
-// q8_0/q4_0 weights, per 256-block (d256, s16: scale, sums of 16-element groups) for the K-quants.
+// the 32-value formats, per 256-block (d256, s16: scale, sums of 16-element groups) for the K-quants.
 struct ActRow {
   const int8_t* q;
   const float* d;
@@ -71,6 +71,12 @@ void pair_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, 
       dp[8 * p + l] = d[2 * p + l / 4];
     }
   }
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 inline uint16_t load_u16(const uint8_t* p) {
@@ -160,6 +166,57 @@ float dot1_q4_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
     for (int i = 0; i < 16; ++i) isum += (qs[i] & 0xF) * aq[i] + (qs[i] >> 4) * aq[i + 16];
     isum -= 8 * a.s[b];  // (q - 8) . a
     acc += fp16_to_fp32(load_u16(blk)) * a.d[b] * (float)isum;
+  }
+  return acc;
+}
+
+// q4_1 (fp16 d, fp16 m, 16 bytes of nibbles): w = d q + m, so w . a = d (q . a) + m sum(a)
+float dot1_q4_1_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 20;
+    const uint8_t* qs = blk + 4;
+    const int8_t* aq = a.q + b * QK;
+    int32_t isum = 0;
+    for (int i = 0; i < 16; ++i) isum += (qs[i] & 0xF) * aq[i] + (qs[i] >> 4) * aq[i + 16];
+    const float da = a.d[b];
+    acc += da * fp16_to_fp32(load_u16(blk)) * (float)isum + da * fp16_to_fp32(load_u16(blk + 2)) * (float)a.s[b];
+  }
+  return acc;
+}
+
+// the 5-bit values of a q5_0/q5_1 block: element i's fifth bit is bit i of the 32-bit word qh
+// (elements 0-15 in the low nibbles of qs, 16-31 in the high ones)
+inline int32_t q5_dot(const uint8_t* qh4, const uint8_t* qs, const int8_t* aq) {
+  const uint32_t qh = load_u32(qh4);
+  int32_t isum = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int lo = (qs[i] & 0xF) | (int)(((qh >> i) & 1) << 4);
+    const int hi = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+    isum += lo * aq[i] + hi * aq[i + 16];
+  }
+  return isum;
+}
+
+// q5_0 (fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles): w = d (q - 16)
+float dot1_q5_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 22;
+    const int32_t isum = q5_dot(blk + 2, blk + 6, a.q + b * QK) - 16 * a.s[b];
+    acc += fp16_to_fp32(load_u16(blk)) * a.d[b] * (float)isum;
+  }
+  return acc;
+}
+
+// q5_1 (fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes of nibbles): w = d q + m
+float dot1_q5_1_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 24;
+    const int32_t isum = q5_dot(blk + 4, blk + 8, a.q + b * QK);
+    const float da = a.d[b];
+    acc += da * fp16_to_fp32(load_u16(blk)) * (float)isum + da * fp16_to_fp32(load_u16(blk + 2)) * (float)a.s[b];
   }
   return acc;
 }
@@ -325,6 +382,9 @@ Kernels pick(int wtype, int isa) {
 #define LM_X86_ISA(ns, i)                            \
   case i * 100 + Q8_0: return {ns::dot_q8_0, ns::dot4_q8_0, ns::quantize}; \
   case i * 100 + Q4_0: return {ns::dot_q4_0, ns::dot4_q4_0, ns::quantize}; \
+  case i * 100 + Q4_1: return {ns::dot_q4_1, ns::dot4_q4_1, ns::quantize}; \
+  case i * 100 + Q5_0: return {ns::dot_q5_0, ns::dot4_q5_0, ns::quantize}; \
+  case i * 100 + Q5_1: return {ns::dot_q5_1, ns::dot4_q5_1, ns::quantize}; \
   case i * 100 + Q4_K: return {ns::dot_q4_K, ns::dot4_q4_K, ns::quantize}; \
   case i * 100 + Q5_K: return {ns::dot_q5_K, ns::dot4_q5_K, ns::quantize}; \
   case i * 100 + Q6_K: return {ns::dot_q6_K, ns::dot4_q6_K, ns::quantize};
@@ -341,6 +401,9 @@ Kernels pick(int wtype, int isa) {
     switch (wtype) {
       case Q8_0: return {rows<neon::dot_q8_0, 1>, rows<neon::dot_q8_0, 4>, quantize_act};
       case Q4_0: return {rows<neon::dot_q4_0, 1>, rows<neon::dot_q4_0, 4>, quantize_act};
+      case Q4_1: return {rows<neon::dot_q4_1, 1>, rows<neon::dot_q4_1, 4>, quantize_act};
+      case Q5_0: return {rows<neon::dot_q5_0, 1>, rows<neon::dot_q5_0, 4>, quantize_act};
+      case Q5_1: return {rows<neon::dot_q5_1, 1>, rows<neon::dot_q5_1, 4>, quantize_act};
       case Q4_K: return {rows<neon::dot_q4_K, 1>, rows<neon::dot_q4_K, 4>, quantize_act};
       case Q5_K: return {rows<neon::dot_q5_K, 1>, rows<neon::dot_q5_K, 4>, quantize_act};
       case Q6_K: return {rows<neon::dot_q6_K, 1>, rows<neon::dot_q6_K, 4>, quantize_act};
@@ -351,6 +414,9 @@ Kernels pick(int wtype, int isa) {
   switch (wtype) {
     case Q8_0: return {rows<dot1_q8_0_scalar, 1>, rows<dot1_q8_0_scalar, 4>, quantize_act};
     case Q4_0: return {rows<dot1_q4_0_scalar, 1>, rows<dot1_q4_0_scalar, 4>, quantize_act};
+    case Q4_1: return {rows<dot1_q4_1_scalar, 1>, rows<dot1_q4_1_scalar, 4>, quantize_act};
+    case Q5_0: return {rows<dot1_q5_0_scalar, 1>, rows<dot1_q5_0_scalar, 4>, quantize_act};
+    case Q5_1: return {rows<dot1_q5_1_scalar, 1>, rows<dot1_q5_1_scalar, 4>, quantize_act};
     case Q4_K: return {rows<dot1_q4_K_scalar, 1>, rows<dot1_q4_K_scalar, 4>, quantize_act};
     case Q5_K: return {rows<dot1_q5_K_scalar, 1>, rows<dot1_q5_K_scalar, 4>, quantize_act};
     case Q6_K: return {rows<dot1_q6_K_scalar, 1>, rows<dot1_q6_K_scalar, 4>, quantize_act};
@@ -444,6 +510,9 @@ int64_t block_bytes(int wtype) {
   switch (wtype) {
     case Q8_0: return 34;
     case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
