@@ -141,7 +141,7 @@ def test_bad_sizes_are_refused() -> None:
         b = torch.from_numpy(random_blocks(fmt, 4, k))
         bad += [
             lambda b=b, fmt=fmt: ops.matmul(x, b, fmt, 48),  # k does not match the row bytes
-            lambda b=b, fmt=fmt: ops.matmul(x[:, :48], b[:, : ops.FORMATS[fmt].block_bytes * 3 // 2], fmt, 48),
+            lambda b=b, fmt=fmt: ops.matmul(x[:, :48], b[:, : len(b[0]) * 3 // 4], fmt, 48),  # 1.5 blocks
             lambda b=b, fmt=fmt: ops.matmul(x, b[:, :-1].contiguous(), fmt, k),  # truncated rows
             lambda b=b, fmt=fmt: ops.matmul(x, b, "q8_0", k),  # another format's row bytes
         ]

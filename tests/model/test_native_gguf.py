@@ -110,6 +110,9 @@ def test_commands_run_a_gguf_file_as_stored(tmp_path: Path, capsys) -> None:
     ):
         code, out, err = run_cli(argv, capsys)
         assert code == 0, err
+    code, _, err = run_cli(["sample", str(path), "-p", "the", "--max-new-tokens", "2", "--verbose"], capsys)
+    assert code == 0, err
+    assert [line for line in err.splitlines() if "products" in line] == [f"{ops.backend_line()}; blocks q4_K"]
 
 
 @pytest.mark.parametrize("keep", [0.97, 0.5])
