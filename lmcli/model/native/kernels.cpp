@@ -56,6 +56,8 @@ struct ActRow {
   const int8_t* qp = nullptr;
   const int32_t* ip = nullptr;
   const float* dp = nullptr;
+  // q4_K/q5_K on x86: the sums of q over 32-value sub-blocks (8 a super-block). Null otherwise.
+  const int32_t* s32 = nullptr;
 };
 
 // the pair layout of one activation row (nb blocks of 32; pairs = nb / 2)
@@ -562,6 +564,10 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
     pair_layout(q.data() + i * k, d.data() + i * nb, s.data() + i * nb, nb, qp.data() + i * np * 64,
                 ip.data() + i * np * 8, dp.data() + i * np * 8);
 
+  const bool subs = (wtype == Q4_K || wtype == Q5_K) && (isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI);
+  std::vector<int32_t> s32(subs ? (size_t)(m * (k / QK)) : 0);
+  for (size_t g = 0; g < s32.size(); ++g) s32[g] = s[2 * g] + s[2 * g + 1];
+
   // rows of activations taken together: their int8 copies stay in L2 while weight rows stream by
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(m, (256 * 1024) / k));
   if (threads < 1) threads = 1;
@@ -580,6 +586,7 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
             const int64_t row = i + t;
             a[t] = {q.data() + row * k, d.data() + row * nb, s.data() + row * (k / sum_block)};
             if (np > 0) a[t].qp = qp.data() + row * np * 64, a[t].ip = ip.data() + row * np * 8, a[t].dp = dp.data() + row * np * 8;
+            if (subs) a[t].s32 = s32.data() + row * (k / QK);
           }
           (r == 4 ? kern.dot4 : kern.dot1)(wr, a, nb, out);
           for (int t = 0; t < r; ++t) y[(i + t) * n + j] = out[t];
