@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -65,9 +67,10 @@ void pair_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, 
   for (int64_t p = 0; p < nb / 2; ++p) {
     const int8_t* a = q + 64 * p;  // blocks 2p (a[0:32]) and 2p + 1 (a[32:64])
     int8_t* o = qp + 64 * p;
-    for (int t = 0; t < 16; ++t) {
-      o[t] = a[t], o[16 + t] = a[32 + t], o[32 + t] = a[16 + t], o[48 + t] = a[48 + t];
-    }
+    std::memcpy(o, a, 16);            // values 0-15 of block 2p
+    std::memcpy(o + 16, a + 32, 16);  // values 0-15 of block 2p + 1
+    std::memcpy(o + 32, a + 16, 16);  // values 16-31 of block 2p
+    std::memcpy(o + 48, a + 48, 16);  // values 16-31 of block 2p + 1
     for (int l = 0; l < 8; ++l) {
       ip[8 * p + l] = l == 0 ? -8 * s[2 * p] : l == 4 ? -8 * s[2 * p + 1] : 0;
       dp[8 * p + l] = d[2 * p + l / 4];
@@ -506,6 +509,41 @@ Pool& pool() {
   return *p;
 }
 
+// A product's activation copies (int8 rows, scales, sums, q4_0's pair layout): one buffer a
+// calling thread, grown as needed and kept, so a decode step's products neither allocate nor
+// zero-fill. `reserve` lays out parts of the given byte sizes, each 64-byte aligned.
+class Scratch {
+ public:
+  static constexpr int kParts = 7;
+  void reserve(std::initializer_list<int64_t> bytes) {
+    size_t total = 0, i = 0;
+    for (const int64_t b : bytes) {
+      offsets_[i++] = total;
+      total += ((size_t)b + 63) / 64 * 64;
+    }
+    if (total > size_) {
+      buf_.reset(new uint8_t[total + 64]);
+      size_ = total;
+    }
+    base_ = buf_.get() + (64 - (uintptr_t)buf_.get() % 64) % 64;
+  }
+  template <class T>
+  T* part(int i) const {
+    return (T*)(base_ + offsets_[i]);
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> buf_;
+  size_t size_ = 0;
+  uint8_t* base_ = nullptr;
+  size_t offsets_[kParts] = {};
+};
+
+Scratch& thread_scratch() {
+  static thread_local Scratch scratch;
+  return scratch;
+}
+
 bool k_quant(int wtype) { return wtype == Q4_K || wtype == Q5_K || wtype == Q6_K; }
 
 int64_t block_bytes(int wtype) {
@@ -550,23 +588,25 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   const int64_t nb = k / block;
   const int64_t row_bytes = nb * bb;
 
-  std::vector<int8_t> q((size_t)(m * k));
-  std::vector<float> d((size_t)(m * nb));
-  std::vector<int32_t> s((size_t)(m * (k / sum_block)));
+  const bool x86 = isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI;
+  const int64_t np = wtype == Q4_0 && x86 ? nb / 2 : 0;  // q4_0's pair layout
+  const bool subs = (wtype == Q4_K || wtype == Q5_K) && x86;  // 32-value sums for q4_K/q5_K
+  Scratch& scratch = thread_scratch();
+  scratch.reserve({m * k, 4 * m * nb, 4 * m * (k / sum_block), m * np * 64, 4 * m * np * 8, 4 * m * np * 8,
+                   subs ? 4 * m * (k / QK) : 0});
+  int8_t* const q = scratch.part<int8_t>(0);
+  float* const d = scratch.part<float>(1);
+  int32_t* const s = scratch.part<int32_t>(2);
+  int8_t* const qp = scratch.part<int8_t>(3);
+  int32_t* const ip = scratch.part<int32_t>(4);
+  float* const dp = scratch.part<float>(5);
+  int32_t* const s32 = scratch.part<int32_t>(6);
   for (int64_t i = 0; i < m; ++i)
-    kern.quantize(x + i * k, k, block, sum_block, q.data() + i * k, d.data() + i * nb, s.data() + i * (k / sum_block));
-  const bool pairs = wtype == Q4_0 && (isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI);
-  const int64_t np = pairs ? nb / 2 : 0;
-  std::vector<int8_t> qp((size_t)(m * np * 64));
-  std::vector<int32_t> ip((size_t)(m * np * 8));
-  std::vector<float> dp((size_t)(m * np * 8));
+    kern.quantize(x + i * k, k, block, sum_block, q + i * k, d + i * nb, s + i * (k / sum_block));
   for (int64_t i = 0; i < m && np > 0; ++i)
-    pair_layout(q.data() + i * k, d.data() + i * nb, s.data() + i * nb, nb, qp.data() + i * np * 64,
-                ip.data() + i * np * 8, dp.data() + i * np * 8);
-
-  const bool subs = (wtype == Q4_K || wtype == Q5_K) && (isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI);
-  std::vector<int32_t> s32(subs ? (size_t)(m * (k / QK)) : 0);
-  for (size_t g = 0; g < s32.size(); ++g) s32[g] = s[2 * g] + s[2 * g + 1];
+    pair_layout(q + i * k, d + i * nb, s + i * nb, nb, qp + i * np * 64,
+                ip + i * np * 8, dp + i * np * 8);
+  for (int64_t g = 0; subs && g < m * (k / QK); ++g) s32[g] = s[2 * g] + s[2 * g + 1];
 
   // rows of activations taken together: their int8 copies stay in L2 while weight rows stream by
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(m, (256 * 1024) / k));
@@ -584,9 +624,9 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
           float out[4];
           for (int t = 0; t < r; ++t) {
             const int64_t row = i + t;
-            a[t] = {q.data() + row * k, d.data() + row * nb, s.data() + row * (k / sum_block)};
-            if (np > 0) a[t].qp = qp.data() + row * np * 64, a[t].ip = ip.data() + row * np * 8, a[t].dp = dp.data() + row * np * 8;
-            if (subs) a[t].s32 = s32.data() + row * (k / QK);
+            a[t] = {q + row * k, d + row * nb, s + row * (k / sum_block)};
+            if (np > 0) a[t].qp = qp + row * np * 64, a[t].ip = ip + row * np * 8, a[t].dp = dp + row * np * 8;
+            if (subs) a[t].s32 = s32 + row * (k / QK);
           }
           (r == 4 ? kern.dot4 : kern.dot1)(wr, a, nb, out);
           for (int t = 0; t < r; ++t) y[(i + t) * n + j] = out[t];
@@ -595,7 +635,10 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
       }
     }
   };
-  pool().run(threads, part);
+  if (threads == 1)
+    part(0, 1);  // (no pool: pool() asks getpid, a system call, to tell a forked child)
+  else
+    pool().run(threads, part);
   return 0;
 }
 
