@@ -52,7 +52,7 @@ struct ActRow {
   const int8_t* q;
   const float* d;
   const int32_t* s;
-  // q4_0/q5_0 on x86, blocks 2p and 2p + 1 laid out for one register each (pair_layout): the values
+  // q4_0/q4_1/q5_0/q5_1 on x86, blocks 2p and 2p + 1 laid out for one register each (pair_layout): the values
   // 0-15 of both, then 16-31 of both (64 bytes); -8 sum(a) in 32-bit lanes 0 and 4; the scales
   // in lanes 0-3 and 4-7. Null for the other formats and paths.
   const int8_t* qp = nullptr;
@@ -589,7 +589,8 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   const int64_t row_bytes = nb * bb;
 
   const bool x86 = isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI;
-  const int64_t np = (wtype == Q4_0 || wtype == Q5_0) && x86 ? nb / 2 : 0;  // q4_0/q5_0's pair layout
+  const bool paired = wtype == Q4_0 || wtype == Q4_1 || wtype == Q5_0 || wtype == Q5_1;
+  const int64_t np = paired && x86 ? nb / 2 : 0;  // the 4- and 5-bit formats' pair layout
   const bool subs = (wtype == Q4_K || wtype == Q5_K) && x86;  // 32-value sums for q4_K/q5_K
   Scratch& scratch = thread_scratch();
   scratch.reserve({m * k, 4 * m * nb, 4 * m * (k / sum_block), m * np * 64, 4 * m * np * 8, 4 * m * np * 8,
