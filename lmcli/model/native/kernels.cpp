@@ -62,6 +62,23 @@ struct ActRow {
   const int32_t* s32 = nullptr;
 };
 
+// q4_0 with AVX512: blocks 4t..4t + 3 laid out for one 512-bit register each (quad_layout): the
+// values 0-15 of the four, then 16-31 of the four (128 bytes); -8 sum(a) in 32-bit lanes 4i; the
+// scales in lanes 4i..4i + 3 (i: the block of the four). In qp, ip, dp (same sizes as pairs').
+void quad_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, int8_t* qp, int32_t* ip, float* dp) {
+  for (int64_t t = 0; t < nb / 4; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      const int8_t* a = q + 32 * (4 * t + i);
+      std::memcpy(qp + 128 * t + 16 * i, a, 16);       // values 0-15 of block 4t + i
+      std::memcpy(qp + 128 * t + 64 + 16 * i, a + 16, 16);  // values 16-31
+      for (int l = 0; l < 4; ++l) {
+        ip[16 * t + 4 * i + l] = l == 0 ? -8 * s[4 * t + i] : 0;
+        dp[16 * t + 4 * i + l] = d[4 * t + i];
+      }
+    }
+  }
+}
+
 // the pair layout of one activation row (nb blocks of 32; pairs = nb / 2)
 void pair_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, int8_t* qp, int32_t* ip, float* dp) {
   for (int64_t p = 0; p < nb / 2; ++p) {
@@ -316,6 +333,7 @@ void rows(const uint8_t* w, const ActRow* a, int64_t nb, float* out) {
 // ---------------------------------------------------------------- SIMD versions
 
 #if defined(LM_X86)
+#define LM_AVX512 0
 namespace avx2 {
 #define LM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define LM_DOT(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
@@ -334,14 +352,17 @@ namespace avxvnni {
 #undef LM_DOT
 #undef LM_VNNI
 }  // namespace avxvnni
-namespace avx512vnni {  // the EVEX (AVX512-VNNI + VL) vpdpbusd on 256-bit registers
+#undef LM_AVX512
+namespace avx512vnni {  // the EVEX (AVX512-VNNI + VL) vpdpbusd on 256-bit registers (q4_0: 512-bit)
 #define LM_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define LM_DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define LM_VNNI 1
+#define LM_AVX512 1
 #include "simd_body.inc"
 #undef LM_TARGET
 #undef LM_DOT
 #undef LM_VNNI
+#undef LM_AVX512
 }  // namespace avx512vnni
 #endif
 
@@ -604,8 +625,9 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   int32_t* const s32 = scratch.part<int32_t>(6);
   for (int64_t i = 0; i < m; ++i)
     kern.quantize(x + i * k, k, block, sum_block, q + i * k, d + i * nb, s + i * (k / sum_block));
+  const bool quads = wtype == Q4_0 && isa == AVX512_VNNI;
   for (int64_t i = 0; i < m && np > 0; ++i)
-    pair_layout(q + i * k, d + i * nb, s + i * nb, nb, qp + i * np * 64,
+    (quads ? quad_layout : pair_layout)(q + i * k, d + i * nb, s + i * nb, nb, qp + i * np * 64,
                 ip + i * np * 8, dp + i * np * 8);
   for (int64_t g = 0; subs && g < m * (k / QK); ++g) s32[g] = s[2 * g] + s[2 * g + 1];
 
