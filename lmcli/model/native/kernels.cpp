@@ -62,7 +62,7 @@ struct ActRow {
   const int32_t* s32 = nullptr;
 };
 
-// q4_0 with AVX512: blocks 4t..4t + 3 laid out for one 512-bit register each (quad_layout): the
+// the 4- and 5-bit formats with AVX512: blocks 4t..4t + 3 laid out for one 512-bit register each (quad_layout): the
 // values 0-15 of the four, then 16-31 of the four (128 bytes); -8 sum(a) in 32-bit lanes 4i; the
 // scales in lanes 4i..4i + 3 (i: the block of the four). In qp, ip, dp (same sizes as pairs').
 void quad_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, int8_t* qp, int32_t* ip, float* dp) {
@@ -625,7 +625,7 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   int32_t* const s32 = scratch.part<int32_t>(6);
   for (int64_t i = 0; i < m; ++i)
     kern.quantize(x + i * k, k, block, sum_block, q + i * k, d + i * nb, s + i * (k / sum_block));
-  const bool quads = wtype == Q4_0 && isa == AVX512_VNNI;
+  const bool quads = paired && isa == AVX512_VNNI;
   for (int64_t i = 0; i < m && np > 0; ++i)
     (quads ? quad_layout : pair_layout)(q + i * k, d + i * nb, s + i * nb, nb, qp + i * np * 64,
                 ip + i * np * 8, dp + i * np * 8);
