@@ -91,7 +91,7 @@ def test_every_instruction_set_equals_scalar(fmt: str) -> None:
         assert ((y - ref).abs() <= 1e-5 * scale.double() + 1e-30).all(), isa
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q6_K"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_batched_and_threaded_equal_one_row_at_a_time(fmt: str) -> None:
     n, k = 45, 512
     blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=4))

@@ -43,7 +43,7 @@ enum WType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K =
 // instruction sets, best last
 enum Isa { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3, NEON_DOT = 4 };
 
-constexpr int QK = 32;    // elements of a q8_0 / q4_0 / q4_1 / q5_0 / q5_1 block (and of a q8 activation block)
+constexpr int QK = 32;    // elements of a 32-value block (q8_0, q4_0, q4_1, q5_0, q5_1; a q8 activation block)
 constexpr int QK_K = 256; // elements of a K-quant super-block
 
 // One activation row quantized to int8: per 32-block (d32, s32: scale, sum of the block's q) for
@@ -52,9 +52,9 @@ struct ActRow {
   const int8_t* q;
   const float* d;
   const int32_t* s;
-  // q4_0/q4_1/q5_0/q5_1 on x86, blocks 2p and 2p + 1 laid out for one register each (pair_layout): the values
-  // 0-15 of both, then 16-31 of both (64 bytes); -8 sum(a) in 32-bit lanes 0 and 4; the scales
-  // in lanes 0-3 and 4-7. Null for the other formats and paths.
+  // q4_0/q4_1/q5_0/q5_1 on x86, blocks 2p and 2p + 1 laid out for one register each (pair_layout):
+  // the values 0-15 of both, then 16-31 of both (64 bytes); -8 sum(a) in 32-bit lanes 0 and 4; the
+  // scales in lanes 0-3 and 4-7 (with AVX512: quad_layout, four blocks). Null for the other formats.
   const int8_t* qp = nullptr;
   const int32_t* ip = nullptr;
   const float* dp = nullptr;
@@ -62,9 +62,10 @@ struct ActRow {
   const int32_t* s32 = nullptr;
 };
 
-// the 4- and 5-bit formats with AVX512: blocks 4t..4t + 3 laid out for one 512-bit register each (quad_layout): the
-// values 0-15 of the four, then 16-31 of the four (128 bytes); -8 sum(a) in 32-bit lanes 4i; the
-// scales in lanes 4i..4i + 3 (i: the block of the four). In qp, ip, dp (same sizes as pairs').
+// the 4- and 5-bit formats with AVX512: blocks 4t..4t + 3 laid out for one 512-bit register each
+// (quad_layout): the values 0-15 of the four, then 16-31 of the four (128 bytes); -8 sum(a) in
+// 32-bit lanes 4i; the scales in lanes 4i..4i + 3 (i: the block of the four). In qp, ip, dp (the
+// pair layout's sizes).
 void quad_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, int8_t* qp, int32_t* ip, float* dp) {
   for (int64_t t = 0; t < nb / 4; ++t) {
     for (int i = 0; i < 4; ++i) {
