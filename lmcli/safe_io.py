@@ -9,6 +9,7 @@ later start can remove the leftovers of writers that died (``remove_stale_temps`
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -29,16 +30,35 @@ def _prefix(dest: Path) -> str:
     return f".{dest.name}.{os.getpid()}."
 
 
+def _mkstemp(dest: Path) -> tuple[int, str]:
+    """``tempfile.mkstemp`` beside ``dest``; a folder that refuses it is one line naming ``dest``
+    and its folder, never the temporary name."""
+    try:
+        return tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    except OSError as exc:
+        raise LmcliError(cannot_create(dest, exc)) from None
+
+
+def cannot_create(dest: Path, exc: OSError) -> str:
+    """Why nothing could be created beside ``dest``: its folder refuses it, or the OS's reason."""
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {dest}: its folder {dest.parent} is read-only or immutable ({exc.strerror})"
+    return f"cannot write {dest}: {exc.strerror or exc}"
+
+
 def temp_file(dest: Path) -> Path:
     """A new, empty temporary file beside ``dest``, created exclusively (never a followed link)."""
-    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    fd, name = _mkstemp(dest)
     os.close(fd)
     return Path(name)
 
 
 def temp_dir(dest: Path) -> Path:
     """A new, private temporary folder beside ``dest``."""
-    return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
+    try:
+        return Path(tempfile.mkdtemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK))
+    except OSError as exc:
+        raise LmcliError(cannot_create(dest, exc)) from None
 
 
 def file_mode() -> int:
@@ -51,7 +71,7 @@ def file_mode() -> int:
 def atomic_write(dest: Path, data: bytes | str) -> None:
     """Write ``dest`` whole or not at all, through an exclusive temporary file and a rename."""
     dest = Path(dest)
-    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=_prefix(dest), suffix=TEMP_MARK)
+    fd, name = _mkstemp(dest)
     try:
         os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
@@ -209,3 +229,77 @@ def checked_file(path: Path) -> Path:
     if not stat.S_ISREG(st.st_mode):
         raise LmcliError(f"{path} is not a regular file")
     return path
+
+
+# ----------------------------------------------------------------------------- reading input
+#
+# Every file lmcli reads goes through ``open_input`` (streamed: corpora, prompt files, GGUF) or
+# ``read_input`` (whole, with a byte cap: schemas, grammars, task files, configs, index.json).
+# A device (``/dev/zero``), a FIFO or a socket is refused before a byte is read (a FIFO opened
+# without O_NONBLOCK would wait for a writer forever), and the cap counts the bytes actually
+# read, never what ``stat`` says (a device's size is 0).
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
+
+
+def open_input(path: str | Path, what: str = "") -> Any:
+    """``path`` opened for reading bytes (a link is followed to its file), or one line when it
+    is missing, unreadable, or not a regular file (a device, a FIFO, a folder). ``what`` names
+    it in the message (``"the JSON schema"``)."""
+    label = f"{what} {path}" if what else str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting
+    except OSError as exc:  # "No such file or directory", "Permission denied", ...
+        raise LmcliError(f"cannot read {label}: {exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise LmcliError(f"cannot read {label}: it is {_kind(mode)}, not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_input(path: str | Path, limit: int, what: str = "") -> bytes:
+    """The bytes of the regular file ``path`` (``open_input``), at most ``limit`` of them: one
+    line when it holds more (the bytes read are counted, not ``stat``'s size)."""
+    label = f"{what} {path}" if what else str(path)
+    with open_input(path, what) as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as exc:
+            raise LmcliError(f"cannot read {label}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit >> 10} KiB"
+        raise LmcliError(f"cannot read {label}: larger than {size}")
+    return data
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """Untrusted JSON parsed (a corpus row, a task row, a record of a folder), or one line
+    ``WHERE: not a JSON object (why)``: not JSON, not UTF-8, or nested too deeply (``json``
+    recurses once per level: ``'[' * 100000`` raises ``RecursionError``)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise LmcliError(f"{where}: not a JSON object (nested too deeply)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LmcliError(f"{where}: not a JSON object ({str(exc)[:200]})") from None
+
+
+def check_text(text: str, where: str) -> str:
+    """``text`` if Unicode can encode it; one line naming ``where`` if it holds a lone surrogate
+    (JSON's ``"\\ud800"`` decodes to one: no tokenizer can read it, UTF-8 cannot hold it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise LmcliError(f"{where} holds a lone surrogate (U+{code:04X}): not text") from None
+    return text

@@ -29,6 +29,15 @@ from typing import Any, ClassVar
 from lmcli.errors import LmcliError
 
 BLEU_METRICS = ("val_bleu", "val_chrf")  # --select values only translation computes
+CUT_MARGIN = 64  # tokens beyond the context kept when a long text is cut before it is tokenized
+PREFERENCE_METRICS = ("val_accuracy", "val_margin")  # --select values only dpo computes
+REWARD_METRICS = ("val_reward", "val_pass@1")  # --select values only grpo computes
+# the post-training options (TrainConfig.post) each post-training task reads
+DPO_OPTIONS = ("beta", "preference_loss", "simpo_gamma", "precompute_reference")
+GRPO_OPTIONS = (
+    "reward", "group_size", "kl_coef", "ratio_clip", "grpo_steps",
+    "max_new_tokens", "temperature", "top_k", "top_p", "stop",
+)  # fmt: skip
 
 
 class TextPrompt:
@@ -38,10 +47,26 @@ class TextPrompt:
 
     prefix_lm = False  # the prompt attends causally, as every position in training
     shows_text = True  # a continuation reads on from its prompt's text (lmcli sample prints both)
+    keeps_end = True  # a text longer than the context keeps its end (a source: its beginning)
 
     def encode(self, text: str, tokenizer: Any) -> list[int]:
         """The ids of a user's text (``frame`` puts the prompt's own tokens around them)."""
         return tokenizer.encode(text)
+
+    def usable_chars(self, tokenizer: Any, block_size: int) -> int:
+        """Characters of a text that can reach a prompt: enough for ``block_size + CUT_MARGIN``
+        tokens at least (``Tokenizer.longest_token`` characters each, times 4 for what a
+        normalizer may join), so a 100 MB line is read and tokenized as a context's worth."""
+        return (block_size + CUT_MARGIN) * tokenizer.longest_token * 4
+
+    def usable(self, text: str, tokenizer: Any, block_size: int) -> tuple[str, bool]:
+        """The part of ``text`` a prompt can use, cut before it is tokenized (``usable_chars``:
+        its end, or with ``keeps_end`` false its beginning), and whether it was cut. The kept
+        tokens are those of the whole text but for the few at the cut, which the margin drops."""
+        limit = self.usable_chars(tokenizer, block_size)
+        if len(text) <= limit:
+            return text, False
+        return (text[-limit:] if self.keeps_end else text[:limit]), True
 
     def frame(self, body: list[int], tokenizer: Any, block_size: int) -> tuple[list[int], bool]:
         """The prompt's ids around the text's ids ``body``, and whether part of ``body`` was left
@@ -62,6 +87,7 @@ class SourcePrompt(TextPrompt):
     half the context, as in training; an empty source has an empty translation."""
 
     shows_text = False
+    keeps_end = False
 
     def __init__(self, prefix_lm: bool = False) -> None:
         self.prefix_lm = prefix_lm  # the source attends to itself both ways (--prefix-lm)
@@ -90,6 +116,9 @@ class Task:
     val_hint: ClassVar[str] = ""  # the options that give separate validation examples
     scored: ClassVar[str] = ""  # the part of an example the loss reads ("target", "reply")
     reads_pair_files: ClassVar[bool] = False  # lmcli eval --source/--target apply
+    own_split: ClassVar[bool] = True  # lmcli eval RUN alone scores the run's validation examples
+    post_options: ClassVar[tuple[str, ...]] = ()  # the TrainConfig.post options it reads
+    metrics: ClassVar[tuple[str, ...]] = ()  # the --select values only it computes
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg  # the TrainConfig
@@ -114,6 +143,23 @@ class Task:
             raise LmcliError("--source, --target, --val-source and --prefix-lm need --task translation")
         if select in BLEU_METRICS:
             raise LmcliError(f"--select {select} needs --task translation and --bleu-samples above 0")
+        self.check_post()
+
+    def check_post(self) -> None:
+        """Refuse post-training options and metrics of another task (``--reward`` with sft)."""
+        post, select = self.cfg.post, self.cfg.validation.select
+        for name, task, options in (("dpo", Preference, DPO_OPTIONS), ("grpo", Reinforcement, GRPO_OPTIONS)):
+            if self.name == name:
+                continue
+            changed = [o for o in options if getattr(post, o) != getattr(type(post)(), o)]
+            if changed:
+                raise LmcliError(f"--{changed[0].replace('_', '-')} needs --task {name}")
+            if select in task.metrics:
+                raise LmcliError(f"--select {select} needs --task {name}")
+
+    def sequences(self) -> int:
+        """Sequences a training step runs per example (a pair: 2; a prompt: its G replies)."""
+        return 1
 
     def default_optimizer(self) -> str:
         """``--optimizer auto``: AdamW."""
@@ -169,6 +215,7 @@ class Translation(Task):
         val = self.cfg.validation
         if val.select in BLEU_METRICS and not val.bleu_samples:
             raise LmcliError(f"--select {val.select} needs --task translation and --bleu-samples above 0")
+        self.check_post()
 
     def default_metric(self) -> str:
         return "val_bleu" if self.cfg.validation.bleu_samples else "val_loss"
@@ -190,7 +237,74 @@ class Supervised(Task):
     scored = "reply"
 
 
-TASKS: dict[str, type[Task]] = {"lm": LanguageModel, "translation": Translation, "sft": Supervised}
+class PostTraining(Task):
+    """What ``--task dpo`` and ``--task grpo`` share: a model to start from (the reference),
+    rows in the chat template, the loss on replies; decoding as an SFT model."""
+
+    example_noun = "row(s)"
+    val_hint = "--val FILE"
+    scored = "reply"
+    own_split = False
+
+    def check(self) -> None:
+        super().check()
+        if not self.cfg.init_from:
+            raise LmcliError(
+                f"--task {self.name} tunes a model: give --init-from (a run folder, a Hugging Face "
+                "folder or a GGUF file)"
+            )
+
+
+class Preference(PostTraining):
+    """``--task dpo``: preference pairs, DPO's loss (or IPO's, SimPO's) against the reference."""
+
+    name = "dpo"
+    described = "a preference-tuned model"
+    examples = "preferences"
+    example_noun = "pair(s)"
+    post_options = DPO_OPTIONS
+    metrics = PREFERENCE_METRICS
+
+    def sequences(self) -> int:
+        return 2
+
+    def check(self) -> None:
+        super().check()
+        post = self.cfg.post
+        if post.precompute_reference and post.preference_loss == "simpo":
+            raise LmcliError("--precompute-reference: --preference-loss simpo reads no reference")
+
+
+class Reinforcement(PostTraining):
+    """``--task grpo``: prompts, replies sampled in groups and rewarded, GRPO's clipped objective;
+    ``best/`` follows the validation reward."""
+
+    name = "grpo"
+    described = "an RL-tuned model"
+    examples = "prompts"
+    example_noun = "prompt(s)"
+    post_options = GRPO_OPTIONS
+    metrics = REWARD_METRICS
+
+    def check(self) -> None:
+        super().check()
+        if not self.cfg.post.reward:
+            raise LmcliError("--task grpo needs --reward (e.g. --reward number; docs/post-training.md)")
+
+    def sequences(self) -> int:
+        return self.cfg.post.group_size
+
+    def default_metric(self) -> str:
+        return "val_reward"
+
+
+TASKS: dict[str, type[Task]] = {
+    "lm": LanguageModel,
+    "translation": Translation,
+    "sft": Supervised,
+    "dpo": Preference,
+    "grpo": Reinforcement,
+}
 
 
 def make_task(cfg: Any) -> Task:

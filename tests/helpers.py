@@ -8,6 +8,7 @@ downloaded.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -324,3 +325,24 @@ def saved_step(run: Path) -> int:
 def temps(run: Path) -> list[str]:
     """The temporary folders left in a run folder (a save cut short)."""
     return sorted(p.name for p in run.iterdir() if p.name.endswith(".lmtmp"))
+
+
+def dequantized_reference(quantized: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``quantized`` holding its dequantized weights as plain modules."""
+    from lmcli.model.quant import BlockEmbedding, Int8Embedding, QuantLinear
+
+    ref = copy.deepcopy(quantized)
+    for parent in list(ref.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantLinear):
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                linear.weight.data = child.dequantized()
+                if child.bias is not None:
+                    linear.bias.data = child.bias.clone()
+                setattr(parent, name, linear)
+            elif isinstance(child, Int8Embedding):
+                table = child.qweight.float() * child.scales[:, None]
+                setattr(parent, name, torch.nn.Embedding.from_pretrained(table))
+            elif isinstance(child, BlockEmbedding):
+                setattr(parent, name, torch.nn.Embedding.from_pretrained(child.table.dequantized()))
+    return ref.double()

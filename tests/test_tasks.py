@@ -1,4 +1,4 @@
-"""Tasks as objects: the one place that knows lm, translation and sft apart."""
+"""Tasks as objects: the one place that knows lm, translation, sft, dpo and grpo apart."""
 
 from __future__ import annotations
 
@@ -27,10 +27,13 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+NEEDS = {"dpo": dict(init_from="m"), "grpo": dict(init_from="m", reward=("number",))}  # post-training's own
+
+
 def test_every_task_option_has_its_class() -> None:
     assert set(TASKS) == set(get_args(Task))
     for name, cls in TASKS.items():
-        assert cls.name == name and isinstance(make_task(train_config(task=name)), cls)
+        assert cls.name == name and isinstance(make_task(train_config(task=name, **NEEDS.get(name, {}))), cls)
 
 
 def test_the_task_module_sits_below_everything_and_decoders_read_no_data_module() -> None:
@@ -75,3 +78,13 @@ def test_defaults_and_the_bleu_hook_follow_the_task() -> None:
     assert not lm.wants_bleu(3) and tr.wants_bleu(3) and not tr.wants_bleu(4)
     assert not make_task(train_config(task="translation", bleu_samples=0)).wants_bleu(3)
     assert make_task(train_config(task="sft")).examples == "conversations" and lm.examples is None
+
+
+def test_post_training_tasks_read_their_own_options_only() -> None:
+    dpo, grpo = (
+        make_task(train_config(task="dpo", **NEEDS["dpo"])),
+        make_task(train_config(task="grpo", **NEEDS["grpo"])),
+    )
+    assert (dpo.sequences(), grpo.sequences(), make_task(train_config()).sequences()) == (2, 8, 1)
+    assert (dpo.default_metric(), grpo.default_metric()) == ("val_loss", "val_reward")
+    assert dpo.chat and grpo.chat and not dpo.own_split and type(grpo.prompt) is TextPrompt

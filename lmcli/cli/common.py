@@ -28,14 +28,18 @@ def build(cls: type[C], options: dict[str, Any]) -> C:
     return from_dict(cls, {k: v for k, v in options.items() if k in names}, source="options")
 
 
-def read_lines(path: Path | None, inline: list[str] | None) -> list[str] | None:
-    """Inputs from --prompt values, a file (one per line, .gz allowed), or piped stdin; None if none."""
+def read_lines(
+    path: Path | None, inline: list[str] | None, keep: int | None = None, end: bool = True
+) -> list[str] | None:
+    """Inputs from --prompt values, a file (one per line, .gz allowed), or piped stdin; None if
+    none. ``keep``: a file's longer line is read as its last (``end``) or first ``keep``
+    characters only (``data.corpus.read_lines``)."""
     if inline:
         return list(inline)
     if path is not None:
         from lmcli.data.corpus import read_lines
 
-        return read_lines(path)
+        return read_lines(path, keep, end)
     if not sys.stdin.isatty():
         data = sys.stdin.read()
         return [line.rstrip("\r") for line in data.removesuffix("\n").split("\n")] if data else None

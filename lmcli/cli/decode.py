@@ -61,7 +61,8 @@ def sample(
         task = make_task(ckpt.train_config)
         form = _chat_form(ckpt, task) if chat else task.prompt  # how this model reads a prompt
         draft = load_draft(options, ckpt)
-        texts = read_lines(prompt_file, prompt)
+        usable = form.usable_chars(ckpt.tokenizer, ckpt.model.config.block_size)  # of a long line
+        texts = read_lines(prompt_file, prompt, usable + 1, form.keeps_end)
         if texts is None:
             if not form.decodes(""):
                 raise LmcliError(task.refusal("give the source text with --prompt, --prompt-file or stdin"))
@@ -164,12 +165,13 @@ def beam(
     cfg = build(BeamConfig, options)
     refs = read_lines(reference, None) if reference is not None else None
     with loaded_source(run_dir, options) as ckpt:
-        texts = read_lines(input, prompt)
+        form = make_task(ckpt.train_config).prompt
+        usable = form.usable_chars(ckpt.tokenizer, ckpt.model.config.block_size)  # of a long line
+        texts = read_lines(input, prompt, usable + 1, form.keeps_end)
         if texts is None:
             raise LmcliError("no input: give --input FILE, --prompt TEXT, or pipe lines to stdin")
         if refs is not None and len(refs) != len(texts):
             raise LmcliError(f"{reference} has {len(refs)} lines but there are {len(texts)} inputs")
-        form = make_task(ckpt.train_config).prompt
         results, prompts = beam_texts(ckpt.model, ckpt.tokenizer, texts, cfg, form=form)
         warn_prompts(prompts)
         best = [r.texts[0] if r.texts else "" for r in results]

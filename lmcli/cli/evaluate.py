@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -40,12 +41,22 @@ def eval_command(
     if tasks.wanted:
         _eval_tasks(run_dir, paths or [], cfg, tasks, json_out, options)
         return
+    if cfg.preferences is not None:
+        if paths or cfg.per_line or cfg.dataset or cfg.source or cfg.target:
+            raise LmcliError("--preferences scores pairs: give no text to evaluate with it")
+        _eval_preferences(run_dir, cfg, json_out, options)
+        return
     with loaded_source(run_dir, options) as ckpt:
         if cfg.per_line and (output is not None or not json_out):
             # each line's record is written as it is scored: memory stays flat however many lines
             score, what = _eval_per_line(ckpt, cfg, tuple(paths or ()), output)
         else:
             score, what = evaluate_run(ckpt, cfg, tuple(paths or ()), progress=not json_out)
+        if not math.isfinite(score.mean_nll):
+            raise LmcliError(
+                f"{run_dir} gives a loss of {score.mean_nll} on {what}: it computes NaN or infinite "
+                f"values (lmcli verify {run_dir} checks its weights)"
+            )
         if score.unknown:
             print(
                 f"warning: {score.unknown} character(s) unknown to the tokenizer became <unk>",
@@ -101,6 +112,31 @@ def _eval_tasks(
         typer.echo(json.dumps(report(results)))
     else:
         _print_tasks(results, str(run_dir))
+
+
+def _eval_preferences(run_dir: Path, cfg: EvalConfig, json_out: bool, options: dict[str, Any]) -> None:
+    """``lmcli eval --preferences FILE [--reference REF]``: preference accuracy and mean margin."""
+    from lmcli.formats.sources import load_model
+    from lmcli.train.posttrain import score_preferences
+
+    assert cfg.preferences is not None
+    with loaded_source(run_dir, options) as ckpt:
+        reference = None
+        if cfg.reference is not None:
+            param = next(ckpt.model.parameters())
+            loaded = load_model(cfg.reference, param.device, param.dtype)
+            if loaded.tokenizer.fingerprint != ckpt.tokenizer.fingerprint:
+                raise LmcliError(f"--reference {cfg.reference} has another tokenizer than the model")
+            reference = loaded.model
+        scores = score_preferences(ckpt.model, ckpt.tokenizer, cfg.preferences, reference, cfg.batch_size)
+    against = f" against {cfg.reference}" if cfg.reference else ""
+    if json_out:
+        typer.echo(json.dumps({"evaluated": cfg.preferences, "reference": cfg.reference, **scores}))
+        return
+    typer.echo(
+        f"{cfg.preferences}{against}: preference accuracy {scores['accuracy']:.4f}, "
+        f"mean margin {scores['margin']:.4f} nats ({scores['pairs']} pairs)"
+    )
 
 
 def _harness() -> Any:

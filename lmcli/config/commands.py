@@ -134,9 +134,23 @@ class EvalConfig:
     )
     batch_size: int = option(8, "Windows (--task: questions) per forward pass.", gt=0)
     per_line: bool = option(False, "Score each line on its own as <bos> line <eos>.")
+    preferences: str | None = option(
+        None,
+        "Preference pairs (JSONL, as --task dpo reads them): the model's preference accuracy and "
+        "mean margin in nats (docs/post-training.md).",
+        path=True,
+    )
+    reference: str | None = option(
+        None,
+        "With --preferences: a reference model (its tokenizer the model's): the margin of the "
+        "log-ratios to it, DPO's implicit reward.",
+        path=True,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.reference and not self.preferences:
+            raise LmcliError("--reference needs --preferences: the pairs to compare the models on")
         if self.context and self.stride and self.stride > self.context:
             raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
 

@@ -23,7 +23,17 @@ Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-SELECT_METRICS = ("val_loss", "val_bleu", "val_chrf")  # --select: these, or task:NAME:METRIC
+# --select: these, or task:NAME:METRIC (translation computes BLEU and chrF, dpo the preference
+# accuracy and margin, grpo the reward and pass@1: tasks.Task.metrics)
+SELECT_METRICS = (
+    "val_loss",
+    "val_bleu",
+    "val_chrf",
+    "val_accuracy",
+    "val_margin",
+    "val_reward",
+    "val_pass@1",
+)
 TASK_SCORES = ("acc", "acc_norm", "exact_match")  # an --eval-task's scores --select may follow
 INT_LIMIT = 1 << 63  # integer options fit in 64 bits (torch and numpy)
 
@@ -55,7 +65,7 @@ def option(
     cli: bool = True,
     parse: Any = None,
     path: bool = False,
-    resume: Literal["fixed", "free", "derived"] = "fixed",
+    resume: Literal["fixed", "free", "derived", "data"] | None = None,
     stored: bool = True,
     absent: Any = None,
 ) -> Any:
@@ -66,12 +76,14 @@ def option(
     ``short``: a one-letter alias. ``default_help``: how help shows the default when the value
     itself says little. ``argument``: a positional argument. ``cli=False``: not a flag at all.
     ``parse``: converts text (a flag's or a TOML string) to the field's type. ``path``: a local
-    path, stored absolute so the run works from any folder. ``resume``: for model fields,
-    whether ``--resume`` may change it (``free``), must keep it (``fixed``), or neither because
-    the data sets it (``derived``). ``stored=False``: a run folder's stored value is never
-    used (resume, eval): a path lmcli writes to comes from this machine's flags or defaults,
-    not from a run folder someone shared. ``absent``: the value a run folder written before
-    the option existed had in effect (when it differs from today's default).
+    path, stored absolute so the run works from any folder. ``resume``: whether ``--resume``
+    may change it (``free``), must keep it (``fixed``), takes it from the data (``derived``), or
+    changes it only with ``--allow-new-data`` (``data``: what the run trains on); None: the
+    config's own rule (a ModelConfig field is fixed, a TrainConfig field free).
+    ``stored=False``: a run folder's stored value is never used (resume, eval): a path lmcli
+    writes to comes from this machine's flags or defaults, not from a run folder someone shared.
+    ``absent``: the value a run folder written before the option existed had in effect (when it
+    differs from today's default).
     """
     meta = {
         "help": help,

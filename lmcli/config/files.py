@@ -5,7 +5,6 @@ fields a checkpoint stores.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,9 @@ from lmcli.config.fields import C, field_types, is_section, option_fields
 from lmcli.config.model import ModelConfig
 from lmcli.config.train import TrainConfig
 from lmcli.errors import LmcliError
+from lmcli.safe_io import parse_json, read_input
+
+CONFIG_BYTES = 1 << 20  # a --config file (a recipe: a few KiB)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -122,19 +124,18 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     also as ``[train.optim]``), which must then hold only that section's options.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise LmcliError(f"cannot read config file {path}: {exc.strerror}") from None
+    raw = read_input(path, CONFIG_BYTES, "config file")
     try:
         if path.suffix == ".json":
-            data = json.loads(raw)
+            data = parse_json(raw, f"config file {path}")
         else:
             import tomllib
 
             data = tomllib.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise LmcliError(f"cannot parse config file {path}: {exc}") from None
+    except RecursionError:
+        raise LmcliError(f"cannot parse config file {path}: nested too deeply") from None
     if not isinstance(data, dict):
         raise LmcliError(f"config file {path} must hold a table of options")
     return _flatten_tables(data, f"config file {path}", tables=("model", "train"))

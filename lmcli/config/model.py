@@ -11,13 +11,13 @@ from lmcli.errors import LmcliError
 Position = Literal["learned", "sinusoidal", "rope", "alibi"]
 
 
-Mlp = Literal["gelu", "relu", "relu2", "swiglu"]
+Mlp = Literal["gelu", "relu", "relu2", "swiglu", "geglu"]
 
 
-Norm = Literal["layernorm", "rmsnorm"]
+Norm = Literal["layernorm", "rmsnorm", "rmsnorm1p"]
 
 
-NormPlacement = Literal["pre", "post"]
+NormPlacement = Literal["pre", "post", "sandwich"]
 
 
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]
@@ -39,8 +39,14 @@ class ModelConfig:
     bias: bool = option(True, "Biases in linear layers and LayerNorm.", flag="--bias/--no-bias")
     position: Position = option("learned", "Position encoding.")
     mlp: Mlp = option("gelu", "Feed-forward network.")
-    norm: Norm = option("layernorm", "Normalization.")
-    norm_placement: NormPlacement = option("pre", "Norm before (pre) or after (post) each sublayer.")
+    norm: Norm = option(
+        "layernorm", "Normalization (rmsnorm1p: RMSNorm scaled by 1 + weight, in float32, as Gemma's)."
+    )
+    norm_placement: NormPlacement = option(
+        "pre",
+        "Norm before (pre) or after (post) each sublayer; sandwich: before each sublayer and on its "
+        "output too (Gemma 2/3's four norms a block).",
+    )
     tie_embeddings: bool = option(
         True, "Share input and output embeddings.", flag="--tie-embeddings/--untie-embeddings"
     )
@@ -66,6 +72,36 @@ class ModelConfig:
         "RMS-normalize each head's queries and keys before attention (QK-norm).",
         flag="--qk-norm/--no-qk-norm",
     )
+    head_size: int = option(
+        0, "Size of each attention head (query/key/value width per head).", ge=0, default_help="n-embd/n-head"
+    )
+    sliding_window: int = option(
+        0, "Local layers attend to the last this many positions, themselves included (0: no window).", ge=0
+    )
+    layer_pattern: str = option(
+        "",
+        "Which layers are local (L: sliding window) and which global (G), repeated over the layers "
+        "(Gemma 3: LLLLLG); empty: every layer local when there is a window.",
+    )
+    rope_local_base: float = option(
+        0.0, "Rotary base of the local layers, without rope scaling (Gemma 3: 10000; 0: rope-base).", ge=0
+    )
+    rope_pattern: str = option(
+        "",
+        "Which layers turn queries and keys by rotary positions (R) and which have none (N), repeated "
+        "over the layers (SmolLM3: RRRN); empty: every layer.",
+    )
+    scale_embeddings: bool = option(
+        False,
+        "Multiply the token embeddings by sqrt(n-embd), rounded to the weights' dtype (Gemma).",
+        flag="--scale-embeddings/--no-scale-embeddings",
+    )
+    attn_scalar: float = option(
+        0.0, "Scale attention scores by 1/sqrt(this) (Gemma's query_pre_attn_scalar; 0: the head size).", ge=0
+    )
+    attn_softcap: float = option(
+        0.0, "Cap the attention scores softly: cap * tanh(score / cap) (0: off; Gemma 2 uses 50).", ge=0
+    )
     logit_softcap: float = option(
         0.0, "Cap the logits softly: cap * tanh(logits / cap) (0: off; Gemma 2 uses 30).", ge=0
     )
@@ -89,10 +125,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.n_embd % self.n_head != 0:
+        if not self.head_size and self.n_embd % self.n_head != 0:
             raise LmcliError(f"n-embd ({self.n_embd}) must be divisible by n-head ({self.n_head})")
         if self.position == "rope" and self.head_dim % 2 != 0:
-            raise LmcliError(f"rope needs an even head size, got n-embd/n-head = {self.head_dim}")
+            raise LmcliError(f"rope needs an even head size, got {self.head_dim}")
+        for name, letters in (("layer-pattern", "LG"), ("rope-pattern", "RN")):
+            pattern = getattr(self, name.replace("-", "_"))
+            if set(pattern) - set(letters) or len(pattern) > self.n_layer:
+                raise LmcliError(
+                    f"invalid {name} {pattern!r}: use the letters {' and '.join(letters)}, "
+                    f"at most one per layer ({self.n_layer})"
+                )
+        if self.layer_pattern and not self.sliding_window:
+            raise LmcliError("layer-pattern needs --sliding-window")
+        if (self.rope_local_base or self.rope_pattern) and self.position != "rope":
+            raise LmcliError("rope-local-base and rope-pattern need --position rope")
         if self.n_kv_head == 0:  # the default: one key/value head per query head
             object.__setattr__(self, "n_kv_head", self.n_head)
         if self.n_head % self.n_kv_head != 0:
@@ -104,7 +151,23 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        """Width of each attention head: ``head_size``, by default n_embd / n_head."""
+        return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def q_width(self) -> int:
+        """Width of all query heads together (n_embd unless ``head_size`` says otherwise)."""
+        return self.n_head * self.head_dim
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window (``layer_pattern``, repeated)."""
+        if not self.sliding_window:
+            return False
+        return not self.layer_pattern or self.layer_pattern[layer % len(self.layer_pattern)] == "L"
+
+    def is_rotary(self, layer: int) -> bool:
+        """Whether ``layer`` turns its queries and keys (``rope_pattern``, repeated)."""
+        return not self.rope_pattern or self.rope_pattern[layer % len(self.rope_pattern)] == "R"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -132,4 +195,4 @@ class ModelConfig:
     def on_resume(cls, kind: Literal["fixed", "free", "derived"]) -> tuple[str, ...]:
         """The fields a resumed run must keep (``fixed``: all that define what the weights
         compute), may change (``free``), or takes from its data (``derived``)."""
-        return tuple(f.name for f in fields(cls) if f.metadata.get("resume") == kind)
+        return tuple(f.name for f in fields(cls) if (f.metadata.get("resume") or "fixed") == kind)

@@ -15,6 +15,7 @@ from lmcli.config.fields import (
     Section,
     check_fields,
     option,
+    option_fields,
     parse_duration,
     parse_select,
     task_name,
@@ -44,7 +45,10 @@ TOKENIZER_KINDS = ("char", "byte", "bpe")
 TRACKERS = ("tensorboard", "wandb")  # --log-to: lmcli.train.tracking's backends beside metrics.jsonl
 
 
-Task = Literal["lm", "translation", "sft"]
+Task = Literal["lm", "translation", "sft", "dpo", "grpo"]
+
+
+PreferenceLoss = Literal["dpo", "ipo", "simpo"]
 
 
 @dataclass(frozen=True)
@@ -59,18 +63,29 @@ class DataConfig(Section):
         "column), or a folder of token shards (lmcli tokenize). None: a built-in corpus.",
         argument=True,
         path=True,
+        resume="data",
     )
     dataset: str | None = option(
-        None, "Hugging Face dataset NAME[:CONFIG] (or a local data file), read in streaming mode.", path=True
+        None,
+        "Hugging Face dataset NAME[:CONFIG] (or a local data file), read in streaming mode.",
+        path=True,
+        resume="data",
     )
-    text_column: str = option("text", "Dataset, JSONL or parquet column holding the text.")
-    split: str = option("train", "Dataset split to train on.")
-    val: str | None = option(None, "Validation corpus (file, folder or glob) instead of a split.", path=True)
-    val_fraction: float = option(0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1)
+    text_column: str = option("text", "Dataset, JSONL or parquet column holding the text.", resume="data")
+    split: str = option("train", "Dataset split to train on.", resume="data")
+    val: str | None = option(
+        None, "Validation corpus (file, folder or glob) instead of a split.", path=True, resume="data"
+    )
+    val_fraction: float = option(
+        0.1, "Last fraction of the corpus kept for validation.", ge=0, lt=1, resume="data"
+    )
     tokenizer: str = option(
-        "char", "char, byte, bpe (trained on the corpus) or a tokenizer.json path.", path=True
+        "char",
+        "char, byte, bpe (trained on the corpus) or a tokenizer.json path.",
+        path=True,
+        resume="fixed",
     )
-    vocab_size: int = option(8000, "Vocabulary size for bpe.", gt=0)
+    vocab_size: int = option(8000, "Vocabulary size for bpe.", gt=0, resume="fixed")
     cache_dir: str | None = option(
         None,
         "Token cache folder.",
@@ -95,12 +110,18 @@ class TranslationConfig(Section):
 
     TITLE: ClassVar[str] = "Translation"
 
-    source: str | None = option(None, "Translation: line-aligned source file (.gz allowed).", path=True)
-    target: str | None = option(None, "Translation: line-aligned target file (.gz allowed).", path=True)
-    source_field: str = option("source", "Translation: TSV/JSONL/dataset column or language of the source.")
-    target_field: str = option("target", "Translation: column or language of the target.")
-    val_source: str | None = option(None, "Translation: validation source file.", path=True)
-    val_target: str | None = option(None, "Translation: validation target file.", path=True)
+    source: str | None = option(
+        None, "Translation: line-aligned source file (.gz allowed).", path=True, resume="data"
+    )
+    target: str | None = option(
+        None, "Translation: line-aligned target file (.gz allowed).", path=True, resume="data"
+    )
+    source_field: str = option(
+        "source", "Translation: TSV/JSONL/dataset column or language of the source.", resume="data"
+    )
+    target_field: str = option("target", "Translation: column or language of the target.", resume="data")
+    val_source: str | None = option(None, "Translation: validation source file.", path=True, resume="data")
+    val_target: str | None = option(None, "Translation: validation target file.", path=True, resume="data")
     prefix_lm: bool = option(False, "Translation: source tokens attend to each other both ways.")
 
 
@@ -196,9 +217,10 @@ class ValidationConfig(Section):
     eval_batches: int = option(20, "Validation batches per evaluation.", gt=0)
     select: str | None = option(
         None,
-        "The validation metric best/ follows: val_loss, val_bleu, val_chrf, or task:NAME:METRIC "
+        "The validation metric best/ follows: val_loss, val_bleu, val_chrf (translation), "
+        "val_accuracy, val_margin (dpo), val_reward, val_pass@1 (grpo), or task:NAME:METRIC "
         "(acc, acc_norm or exact_match of the --eval-task NAME).",
-        default_help="val_bleu for translation with --bleu-samples, else val_loss",
+        default_help="val_bleu for translation with --bleu-samples, val_reward for grpo, else val_loss",
         parse=parse_select,
     )
     bleu_samples: int = option(200, "Translation: validation pairs decoded greedily for BLEU (0: off).", ge=0)
@@ -248,6 +270,47 @@ class ParallelConfig(Section):
 
 
 @dataclass(frozen=True)
+class PostTrainConfig(Section):
+    """``--task dpo`` (preference pairs) and ``--task grpo`` (prompts and verifiable rewards):
+    docs/post-training.md."""
+
+    TITLE: ClassVar[str] = "Post-training"
+
+    beta: float = option(
+        0.1,
+        "DPO/IPO: how far the model may move from the reference (smaller: further); "
+        "SimPO: the reward scale (about 2).",
+        gt=0,
+    )
+    preference_loss: PreferenceLoss = option(
+        "dpo",
+        "DPO: dpo (sigmoid), ipo (squared, bounded margin) or simpo (reference-free, length-normalized).",
+    )
+    simpo_gamma: float = option(0.5, "SimPO: the target reward margin.", ge=0)
+    precompute_reference: bool = option(
+        False,
+        "DPO with full fine-tuning: compute the reference's log-probs of every pair once before "
+        "training instead of keeping a frozen copy of the model in memory.",
+    )
+    reward: tuple[str, ...] = option(
+        (),
+        "GRPO: a reward (repeatable, summed): number, exact, regex:PATTERN, json, "
+        "json_schema[:FILE], length:N, or path/to/file.py:function.",
+    )
+    group_size: int = option(8, "GRPO: replies sampled per prompt (their rewards are compared).", ge=2)
+    kl_coef: float = option(
+        0.0, "GRPO: weight of the KL term to the reference (0: none, and no reference is kept).", ge=0
+    )
+    ratio_clip: float = option(0.2, "GRPO: the clip range of the policy ratio (PPO's epsilon).", gt=0, lt=1)
+    grpo_steps: int = option(1, "GRPO: optimizer steps on each batch of sampled replies.", gt=0)
+    max_new_tokens: int = option(128, "GRPO: the longest reply sampled (tokens).", gt=0)
+    temperature: float = option(1.0, "GRPO: sampling temperature of the replies.", gt=0)
+    top_k: int = option(0, "GRPO: sample from the k most likely tokens (0 = off).", ge=0)
+    top_p: float = option(1.0, "GRPO: nucleus sampling of the replies.", gt=0, le=1)
+    stop: tuple[str, ...] = option((), "GRPO: a reply ends at this text (repeatable).")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything about a training run except the model's shape: the run's own options, then
     its sections (``cfg.optim.lr``, ``cfg.schedule.max_steps``, ...). Flags, TOML keys and the
@@ -258,14 +321,23 @@ class TrainConfig:
     )
     task: Task = option(
         "lm",
-        "lm (language modelling), translation (source <sep> target) or sft (prompt/response or "
-        "chat rows; the loss on the replies only).",
+        "lm (language modelling), translation (source <sep> target), sft (prompt/response or "
+        "chat rows; the loss on the replies only), dpo (preference pairs) or grpo (prompts and "
+        "rewards): docs/post-training.md.",
+        resume="fixed",
     )
     init_from: str | None = option(
         None,
         "Start from a local Hugging Face folder (GPT-2, Llama, Qwen2, Mistral) or an lmcli run: "
         "fine-tuning, with its tokenizer and chat template.",
         path=True,
+        resume="fixed",
+    )
+    allow_new_data: bool = option(
+        False,
+        "With --resume: continue on another corpus (or dataset, columns, validation data) than "
+        "the run's own, which a resume otherwise refuses.",
+        stored=False,  # asked each time: a resume of a resumed run is checked again
     )
     seed: int = option(1337, "Random seed (weights, data order, dropout).", ge=0, le=SEED_MAX)
     log_interval: int = option(10, "Log metrics every N steps.", gt=0)
@@ -296,6 +368,7 @@ class TrainConfig:
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     parallelism: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    post: PostTrainConfig = dataclasses.field(default_factory=PostTrainConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -332,6 +405,12 @@ class TrainConfig:
             raise LmcliError(
                 f"--select {select}: no --eval-task is named {select.split(':')[1]} (given: {given})"
             )
+
+    @classmethod
+    def on_resume(cls, kind: Literal["fixed", "free", "data"]) -> tuple[str, ...]:
+        """The options (flat names) a resumed run must keep (``fixed``: its task, base and
+        tokenizer), changes only with ``--allow-new-data`` (``data``), or may change (``free``)."""
+        return tuple(f.name for _, f, _ in option_fields(cls) if (f.metadata.get("resume") or "free") == kind)
 
     @property
     def trackers(self) -> tuple[str, ...]:

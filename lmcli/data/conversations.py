@@ -11,7 +11,6 @@ reads.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 
 from lmcli.data.corpus import load_hf_dataset
 from lmcli.data.examples import Encoded, Skipped, truncate
-from lmcli.data.readers import READ_ERRORS, read_error
+from lmcli.data.readers import READ_ERRORS, open_binary, read_error
 from lmcli.errors import LmcliError
 from lmcli.text.chat_template import (
     Message,
@@ -162,9 +161,8 @@ class ConversationRows:
 
 def read_text(path: Path) -> str:
     """A file's text (``.gz`` too); invalid UTF-8 is replaced by U+FFFD, with a warning."""
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as f:
+        with open_binary(path) as f:  # a device or a FIFO is one line
             data = f.read()
     except READ_ERRORS as exc:
         raise LmcliError(read_error(path, exc)) from None

@@ -50,7 +50,7 @@ def resolve_paths(patterns: tuple[str, ...] | list[str]) -> list[Path]:
             if not found:
                 raise LmcliError(f"folder {path} contains no files")
             files.extend(found)
-        elif path.is_file():
+        elif path.exists():  # a file; a device or a FIFO is refused when it is opened
             files.append(path)
         elif glob.has_magic(pattern):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
@@ -284,13 +284,37 @@ def open_corpus(paths: tuple[str, ...], dataset: str | None, split: str, text_co
     return BuiltinCorpus()
 
 
-def read_lines(path: str | Path) -> list[str]:
-    """The lines of a text file (``.gz`` allowed), split at ``\\n`` only, so line i stays line i."""
+def read_lines(path: str | Path, keep: int | None = None, end: bool = True) -> list[str]:
+    """The lines of a text file (``.gz`` allowed), split at ``\\n`` only, so line i stays line i.
+    With ``keep``, a longer line is read as its last (``end``) or first ``keep`` characters:
+    the rest is never held, however long the line (a 100 MB prompt line)."""
     try:
         with open_text(Path(path)) as f:
-            return [line.rstrip("\r\n") for line in f]
+            if keep is None:
+                return [line.rstrip("\r\n") for line in f]
+            return list(_bounded_lines(f, keep, end))
     except READ_ERRORS as exc:  # e.g. a corrupt or truncated .gz, or a folder
         raise LmcliError(read_error(path, exc)) from None
+
+
+def _bounded_lines(f: Any, keep: int, end: bool) -> Iterator[str]:
+    """The lines of the text file ``f``, each cut to its last (``end``) or first ``keep``
+    characters, read 1 MiB at a time: at most ``keep`` + 1 MiB of a line is held (and 64 KiB
+    more, for the ``\\r`` that may end it)."""
+    hold = keep + (1 << 16)
+
+    def cut(text: str, n: int) -> str:
+        return text[-n:] if end else text[:n]
+
+    line = ""
+    while chunk := f.read(1 << 20):
+        *done, rest = chunk.split("\n")
+        for piece in done:
+            yield cut((line + piece).rstrip("\r"), keep)
+            line = ""
+        line = cut(line + rest, hold)
+    if line:
+        yield cut(line.rstrip("\r"), keep)
 
 
 T = TypeVar("T")

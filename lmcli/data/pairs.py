@@ -8,7 +8,6 @@ supervised example (``lmcli.data.examples``): the source is the prompt, the targ
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from lmcli.data.corpus import Identified, batched, load_hf_dataset
 from lmcli.data.examples import Encoded, Skipped
 from lmcli.data.readers import READ_ERRORS, open_text, read_error
 from lmcli.errors import LmcliError
+from lmcli.safe_io import check_text, parse_json
 from lmcli.text.tokenizer import Tokenizer
 
 
@@ -112,14 +112,16 @@ class TableFile(PairCorpus):
                     yield "", ""
                     continue
                 if self.jsonl:
+                    row = parse_json(line, f"{self.path}:{number}")
                     try:
-                        row = json.loads(line)
-                        yield str(row[self.columns[0]]), str(row[self.columns[1]])
-                    except (ValueError, KeyError, TypeError):
+                        pair = str(row[self.columns[0]]), str(row[self.columns[1]])
+                    except (KeyError, TypeError):
                         raise LmcliError(
                             f"{self.path}:{number}: expected a JSON object with "
                             f"{self.columns[0]!r} and {self.columns[1]!r}"
                         ) from None
+                    where = f"{self.path}:{number}"
+                    yield check_text(pair[0], where), check_text(pair[1], where)
                 else:
                     parts = line.split("\t")
                     if len(parts) != 2:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from lmcli.errors import LmcliError
+from lmcli.safe_io import check_text, open_input, parse_json
 
 BLOCK_BYTES = 1 << 20  # compressed bytes read at a time
 TABLE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".parquet")
@@ -96,11 +96,14 @@ class ZstdReader(io.RawIOBase):
 
 def open_binary(path: Path) -> BinaryIO:
     """``path`` opened for reading bytes, decompressed as read when it ends in .gz or .zst."""
+    raw = open_input(path)  # a device or a FIFO is refused (one line), never read or waited on
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
+        unpacked = gzip.GzipFile(fileobj=raw, mode="rb")
+        unpacked.myfileobj = raw  # closed with it, as when gzip.open opens the file itself
+        return unpacked  # type: ignore[return-value]
     if path.name.endswith(".zst"):
-        return io.BufferedReader(ZstdReader(open(path, "rb")), BLOCK_BYTES)  # type: ignore[return-value]
-    return open(path, "rb")
+        return io.BufferedReader(ZstdReader(raw), BLOCK_BYTES)  # type: ignore[return-value]
+    return raw
 
 
 def open_text(path: Path) -> Any:
@@ -132,10 +135,7 @@ def _jsonl_texts(path: Path, column: str) -> Iterator[tuple[str, int]]:
                 continue
             text = line.decode("utf-8", errors="replace")
             replaced = text.count("\ufffd") - line.count(b"\xef\xbf\xbd") if "\ufffd" in text else 0
-            try:
-                row = json.loads(text)
-            except ValueError as exc:
-                raise LmcliError(f"{path}:{number}: not a JSON object ({exc})") from None
+            row = parse_json(text, f"{path}:{number}")
             if not isinstance(row, dict) or column not in row:
                 found = ", ".join(list(row)[:8]) if isinstance(row, dict) else type(row).__name__
                 raise LmcliError(f'{path}:{number}: expected a "{column}" field (found: {found})')
@@ -144,7 +144,7 @@ def _jsonl_texts(path: Path, column: str) -> Iterator[tuple[str, int]]:
                 continue
             if not isinstance(value, str):
                 raise LmcliError(f'{path}:{number}: "{column}" holds {type(value).__name__}, not text')
-            yield value, replaced
+            yield check_text(value, f'{path}:{number}: "{column}"'), replaced
 
 
 def _parquet_texts(path: Path, column: str) -> Iterator[str]:

@@ -113,7 +113,8 @@ def tokenize_to(cfg: TokenizeConfig, *, progress: bool = True) -> TokenFolder:
     plan = plan_of(corpus.key, corpus.description, tokenizer)
     for name in (INDEX, PLAN):
         there = read_cache_json(out / name)
-        if there is not None and not same_plan(there, plan):
+        failed = name == PLAN and there is not None and there.get("failed") is True  # may start over
+        if there is not None and not same_plan(there, plan) and not failed:
             raise LmcliError(
                 f"{out} holds the tokens of another corpus or tokenizer ({there.get('corpus')}): "
                 "choose another --out"

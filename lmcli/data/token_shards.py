@@ -29,6 +29,7 @@ import numpy as np
 
 from lmcli.data.stream import Piece, TokenStream
 from lmcli.errors import LmcliError
+from lmcli.safe_io import checked_file, read_input
 from lmcli.text.tokenizer import Tokenizer
 
 FORMAT = "lmcli-tokens"
@@ -37,6 +38,7 @@ INDEX, PLAN = "index.json", "plan.json"
 CHECK_BYTES = 1 << 20  # file_check hashes this much at each end of a file
 DTYPES = ("uint16", "uint32")
 EOS_DTYPE = np.dtype("<i8")
+ID_CHUNK = 1 << 24  # token ids checked against the vocabulary at a time
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -75,11 +77,11 @@ def damaged(path: Path, meta: dict[str, Any]) -> str | None:
 
 def read_cache_json(path: Path) -> dict[str, Any] | None:
     """A small ``.json`` record as a dict, or None when it is missing, unreadable or not an object."""
-    try:
-        if path.is_symlink() or path.stat().st_size > 1 << 26:
-            return None
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if path.is_symlink() or not path.exists():
+        return None
+    try:  # a device or a FIFO there is one line (read_input), never a hang
+        data = json.loads(read_input(path, 1 << 26, "token folder record"))
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply: damaged
         return None
     return data if isinstance(data, dict) else None
 
@@ -170,7 +172,33 @@ class TokenFolder:
         return TokenStream(pieces)
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.load(self.path / "tokenizer.json")
+        """The folder's tokenizer, which must be the one its tokens were made with (the
+        fingerprint ``index.json`` records): a replaced ``tokenizer.json`` is one line."""
+        file = checked_file(self.path / "tokenizer.json")
+        tok = Tokenizer.load(file)
+        if self.index.get("tokenizer") != tok.fingerprint:
+            raise LmcliError(
+                f"token folder {self.path}: its tokenizer.json is not the tokenizer its tokens were "
+                "made with (index.json records another): tokenize the corpus again"
+            )
+        if self.dtype != token_dtype(tok.vocab_size):
+            raise LmcliError(
+                f"token folder {self.path}: index.json says {self.dtype}, but a vocabulary of "
+                f"{tok.vocab_size} tokens is stored as {token_dtype(tok.vocab_size)}"
+            )
+        return tok
+
+    def check_ids(self, vocab_size: int) -> None:
+        """One line when a shard holds an id outside the vocabulary (a damaged or crafted shard
+        would otherwise index past the embedding): one pass over the shards, in chunks."""
+        for record, piece in zip(self.index["shards"], self.stream().pieces, strict=True):
+            for start in range(0, len(piece.tokens), ID_CHUNK):
+                top = int(piece.tokens[start : start + ID_CHUNK].max())
+                if top >= vocab_size:
+                    raise LmcliError(
+                        f"token folder {self.path}: {record['name']} holds token id {top}, outside "
+                        f"the vocabulary of {vocab_size}: tokenize the corpus again"
+                    )
 
 
 def folder_problem(folder: Path, plan: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str]:

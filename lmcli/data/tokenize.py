@@ -251,20 +251,44 @@ def json_text(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
+LOCK = ".lock"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev)
+
+
 @contextlib.contextmanager
 def locked(folder: Path) -> Iterator[None]:
-    """An exclusive lock on ``folder`` (its ``.lock``) while it is written; another writer waits."""
+    """An exclusive lock on ``folder`` (its ``.lock``) while it is written; another writer waits.
+    The lock file is removed as the lock is let go (while still held: a writer that waited for
+    it finds it gone and locks a new one), so a finished folder holds no ``.lock``."""
     import fcntl
 
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
+    path = folder / LOCK
+    for _ in range(100):
+        folder.mkdir(parents=True, exist_ok=True)  # a failed writer before us may have removed it
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"waiting for another lmcli writing {folder} ...", file=sys.stderr)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its writer finished and removed it: lock the next one
+    else:
+        raise LmcliError(f"cannot lock {folder}: its {LOCK} keeps changing")
+    try:
         yield
     finally:
+        if _same_file(fd, path):
+            path.unlink(missing_ok=True)
         os.close(fd)
 
 
@@ -316,6 +340,7 @@ def write_token_folder(
     ``info`` hears (of the ``what``: token folder, token cache) that a finished folder is
     damaged and rebuilt, or how many shards of an interrupted one are kept."""
     plan = plan_of(corpus.key, corpus.description, tokenizer)
+    made = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with locked(folder):
@@ -325,19 +350,58 @@ def write_token_folder(
                 return TokenFolder(folder, index, cached=True)
             if (folder / INDEX).exists():
                 info(f"warning: {what} {folder} is damaged ({reason}): rebuilding it")
-            planned = same_plan(read_cache_json(folder / PLAN), plan)
-            kept = kept_shards(folder, plan["dtype"]) if planned else []
-            _clear_from(folder, len(kept))
-            if kept:
-                info(f"{what} {folder}: resuming, {len(kept)} finished shard(s) kept")
-            atomic_write(folder / PLAN, json_text(plan))
-            save_tokenizer(tokenizer, folder)
-            records = kept + _tokenize(corpus, tokenizer, folder, kept, workers, shard_tokens, progress)
-            index = _index(corpus, plan, records)
-            atomic_write(folder / INDEX, json_text(index))
+            try:
+                index = _write(corpus, tokenizer, folder, plan, workers, shard_tokens, progress, what, info)
+            except Exception:  # a bad row, a full disk: nothing of this run may block the next
+                _forget_failed(folder, plan)
+                raise
     except OSError as exc:
         raise LmcliError(f"cannot write tokens in {folder}: {exc.strerror or exc}") from None
+    finally:
+        if made and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # made by this failed run, and left empty
     return TokenFolder(folder, index)
+
+
+def _write(
+    corpus: Corpus,
+    tokenizer: Tokenizer,
+    folder: Path,
+    plan: dict[str, Any],
+    workers: int,
+    shard_tokens: int,
+    progress: bool,
+    what: str,
+    info: Callable[[str], None],
+) -> dict[str, Any]:
+    """The folder's shards (those of an interrupted writer of the same plan kept) and its index."""
+    planned = same_plan(read_cache_json(folder / PLAN), plan)
+    kept = kept_shards(folder, plan["dtype"]) if planned else []
+    _clear_from(folder, len(kept))
+    if kept:
+        info(f"{what} {folder}: resuming, {len(kept)} finished shard(s) kept")
+    atomic_write(folder / PLAN, json_text(plan))
+    save_tokenizer(tokenizer, folder)
+    records = kept + _tokenize(corpus, tokenizer, folder, kept, workers, shard_tokens, progress)
+    index = _index(corpus, plan, records)
+    atomic_write(folder / INDEX, json_text(index))
+    return index
+
+
+def _forget_failed(folder: Path, plan: dict[str, Any]) -> None:
+    """After a failure (not a kill or Ctrl-C, which leave the folder to resume): with no finished
+    shard, remove what this run wrote (its plan and tokenizer); else mark its plan ``failed``, so
+    that a retry of another (a fixed) corpus may start over, while one of the same corpus keeps
+    the shards. On a disk too full for the mark, the plan goes: the shards are then redone."""
+    if (folder / INDEX).exists():
+        return
+    if kept_shards(folder, plan["dtype"]):
+        with contextlib.suppress(OSError, LmcliError):
+            atomic_write(folder / PLAN, json_text({**plan, "failed": True}))
+            return
+    for name in (PLAN, "tokenizer.json", CONFIG):
+        with contextlib.suppress(OSError):
+            (folder / name).unlink(missing_ok=True)
 
 
 def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:

@@ -182,6 +182,7 @@ def _tokens(
         folder = open_token_folder(folders[0])
         own = folder.tokenizer()
         _check_folder_tokenizer(folder, own, tokenizer, data.tokenizer)
+        folder.check_ids(own.vocab_size)
         folder.index["corpus"] = f"{folder.index.get('corpus')} (tokenized in {folder.path})"
         return folder, tokenizer or own
     corpus = open_corpus(paths, dataset, data.split, data.text_column)

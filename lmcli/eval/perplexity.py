@@ -36,6 +36,7 @@ from lmcli.tasks import make_task
 from lmcli.text.tokenizer import Tokenizer, split_pieces
 
 LINE_BLOCK = 4096  # --per-line: lines read, sorted by length and scored at a time
+LONG_LINE = 1 << 16  # --per-line: a line of more characters is tokenized and scored as a stream
 
 if TYPE_CHECKING:
     from lmcli.data.examples import ExampleSet
@@ -280,13 +281,17 @@ def _score_line_block(
     context = context or model.config.block_size
     device = next(model.parameters()).device
     items = []
+    results: dict[int, dict] = {}
     for number, line in enumerate(lines, first):
         if not line.strip():
+            continue
+        if len(line) > LONG_LINE:  # never its ids all at once: a 100 MB line took gigabytes
+            count, nll = score_stream(model, _line_ids(tokenizer, line, score), context, context)
+            results[number] = _line_record(number, line, count, nll)
             continue
         body = tokenizer.encode(line)
         score.unknown += tokenizer.count_unknown(body)
         items.append((number, line, [*tokenizer.with_bos(body), tokenizer.eos_id]))
-    results: dict[int, dict] = {}
     short = [it for it in items if len(it[2]) - 1 <= context]
     for number, line, ids in (it for it in items if len(it[2]) - 1 > context):  # longer than the context
         count, nll = score_ids(model, ids, context, context)
@@ -311,6 +316,18 @@ def _score_line_block(
             on_line(rec)
         else:
             score.lines.append(rec)
+
+
+def _line_ids(tokenizer: Tokenizer, line: str, score: Score) -> Iterator[list[int]]:
+    """``<bos> line <eos>`` as ids, the line encoded in the pieces the token cache uses
+    (``split_pieces``), its unknown characters counted into ``score``."""
+    if tokenizer.add_bos:
+        yield [tokenizer.bos_id]
+    for piece in split_pieces(line):
+        body = tokenizer.encode(piece)
+        score.unknown += tokenizer.count_unknown(body)
+        yield body
+    yield [tokenizer.eos_id]
 
 
 def _line_record(number: int, line: str, tokens: int, nll: float) -> dict:
@@ -391,8 +408,13 @@ def evaluate_run(
     if stride > context:
         raise LmcliError(f"stride must be between 1 and the context ({context}), got {stride}")
     task = make_task(ckpt.train_config)
+    if not task.own_split and not (paths or cfg.dataset):
+        raise LmcliError(
+            f"this is {task.described}: give text to score (files or --dataset), --task FILE, or "
+            "--preferences FILE"
+        )
     with fastpath.inference(model):
-        if task.examples is not None:  # supervised examples: the response tokens only
+        if task.examples is not None and task.own_split:  # supervised examples: the response tokens only
             pairs, what = _pairs_to_evaluate(ckpt, cfg)
             return evaluate_pairs(model, tok, pairs, task.prefix_lm, cfg.batch_size), what
         chunks, what = _text_to_evaluate(ckpt, cfg, paths)

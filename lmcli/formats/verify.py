@@ -13,7 +13,8 @@
   shard's header against the config (``hf.weights.check_weights``).
 - A GGUF file: its header scanned with bounds and its tensors against its metadata
   (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
-  checked against the vocabulary (``hf.gguf_load.read_gguf_header``).
+  checked against the vocabulary (``hf.gguf_load.read_gguf_header``), and every value of
+  every tensor finite (a float tensor read a chunk at a time; a quantized one by its scales).
 
 The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
 the ones that were trained (a checksum recomputed by whoever edited a file matches again), and
@@ -28,6 +29,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lmcli.config.files import from_dict, stored_model_config
@@ -46,7 +48,7 @@ from lmcli.formats.checkpoint import (
     resolve_checkpoint,
     verify_checksums,
 )
-from lmcli.formats.gguf.load import read_gguf_header
+from lmcli.formats.gguf.load import GgufTensor, read_gguf_header
 from lmcli.formats.hf.load import is_hf_folder, read_hf_config, read_tokenizer
 from lmcli.formats.hf.weights import check_weights, read_headers
 from lmcli.formats.lora_base import checked_base
@@ -57,6 +59,16 @@ from lmcli.safe_io import checked_file, refuse_symlinks
 from lmcli.text.tokenizer import Tokenizer
 
 REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)
+CHUNK_VALUES = 1 << 22  # values (or quantized blocks) of a GGUF tensor read at a time by the NaN scan
+# GGML's quantized blocks: (bytes, where its float16 scales are), as ggml-common.h lays them out
+BLOCK_SCALES = {
+    "Q8_0": (34, (0,)),  # d, 32 int8
+    "Q4_0": (18, (0,)),  # d, 16 bytes of 4-bit values
+    "Q4_1": (20, (0, 2)),  # d, m, 16 bytes
+    "Q4_K": (144, (0, 2)),  # d, dmin, 12 bytes of 6-bit scales, 128 bytes of 4-bit values
+    "Q5_K": (176, (0, 2)),  # d, dmin, 12 bytes of scales, 32 of high bits, 128 of low bits
+    "Q6_K": (210, (208,)),  # 128 bytes low bits, 64 high bits, 16 int8 scales, then d
+}
 REQUIRED_LORA = (ADAPTERS, BASE, CONFIG, TOKENIZER)  # a LoRA run's checkpoint: adapters and a base
 
 
@@ -161,9 +173,35 @@ def verify_hf(path: Path) -> CheckpointReport:
     return CheckpointReport(path, None, header.n_params, 0, what)
 
 
+def nonfinite_tensor(tensors: dict[str, GgufTensor], chunk: int = CHUNK_VALUES) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, or None. A quantized block's
+    values are its float16 scales times small integers: they are finite exactly when its scales
+    are (``BLOCK_SCALES``), so only those are read; float tensors are read about ``chunk``
+    values at a time (memory stays small however large the file)."""
+    for name, t in tensors.items():
+        if t.kind in BLOCK_SCALES:
+            size, offsets = BLOCK_SCALES[t.kind]
+            blocks = t.data.view(np.uint8).reshape(-1, size)  # (blocks, bytes of a block)
+            for i in range(0, len(blocks), chunk):
+                part = blocks[i : i + chunk]
+                if not all(np.isfinite(part[:, o : o + 2].copy().view(np.float16)).all() for o in offsets):
+                    return name
+            continue
+        rows = t.data.reshape(t.shape[0], -1)  # (rows, values or bytes per row)
+        step = max(1, chunk // max(1, math.prod(t.shape[1:])))
+        for i in range(0, t.shape[0], step):
+            part = GgufTensor(name, t.kind, (len(rows[i : i + step]), *t.shape[1:]), rows[i : i + step])
+            if not torch.isfinite(part.dequantized()).all():
+                return name
+    return None
+
+
 def verify_gguf(path: Path) -> CheckpointReport:
-    """A GGUF file: its header and its tensors against its metadata."""
+    """A GGUF file: its header and its tensors against its metadata, and every value finite."""
     header = read_gguf_header(path)
+    bad = nonfinite_tensor(header.tensors)
+    if bad is not None:
+        raise LmcliError(f"{path} holds NaN or infinite weights ({bad}): the model would compute nothing")
     params = sum(math.prod(t.shape) for t in header.tensors.values())
     kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
     vocab = header.tokenizer.vocab_size

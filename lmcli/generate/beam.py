@@ -81,7 +81,7 @@ def beam_search(
     limits = [cfg.max_new_for(n) for n in (input_lens or [len(p) for p in prompts])]
     pools: list[list[Hypothesis]] = [[] for _ in prompts]
     with fastpath.inference(model):
-        cache, logits = prefill(model, prompts, pad_id, prefix_lm=prefix_lm)
+        cache, logits = prefill(model, prompts, pad_id, prefix_lm=prefix_lm, window_slack=0)
         width = cache.length  # prompt columns, the same in every beam of an input
         cache.reserve(width + max(limits))
         cache.expand(k)
@@ -129,7 +129,7 @@ def beam_search(
                 scores = sent[2].float().view(len(still), k)
                 active = still
                 if needs_slide(cache):
-                    cache, logits = slide(model, rows, pad_id)
+                    cache, logits = slide(model, rows, pad_id, 0)
                     width = 0  # each row re-read its own history: no columns are shared any more
                 else:
                     logits = step(model, cache, sent[1].long())

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lmcli.errors import LmcliError
+from lmcli.safe_io import read_input
 from lmcli.text.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar"]
@@ -88,12 +89,10 @@ def read_constraint(json_schema: str | None, regex: str | None, grammar: str | N
     for kind, path in (("json_schema", json_schema), ("grammar", grammar)):
         if path is None:
             continue
-        file = Path(path).expanduser()
+        data = read_input(Path(path).expanduser(), MAX_CONSTRAINT_CHARS * 4, KIND_NAMES[kind])
         try:
-            if file.stat().st_size > MAX_CONSTRAINT_CHARS * 4:
-                raise ConstraintError(f"{path}: larger than {MAX_CONSTRAINT_CHARS >> 10} KiB")
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise ConstraintError(f"cannot read {KIND_NAMES[kind]} {path}: {exc}") from None
         return Constraint(kind, text)  # type: ignore[arg-type]
     return None
@@ -150,9 +149,15 @@ class Grammars:
             grammar = constraint.grammar()
         except (ValueError, TypeError) as exc:
             raise ConstraintError(f"invalid {name}: {_first_line(exc)}") from None
+        if constraint.kind == "json_schema":
+            _check_satisfiable(constraint.text)
         matcher = LLMatcher(self._lltokenizer(), grammar, log_level=0, limits=LLParserLimits(**LIMITS))
         if matcher.is_error():
             raise ConstraintError(f"invalid {name}: {_first_line(matcher.get_error())}")
+        probe = matcher.deep_copy()  # the first mask: a grammar that allows nothing fails here
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ConstraintError(f"invalid {name}: no text satisfies it ({_first_line(probe.get_error())})")
         return matcher
 
     def processor(self, constraint: Constraint) -> GrammarMask:
@@ -181,8 +186,22 @@ class _Vocabulary:
         return self.tokenizer.encode(text)
 
 
+def _check_satisfiable(text: str) -> None:
+    """One line when the JSON schema ``text`` admits no finite value (``schemas.no_finite_value``)."""
+    from lmcli.generate.schemas import no_finite_value
+
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return  # the compiler has said what is wrong with it
+    reason = no_finite_value(schema)
+    if reason is not None:
+        raise ConstraintError(f"invalid JSON schema: {reason}")
+
+
 def _first_line(text: Any) -> str:
-    line = " ".join(str(text).split()) or "rejected"
+    """An error of the grammar library in one short line: without its parser's state."""
+    line = " ".join(str(text).split()).split(" <state>")[0] or "rejected"
     return line[:300]
 
 

@@ -53,13 +53,15 @@ def make_prompt(text: str, tokenizer: Tokenizer, block_size: int, form: TextProm
     """``text`` as the ids of a prompt in the model's ``form`` (its task's: ``<bos> text``, or
     ``<bos> source <sep>`` for a translation model, whose source keeps at most half the context).
 
-    A prompt longer than the context keeps its last ``block_size - 1`` tokens.
+    A prompt longer than the context keeps its last ``block_size - 1`` tokens; a very long text
+    is cut to what can be used before it is tokenized (``TextPrompt.usable``).
     """
-    body = form.encode(text, tokenizer)
+    used, cut = form.usable(text, tokenizer, block_size)
+    body = form.encode(used, tokenizer)
     ids, truncated = form.frame(body, tokenizer, block_size)
     if len(ids) > block_size - 1:
         ids, truncated = ids[-(block_size - 1) :], True
-    return Prompt(text, ids, tokenizer.count_unknown(body), truncated)
+    return Prompt(text, ids, tokenizer.count_unknown(body), truncated or cut)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -73,16 +75,23 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
 
 
 def prefill(
-    model: Transformer, rows: list[list[int]], pad_id: int, *, prefix_lm: bool = False
+    model: Transformer,
+    rows: list[list[int]],
+    pad_id: int,
+    *,
+    prefix_lm: bool = False,
+    window_slack: int | None = None,
 ) -> tuple[KVCache, Tensor]:
     """Run the prompts through a new cache; return it and the next-token logits (B, V).
 
     With ``prefix_lm`` the whole prompt (a translation source) attends to itself both ways, as
-    in training.
+    in training. ``window_slack`` (not None): the sliding-window layers keep only their window
+    and that many more columns (``KVCache.for_model``); None: every column of every layer (a
+    cache whose columns are copied elsewhere: the server's batch, the prefix cache).
     """
     device = next(model.parameters()).device
     idx, start = left_pad(rows, pad_id, device)
-    cache = KVCache.for_model(model, len(rows), start=start)
+    cache = KVCache.for_model(model, len(rows), start=start, window_slack=None if prefix_lm else window_slack)
     prefix = torch.full((len(rows),), idx.size(1), device=device) if prefix_lm else None
     logits = model(idx, cache, prefix_len=prefix, last_only=True)
     return cache, logits[:, -1].float()
@@ -93,10 +102,12 @@ def step(model: Transformer, cache: KVCache, tokens: Tensor) -> Tensor:
     return model(tokens[:, None], cache, last_only=True)[:, -1].float()
 
 
-def slide(model: Transformer, rows: list[list[int]], pad_id: int) -> tuple[KVCache, Tensor]:
+def slide(
+    model: Transformer, rows: list[list[int]], pad_id: int, window_slack: int | None = None
+) -> tuple[KVCache, Tensor]:
     """The context is full: re-prefill each row's last half-context of tokens into a new cache."""
     keep = max(model.config.block_size // 2, 1)
-    return prefill(model, [r[-keep:] for r in rows], pad_id)
+    return prefill(model, [r[-keep:] for r in rows], pad_id, window_slack=window_slack)
 
 
 def needs_slide(cache: KVCache) -> bool:

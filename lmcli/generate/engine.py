@@ -218,6 +218,9 @@ class Engine:
         from and finished rows go to (not with ``prefix_lm``: a source's keys depend on all of it)."""
         self.model, self.tokenizer, self.prefix_lm, self.isolate = model, tokenizer, prefix_lm, isolate
         self.prefixes = prefixes if not prefix_lm else None
+        # the sliding-window layers keep only their window, unless the cache's columns are copied
+        # elsewhere (a server's batch, the prefix cache)
+        self.window_slack = 0 if cache is None and self.prefixes is None else None
         self.device = next(model.parameters()).device
         self.cache = cache
         self.rows: list[Row | None] = []  # one per cache row; None: a hole
@@ -237,7 +240,11 @@ class Engine:
         (P, V), and how many tokens came from the prefix cache (one prompt alone uses it)."""
         if self.prefixes is not None and len(prompts) == 1:
             return self.prefixes.prefill(self.model, prompts[0])
-        return (*prefill(self.model, prompts, self.tokenizer.pad_id, prefix_lm=self.prefix_lm), 0)
+        pad = self.tokenizer.pad_id
+        return (
+            *prefill(self.model, prompts, pad, prefix_lm=self.prefix_lm, window_slack=self.window_slack),
+            0,
+        )
 
     def start(self, prompts: list[list[int]], rows: list[Row], reserve: int = 0) -> None:
         """Decode ``rows``, ``len(rows) // len(prompts)`` per prompt in prompt order, from the
@@ -382,7 +389,7 @@ class Engine:
         self.steps += 1
         if needs_slide(self.cache):
             seqs = [r.sequence if r is not None else [pad] for r in self.rows]
-            self.cache, self.logits = slide(self.model, seqs, pad)
+            self.cache, self.logits = slide(self.model, seqs, pad, self.window_slack)
             return
         tokens = self._fed
         if tokens is None:

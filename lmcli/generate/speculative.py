@@ -163,11 +163,12 @@ def fits(model: Transformer, draft: Draft, prompt: list[int], max_new_tokens: in
     return len(prompt) + max_new_tokens <= min(model.config.block_size, draft.model.config.block_size)
 
 
-def _cache(model: Transformer, tokens: list[int], pad: int) -> KVCache:
-    """A batch-1 cache holding ``tokens`` (possibly none)."""
+def _cache(model: Transformer, tokens: list[int], pad: int, slack: int) -> KVCache:
+    """A batch-1 cache holding ``tokens`` (possibly none); sliding-window layers keep their window
+    and ``slack`` columns more, the most a round cuts back."""
     if tokens:
-        return prefill(model, [tokens], pad)[0]
-    return KVCache.for_model(model, 1)
+        return prefill(model, [tokens], pad, window_slack=slack)[0]
+    return KVCache.for_model(model, 1, window_slack=slack)
 
 
 class Speculator:
@@ -189,7 +190,9 @@ class Speculator:
 
     def _run(self, row: Row, prompt: list[int], on_text: Callable[[str], None] | None) -> DraftStats:
         pad = self.tokenizer.pad_id
-        target, draft = _cache(self.model, prompt[:-1], pad), _cache(self.draft.model, prompt[:-1], pad)
+        slack = self.draft.tokens + 1  # a round feeds at most that many tokens, then cuts back
+        target = _cache(self.model, prompt[:-1], pad, slack)
+        draft = _cache(self.draft.model, prompt[:-1], pad, slack)
         last, pending = prompt[-1], [prompt[-1]]
         device = target.k.device
         generator = row.generator(device) if row.cfg.temperature > 0 else None

@@ -5,6 +5,11 @@
 allocates or clears a whole context window, and a beam-search reorder copies little more than
 the filled part (only what follows the prompt, when the caller says the beams share it).
 
+A model with sliding-window layers may keep those layers' keys and values in a ring of a fixed
+number of columns instead (``windows``, ``WindowRing``): the last W positions, plus ``slack``
+columns a decoder may roll back (speculative decoding), so their memory stops growing with the
+context; the ring says which of its columns each query may see (``window_mask``).
+
 ``LeftPadding`` holds where each row's text starts (``start[b]``, its first real column) and
 what a step needs from it: whether there is padding at all, the position id of every column,
 and the additive mask that hides the padding. They are derived once per ``start``, not at every
@@ -89,8 +94,97 @@ class LeftPadding:
         return out
 
 
+class WindowRing:
+    """Keys and values of the sliding-window layers, ``(n_local, B, n_kv_head, size, head_dim)``:
+    column c of the sequence in slot c % size, the newest ``size`` columns kept (size >= window).
+
+    A forward of T new columns writes them into their slots and attends over the whole ring when
+    that overwrites no column its first query still sees (T <= size - window + 1: a decoding
+    step, a short speculative check); a longer one (a prompt) attends over the columns it needs
+    in order, the ring's last window - 1 columns and the new ones, and keeps the newest of them.
+    """
+
+    def __init__(self, layers: list[int], window: int, size: int, like: Tensor) -> None:
+        self.slot = {layer: i for i, layer in enumerate(layers)}  # model layer -> ring index
+        self.window, self.size = window, size
+        shape = (len(layers), like.size(1), like.size(2), size, like.size(4))
+        self.k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.v = torch.zeros_like(self.k)
+        self.high = 0  # the longest length the cache had: columns before high - size are gone
+        self._plan: tuple[int, int, Tensor, Tensor | None] | None = None  # see ``slots``
+
+    def in_place(self, T: int) -> bool:
+        """Whether a forward of T new columns attends over the ring itself."""
+        return T <= self.size - self.window + 1
+
+    def key_columns(self, length: int, T: int) -> Tensor:
+        """The sequence column (S,) of each key a forward of T new columns attends over: every
+        slot's newest column (negative: never written), or the columns in order."""
+        end = length + T
+        if self.in_place(T):
+            slots = torch.arange(self.size, device=self.k.device)
+            return end - 1 - (end - 1 - slots) % self.size
+        return torch.arange(max(0, length - self.window + 1), end, device=self.k.device)
+
+    def slots(self, length: int, T: int) -> tuple[Tensor, Tensor | None]:
+        """Where a forward of T new columns from ``length`` on writes the newest of them (those
+        the ring keeps), and (when it does not attend over the ring itself) the slots of the
+        columns before them it attends to; computed once per forward, for all local layers."""
+        if self._plan is None or self._plan[:2] != (length, T):
+            device = self.k.device
+            n = min(T, self.size)  # the newest columns stay
+            new = torch.arange(length + T - n, length + T, device=device) % self.size
+            old = None
+            if not self.in_place(T):
+                old = torch.arange(max(0, length - self.window + 1), length, device=device) % self.size
+            self._plan = (length, T, new, old)
+        return self._plan[2], self._plan[3]
+
+    def update(self, layer: int, length: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, KV, T, D) of columns length.. and return the keys and values to attend
+        over, in the order of ``key_columns``."""
+        i, T = self.slot[layer], k.size(2)
+        keys, values = self.k[i], self.v[i]
+        new, old = self.slots(length, T)
+        if old is None:  # the ring itself
+            keys.index_copy_(2, new, k)
+            values.index_copy_(2, new, v)
+            return keys, values
+        all_k = torch.cat([keys.index_select(2, old), k], dim=2)  # (B, KV, S, D) in column order
+        all_v = torch.cat([values.index_select(2, old), v], dim=2)
+        keys.index_copy_(2, new, k[:, :, T - new.numel() :])
+        values.index_copy_(2, new, v[:, :, T - new.numel() :])
+        return all_k, all_v
+
+    def mask(self, length: int, T: int, start: Tensor | None) -> Tensor:
+        """Boolean (B or 1, 1, T, S): query column q sees key column c when q - window < c <= q,
+        c was written, and c is not a row's left padding (but q itself)."""
+        cols = self.key_columns(length, T)[None, :]  # (1, S)
+        q = torch.arange(length, length + T, device=cols.device)[:, None]  # (T, 1)
+        allowed = (cols <= q) & (cols > q - self.window) & (cols >= 0)  # (T, S)
+        if start is None:
+            return allowed[None, None]
+        seen = (cols[None] >= start[:, None, None]) | (cols == q)[None]  # (B, T, S)
+        return (allowed[None] & seen).unsqueeze(1)
+
+    def check_truncate(self, length: int) -> None:
+        """A cut back to ``length`` must find the window before it still there."""
+        if max(0, length - self.window + 1) < self.high - self.size:
+            raise ValueError(
+                f"cannot truncate a sliding-window cache to {length}: its ring of {self.size} columns "
+                f"was written up to {self.high} (give it more slack)"
+            )
+
+    def reorder(self, parent_idx: Tensor) -> None:
+        self._plan = None
+        self.k = self.k.index_select(1, parent_idx)
+        self.v = self.v.index_select(1, parent_idx)
+
+
 class KVCache:
-    """Keys and values of every layer, ``(n_layer, B, n_kv_head, columns, head_dim)``."""
+    """Keys and values of every layer, ``(n_layer, B, n_kv_head, columns, head_dim)``; with
+    ``windows`` the sliding-window layers' in a ``WindowRing`` instead (``k`` and ``v`` then hold
+    the other layers, in order)."""
 
     def __init__(
         self,
@@ -103,8 +197,19 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         start: Tensor | None = None,
+        windows: tuple[list[int], int, int] | None = None,
     ) -> None:
+        """``windows``: (the sliding-window layers, the window, the slack), their keys and values
+        kept in a ring of window + slack columns."""
         self._max_len = max_len
+        self.ring: WindowRing | None = None
+        self.index = list(range(n_layer))  # model layer -> row of k and v (-1: in the ring)
+        if windows is not None:
+            local, window, slack = windows
+            self.index = [-1] * n_layer
+            for row, layer in enumerate(i for i in range(n_layer) if i not in local):
+                self.index[layer] = row
+            n_layer -= len(local)
         shape = (n_layer, batch_size, n_head, min(max_len, GROW), head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -113,6 +218,9 @@ class KVCache:
         if start is None:
             start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.padding = LeftPadding(start.to(device=device, dtype=torch.long), max_len)
+        if windows is not None:
+            local, window, slack = windows
+            self.ring = WindowRing(local, window, min(window + slack, max_len), self.k)
 
     @classmethod
     def for_model(
@@ -123,21 +231,32 @@ class KVCache:
         max_len: int | None = None,
         start: Tensor | None = None,
         dtype: torch.dtype | None = None,
+        window_slack: int | None = None,
     ) -> KVCache:
         """A cache sized for ``model`` (default length: its context window), holding keys and values
         in the dtype the forward computes them in (default: the autocast dtype under autocast, so
-        no decoding step casts the whole cache; else the weights')."""
+        no decoding step casts the whole cache; else the weights'). ``window_slack`` (not None):
+        the sliding-window layers keep only their window, plus that many columns to roll back."""
         cfg = model.config
         param = next(model.parameters())
+        max_len = max_len or cfg.block_size
+        local = [i for i in range(cfg.n_layer) if cfg.is_local(i)]
+        ringed = (
+            window_slack is not None
+            and bool(local)
+            and cfg.position != "alibi"  # (its distances count columns in order)
+            and cfg.sliding_window + window_slack < max_len
+        )
         return cls(
             cfg.n_layer,
             batch_size,
             cfg.n_kv_head,  # grouped-query attention caches only the key/value heads
-            max_len or cfg.block_size,
+            max_len,
             cfg.head_dim,
             device=param.device,
             dtype=dtype or compute_dtype(param.device, param.dtype),
             start=start,
+            windows=(local, cfg.sliding_window, window_slack) if ringed else None,
         )
 
     @property
@@ -169,6 +288,13 @@ class KVCache:
         if min(columns, self._max_len) > self.k.size(3):
             self._grow(min(columns, self._max_len))
 
+    def window_mask(self, T: int) -> Tensor | None:
+        """The sliding-window layers' mask for a forward of T new columns when the ring holds
+        them (``WindowRing.mask``), else None: their mask is the model's."""
+        if self.ring is None:
+            return None
+        return self.ring.mask(self.length, T, self.padding.start if self.padding.has_padding else None)
+
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k, v`` of shape (B, H, T, D) after the filled columns; return all keys/values.
 
@@ -177,9 +303,13 @@ class KVCache:
         end = self.length + k.size(2)
         if end > self._max_len:
             raise ValueError(f"KV cache overflow: {end} > {self._max_len} columns")
+        row = self.index[layer]
+        if row < 0:  # a sliding-window layer's ring
+            assert self.ring is not None
+            return self.ring.update(layer, self.length, k, v)
         if end > self.k.size(3):
             self._grow(end)
-        keys, values = self.k[layer], self.v[layer]
+        keys, values = self.k[row], self.v[row]
         keys.narrow(2, self.length, k.size(2)).copy_(k)
         values.narrow(2, self.length, k.size(2)).copy_(v)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
@@ -187,12 +317,16 @@ class KVCache:
     def advance(self, n: int) -> None:
         """Mark ``n`` more columns as filled (called once per forward)."""
         self.length += n
+        if self.ring is not None:
+            self.ring.high = max(self.ring.high, self.length)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` filled columns (speculative decoding drops the keys and
         values of rejected tokens; the next write goes over them)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} columns to {length}")
+        if self.ring is not None:
+            self.ring.check_truncate(length)
         self.length = length
 
     def reorder(self, parent_idx: Tensor, shared: int = 0) -> None:
@@ -216,6 +350,8 @@ class KVCache:
         self._spare = (self.k, self.v) if self.k.size(1) == n else None
         self.k, self.v = k, v
         self.padding = self.padding.select(parent_idx)
+        if self.ring is not None:
+            self.ring.reorder(parent_idx)
 
     def expand(self, n: int) -> None:
         """Repeat every row ``n`` times (row b becomes rows b*n .. b*n+n-1)."""
@@ -224,5 +360,7 @@ class KVCache:
     def reset(self, start: Tensor | None = None) -> None:
         """Empty the cache (e.g. before re-prefilling a sliding window)."""
         self.length = 0
+        if self.ring is not None:
+            self.ring.high = 0
         if start is not None:
             self.padding = LeftPadding(start.to(device=self.k.device, dtype=torch.long), self._max_len)

@@ -3,7 +3,8 @@
 Every scheme answers the same three questions, most of them with "nothing to do":
 
 - ``embed(x, pos)``: what to add to the token embeddings (learned, sinusoidal);
-- ``rotate(q, k, pos)``: how to turn queries and keys (rotary);
+- ``rotate(q, k, pos, local)``: how to turn queries and keys (rotary; ``local``: a sliding-window
+  layer's, which may have its own base);
 - ``bias(allowed, n_cached, dtype)``: what to add to the attention scores (ALiBi).
 
 ``pos`` holds position ids (B or 1, T): a row's column minus its left padding.
@@ -42,7 +43,7 @@ class Positions(nn.Module):
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         return x
 
-    def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    def rotate(self, q: Tensor, k: Tensor, pos: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
         return q, k
 
     def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
@@ -117,19 +118,37 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
     return inv, 1.0
 
 
+def rotary_tables(n_pos: int, inv: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """cos and sin (n_pos, D) of every position's angles for the frequencies ``inv`` (D/2,)."""
+    angles = torch.outer(torch.arange(n_pos, dtype=torch.float32), inv)  # (n_pos, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (n_pos, D)
+    return angles.cos() * scale, angles.sin() * scale
+
+
 class Rotary(Positions):
-    """Rotary position embedding (rotate-half layout, as in Llama), applied to queries and keys."""
+    """Rotary position embedding (rotate-half layout, as in Llama), applied to queries and keys.
+    With ``rope_local_base`` the sliding-window layers turn by that base's own table, unscaled."""
 
     def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
-        inv, scale = rope_frequencies(cfg)
-        angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv)  # (n_pos, D/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (n_pos, D)
-        return {"cos": angles.cos() * scale, "sin": angles.sin() * scale}
+        cos, sin = rotary_tables(cfg.block_size, *rope_frequencies(cfg))
+        if not cfg.rope_local_base:
+            return {"cos": cos, "sin": sin}
+        D = cfg.head_dim
+        inv = 1.0 / (cfg.rope_local_base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        cos_local, sin_local = rotary_tables(cfg.block_size, inv, 1.0)
+        return {"cos": cos, "sin": sin, "cos_local": cos_local, "sin_local": sin_local}
 
-    def rotate(self, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    def table(self, local: bool) -> tuple[Tensor, Tensor]:
+        """cos and sin (n_pos, D) of a local or a global layer."""
+        if local and hasattr(self, "cos_local"):
+            return self.cos_local, self.sin_local
+        return self.cos, self.sin
+
+    def rotate(self, q: Tensor, k: Tensor, pos: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
         """Rotate q and k (B, H, T, D) by positions pos (B or 1, T)."""
-        cos = self.cos[pos].unsqueeze(1).to(q.dtype)  # (B or 1, 1, T, D)
-        sin = self.sin[pos].unsqueeze(1).to(q.dtype)
+        cos, sin = self.table(local)
+        cos = cos[pos].unsqueeze(1).to(q.dtype)  # (B or 1, 1, T, D)
+        sin = sin[pos].unsqueeze(1).to(q.dtype)
         return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
 

@@ -46,9 +46,25 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
-NORMS: dict[str, Callable[[ModelConfig], nn.Module]] = {
-    "layernorm": lambda cfg: nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias),
-    "rmsnorm": lambda cfg: RMSNorm(cfg.n_embd, cfg.norm_eps),
+class RMSNorm1p(nn.Module):
+    """RMSNorm scaled by (1 + weight), computed in float32 and rounded back once (Gemma's): the
+    weight starts at zero."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+NORMS: dict[str, Callable[[int, ModelConfig], nn.Module]] = {  # (width, config) -> norm
+    "layernorm": lambda dim, cfg: nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias),
+    "rmsnorm": lambda dim, cfg: RMSNorm(dim, cfg.norm_eps),
+    "rmsnorm1p": lambda dim, cfg: RMSNorm1p(dim, cfg.norm_eps),
 }
 
 
@@ -58,7 +74,9 @@ class PreNorm:
     final_norm = True
 
     @staticmethod
-    def residual(x: Tensor, attn: Sublayer, mlp: Sublayer, norm_1: Sublayer, norm_2: Sublayer) -> Tensor:
+    def residual(
+        x: Tensor, attn: Sublayer, mlp: Sublayer, norm_1: Sublayer, norm_2: Sublayer, *post: Sublayer
+    ) -> Tensor:
         x = x + attn(norm_1(x))
         return x + mlp(norm_2(x))
 
@@ -69,12 +87,33 @@ class PostNorm:
     final_norm = False
 
     @staticmethod
-    def residual(x: Tensor, attn: Sublayer, mlp: Sublayer, norm_1: Sublayer, norm_2: Sublayer) -> Tensor:
+    def residual(
+        x: Tensor, attn: Sublayer, mlp: Sublayer, norm_1: Sublayer, norm_2: Sublayer, *post: Sublayer
+    ) -> Tensor:
         x = norm_1(x + attn(x))
         return norm_2(x + mlp(x))
 
 
-PLACEMENTS: dict[str, type[PreNorm] | type[PostNorm]] = {"pre": PreNorm, "post": PostNorm}
+class SandwichNorm:
+    """Pre-norm whose sublayer outputs are normalized too, before the residual sum (Gemma 2/3):
+    ``post`` holds those two norms."""
+
+    final_norm = True
+
+    @staticmethod
+    def residual(
+        x: Tensor, attn: Sublayer, mlp: Sublayer, norm_1: Sublayer, norm_2: Sublayer, *post: Sublayer
+    ) -> Tensor:
+        post_1, post_2 = post
+        x = x + post_1(attn(norm_1(x)))
+        return x + post_2(mlp(norm_2(x)))
+
+
+PLACEMENTS: dict[str, type[PreNorm] | type[PostNorm] | type[SandwichNorm]] = {
+    "pre": PreNorm,
+    "post": PostNorm,
+    "sandwich": SandwichNorm,
+}
 
 
 # ----------------------------------------------------------------------------- attention
@@ -91,6 +130,8 @@ class Context:
     is_causal: bool  # let SDPA apply plain causality itself
     cache: KVCache | None
     positions: Positions
+    local_mask: Any = None  # the mask of sliding-window layers (``Transformer.local_mask``)
+    local_is_causal: bool = False
 
 
 def causal_mask(
@@ -118,21 +159,28 @@ class CausalSelfAttention(nn.Module):
     """Multi-head scaled dot-product self-attention through ``F.scaled_dot_product_attention``.
 
     With grouped-query attention (``n_kv_head < n_head``) each key/value head serves
-    ``n_head / n_kv_head`` query heads; the KV cache holds only the key/value heads.
+    ``n_head / n_kv_head`` query heads; the KV cache holds only the key/value heads. A local layer
+    (``cfg.is_local``) attends through the sliding window, with its own rotary base when the
+    config gives one; a layer without rotary (``cfg.is_rotary``) turns nothing.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer  # index into the KV cache
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.local, self.rotary = cfg.is_local(layer), cfg.is_rotary(layer)
         self.dropout = cfg.dropout
+        self.scale = cfg.attn_scalar**-0.5 if cfg.attn_scalar else None  # None: SDPA's 1/sqrt(D)
+        self.softcap = cfg.attn_softcap
         kv_width = cfg.n_kv_head * cfg.head_dim
-        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv_width, bias=cfg.attn_bias)  # q, k, v
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.q_width + 2 * kv_width, bias=cfg.attn_bias)  # q, k, v
+        self.c_proj = nn.Linear(cfg.q_width, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        # QK-norm: each head's queries and keys RMS-normalized (with a learned gain) before positions
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # QK-norm: each head's queries and keys RMS-normalized (with a learned gain) before positions;
+        # (1 + weight) RMSNorms when the model's norms are those
+        qk_norm = "rmsnorm1p" if cfg.norm == "rmsnorm1p" else "rmsnorm"
+        self.q_norm = NORMS[qk_norm](cfg.head_dim, cfg) if cfg.qk_norm else None
+        self.k_norm = NORMS[qk_norm](cfg.head_dim, cfg) if cfg.qk_norm else None
 
     def split_heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, C + 2 * KV * D) -> q (B, H, T, D), k and v (B, KV, T, D)."""
@@ -158,27 +206,65 @@ class CausalSelfAttention(nn.Module):
         return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        B, T, C = x.size()
+        B, T, _ = x.size()
         q, k, v = self.split_heads(self.c_attn(x))
         q, k = self.normalize_qk(q, k)
-        q, k = ctx.positions.rotate(q, k, ctx.pos)
+        if self.rotary:
+            q, k = ctx.positions.rotate(q, k, ctx.pos, local=self.local)
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer, k, v)  # (B, KV, S, D), S = cached + T
         k, v = self.share_heads(k, v)
-        if ctx.mask is not None and not isinstance(ctx.mask, Tensor):  # a BlockMask: FlexAttention
-            y = flex_attention(q, k, v, ctx.mask)
+        mask, is_causal = (ctx.local_mask, ctx.local_is_causal) if self.local else (ctx.mask, ctx.is_causal)
+        dropout = self.dropout if self.training else 0.0
+        if mask is not None and not isinstance(mask, Tensor):  # a BlockMask: FlexAttention
+            y = flex_attention(q, k, v, mask)
+        elif self.softcap:
+            y = softcapped_attention(q, k, v, mask, is_causal, self.scale, self.softcap, dropout)
         else:
             y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=ctx.mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                is_causal=ctx.is_causal,
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=self.scale
             )
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, H, T, D) -> (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, H, T, D) -> (B, T, H * D)
         y = self.c_proj(y)
         return self.resid_dropout(y) if self.training else y
+
+
+def softcapped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    cap: float,
+    dropout: float,
+) -> Tensor:
+    """Attention of q (B, H, T, D) over k, v (B, H, S, D) whose scores are capped softly,
+    cap * tanh(score / cap) (Gemma 2), before the mask; softmax in float32."""
+    T, S = q.size(-2), k.size(-2)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.size(-1) ** -0.5)  # (B, H, T, S)
+    scores = torch.tanh(scores / cap) * cap
+    if is_causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = F.dropout(scores.float().softmax(-1).to(q.dtype), dropout)
+    return weights @ v
+
+
+def window_mask(
+    mask: Any, is_causal: bool, T: int, n_cached: int, window: int, device: torch.device
+) -> Tensor:
+    """``mask`` (None with ``is_causal``, boolean or additive (B or 1, 1 or H, T, S)) narrowed to
+    the sliding window: query column q sees key column k only when q - k < ``window``."""
+    q = torch.arange(n_cached, n_cached + T, device=device)[:, None]  # (T, 1)
+    k = torch.arange(n_cached + T, device=device)[None, :]  # (1, S)
+    near = q - k < window  # (T, S)
+    if mask is None:
+        return ((k <= q) & near if is_causal or T > 1 else near)[None, None]  # (1, 1, T, S)
+    if mask.dtype == torch.bool:
+        return mask & near
+    return mask.masked_fill(~near, float("-inf"))
 
 
 # ----------------------------------------------------------------------------- MLPs
@@ -234,7 +320,23 @@ class SwiGLU(MLP):
         return F.silu(gate(x)) * up(x)
 
 
-MLPS: dict[str, type[MLP]] = {"gelu": GeluMLP, "relu": ReluMLP, "relu2": ReluSquaredMLP, "swiglu": SwiGLU}
+class GeGLU(MLP):
+    """gelu(gate(x)) * up(x) with the tanh-approximate GELU (Shazeer 2020; Gemma)."""
+
+    gated = True
+
+    def hidden(self, x: Tensor, up: Sublayer, gate: Sublayer | None) -> Tensor:
+        assert gate is not None
+        return F.gelu(gate(x), approximate="tanh") * up(x)
+
+
+MLPS: dict[str, type[MLP]] = {
+    "gelu": GeluMLP,
+    "relu": ReluMLP,
+    "relu2": ReluSquaredMLP,
+    "swiglu": SwiGLU,
+    "geglu": GeGLU,
+}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -246,13 +348,20 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.placement = PLACEMENTS[cfg.norm_placement]
-        self.ln_1 = NORMS[cfg.norm](cfg)
+        self.ln_1 = NORMS[cfg.norm](cfg.n_embd, cfg)
         self.attn = CausalSelfAttention(cfg, layer)
-        self.ln_2 = NORMS[cfg.norm](cfg)
+        self.ln_2 = NORMS[cfg.norm](cfg.n_embd, cfg)
         self.mlp = MLPS[cfg.mlp](cfg)
+        # sandwich norms: the attention's and the MLP's outputs normalized as well
+        self.post = (
+            nn.ModuleList(NORMS[cfg.norm](cfg.n_embd, cfg) for _ in range(2))
+            if cfg.norm_placement == "sandwich"
+            else None
+        )
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        return self.placement.residual(x, lambda h: self.attn(h, ctx), self.mlp, self.ln_1, self.ln_2)
+        post = () if self.post is None else tuple(self.post)
+        return self.placement.residual(x, lambda h: self.attn(h, ctx), self.mlp, self.ln_1, self.ln_2, *post)
 
 
 class Transformer(nn.Module):
@@ -269,7 +378,9 @@ class Transformer(nn.Module):
         self.positions = make_positions(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.ln_f = NORMS[cfg.norm](cfg) if PLACEMENTS[cfg.norm_placement].final_norm else nn.Identity()
+        self.ln_f = (
+            NORMS[cfg.norm](cfg.n_embd, cfg) if PLACEMENTS[cfg.norm_placement].final_norm else nn.Identity()
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -336,14 +447,18 @@ class Transformer(nn.Module):
             pos = document_positions(document)  # (B, T)
         else:
             pos = torch.arange(T, device=idx.device)[None, :]  # (1, T)
-        x = self.positions.embed(self.wte(idx), pos)  # (B, T, C)
+        x = self.embed(idx, pos)  # (B, T, C)
         if self.training:
             x = self.drop(x)
         # one mask per forward, in the dtype attention computes in (autocast's): no cast per layer
         mask, is_causal = self.attention_mask(
             T, cache, prefix_len, compute_dtype(idx.device, x.dtype), idx.device, document
         )
-        ctx = Context(pos, mask, is_causal, cache, self.positions)
+        ctx = Context(pos, mask, is_causal, cache, self.positions, mask, is_causal)
+        if self.config.sliding_window:  # local layers see less than the whole context
+            if prefix_len is not None and cache is not None and cache.ring is not None:
+                raise ValueError("a prefix LM's prompt attends both ways: its cache keeps every column")
+            ctx.local_mask, ctx.local_is_causal = self.local_mask(mask, is_causal, T, cache, idx.device)
         for block in self.h:
             x = block(x, ctx)
         if cache is not None:
@@ -353,6 +468,28 @@ class Transformer(nn.Module):
         elif output_index is not None:
             x = x.reshape(B * T, -1).index_select(0, output_index)  # (B, T, C) -> (N, C)
         return self.cap_logits(self.vocab_logits(self.lm_head(self.ln_f(x))))
+
+    def local_mask(
+        self, mask: Any, is_causal: bool, T: int, cache: KVCache | None, device: torch.device
+    ) -> tuple[Any, bool]:
+        """The sliding-window layers' mask of a forward of T new tokens whose other layers' is
+        ``mask`` (``is_causal``): the cache's ring's when it keeps only the window, else ``mask``
+        narrowed to the window once the sequence is longer than it."""
+        ring = cache.window_mask(T) if cache is not None else None
+        if ring is not None:
+            return ring, False
+        n_cached = cache.length if cache is not None else 0
+        if n_cached + T <= self.config.sliding_window:
+            return mask, is_causal
+        return window_mask(mask, is_causal, T, n_cached, self.config.sliding_window, device), False
+
+    def embed(self, idx: Tensor, pos: Tensor) -> Tensor:
+        """The input of the first block (B, T, C): token embeddings (times sqrt(C) in the weights'
+        dtype with ``--scale-embeddings``) and position embeddings."""
+        x = self.wte(idx)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        return self.positions.embed(x, pos)
 
     def vocab_logits(self, logits: Tensor) -> Tensor:
         """The head's output (.., padded V) over the logical vocabulary (.., V): a view without
@@ -385,7 +522,8 @@ class Transformer(nn.Module):
             if cache is not None or prefix_len is not None:
                 raise ValueError("document ids are for training windows: no cache, no prefix")
             dropout = self.training and self.config.dropout > 0
-            allowed = document_mask(document, plain=scored or dropout)
+            # (a FlexAttention BlockMask is not narrowed to a sliding window: the plain mask is)
+            allowed = document_mask(document, plain=scored or dropout or bool(self.config.sliding_window))
             return (self.positions.bias(allowed, 0, dtype) if scored else allowed), False
         if not (scored or padded or prefix_len is not None):
             if T == 1 or n_cached == 0:

@@ -354,7 +354,11 @@ def _response_format(body: dict[str, Any]) -> Constraint | None:
         )
     schema = spec.get("schema")
     if schema is None:
-        return Constraint("json_object")
+        raise ApiError(
+            400,
+            'response_format.json_schema has no "schema": give one, or {"type": "json_object"}',
+            param="response_format",
+        )
     if not isinstance(schema, dict):
         raise ApiError(
             400, "response_format.json_schema.schema must be a JSON object", param="response_format"
@@ -366,7 +370,10 @@ def _processors(body: dict[str, Any], model: Model, tools: Tools | None) -> Any:
     """Each row's processors: the grammar of ``response_format`` or of a call the request
     requires (compiled now: a constraint that fails is this request's 400)."""
     constraint, param = _response_format(body), "response_format"
-    required = tool_calls.constraint(tools) if tools is not None else None
+    try:
+        required = tool_calls.constraint(tools) if tools is not None else None
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     if required is not None:
         if constraint is not None:
             raise ApiError(400, "response_format cannot be given with a required tool call", param=param)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcli.generate.constrain import JSON_OPTIONS, Constraint
+from lmcli.generate.schemas import no_finite_value
 from lmcli.text.template_render import Template
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -112,22 +113,26 @@ def constraint(tools: Tools) -> Constraint | None:
     if tools.choice in ("auto", "none"):
         return None
     key = "arguments" if tools.format == "hermes" else "parameters"
-    options = [
-        {
+    options = {
+        i: {
             "type": "object",
             "properties": {"name": {"const": f["function"]["name"]}, key: f["function"]["parameters"]},
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for f in tools.functions
+        for i, f in enumerate(tools.functions)
         if tools.choice == "required" or f["function"]["name"] == tools.choice
-    ]
-    root: dict[str, Any] = {"anyOf": options, "x-guidance": JSON_OPTIONS}
+    }
+    root: dict[str, Any] = {"anyOf": list(options.values()), "x-guidance": JSON_OPTIONS}
     for f in tools.functions:  # "#/$defs/..." references resolve against the root: the defs go there
-        for key in ("$defs", "definitions"):
-            for name, definition in f["function"]["parameters"].get(key, {}).items():
-                if root.setdefault(key, {}).setdefault(name, definition) != definition:
-                    raise ToolError(f"tools: two functions define {key}/{name} differently", "tools")
+        for defs in ("$defs", "definitions"):
+            for name, definition in f["function"]["parameters"].get(defs, {}).items():
+                if root.setdefault(defs, {}).setdefault(name, definition) != definition:
+                    raise ToolError(f"tools: two functions define {defs}/{name} differently", "tools")
+    for i, option in options.items():  # a call that cannot be written fails before admission
+        reason = no_finite_value(option, root)
+        if reason is not None:
+            raise ToolError(f"tools[{i}].function.parameters: {reason}", "tools")
     schema = json.dumps(root)
     call = f"call: %json {schema}"
     if tools.format == "hermes":

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.errors import LmcliError
+from lmcli.safe_io import check_text
 from lmcli.text.template_render import (
     TEMPLATE_LIMIT,
     Renderer,
@@ -130,17 +131,6 @@ def _render_jinja(
         return renderer.render(template, contexts, max_chars=max_chars)
     with Renderer() as own:
         return own.render(template, contexts, max_chars=max_chars)
-
-
-def check_text(text: str, where: str) -> str:
-    """``text`` if it is text Unicode can encode: a lone surrogate (``"\\ud800"`` in JSON) is
-    refused in one line naming ``where``."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = text[exc.start]
-        raise LmcliError(f"{where} holds a lone surrogate (U+{ord(bad):04X}): not text") from None
-    return text
 
 
 def check_messages(messages: Any) -> list[Message]:

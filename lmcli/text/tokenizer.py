@@ -26,13 +26,14 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from lmcli.config.train import TOKENIZER_KINDS
 from lmcli.errors import LmcliError
-from lmcli.safe_io import read_json_object
+from lmcli.safe_io import check_text, read_input, read_json_object
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<sep>")
 PIECE_CHARS = 1 << 12  # the longest piece BPE trains on or encode_batch encodes (2-4 KiB: ~30% faster)
 ROLES = ("bos", "eos", "pad", "unk", "sep")
 CONFIG = "tokenizer_config.json"  # beside tokenizer.json: the named roles and the chat template
 CONFIG_LIMIT = 64 << 20  # a tokenizer_config.json holds a few MiB at most
+TOKENIZER_LIMIT = 512 << 20  # a tokenizer.json (a 256k vocabulary and its merges: ~30 MiB)
 
 # Names tried, in order, for each special role (lmcli's own first, then common conventions).
 _ROLE_NAMES = {
@@ -204,8 +205,9 @@ class Tokenizer:
         try:
             specials, template = read_config(path.parent / CONFIG)
             add_bos, add_eos = read_flags(path.parent / CONFIG)
+            spec = read_input(path, TOKENIZER_LIMIT, "tokenizer").decode("utf-8", errors="replace")
             tok = cls(
-                HFTokenizer.from_file(str(path)),
+                HFTokenizer.from_str(spec),
                 specials,
                 template,
                 add_bos=True if add_bos is None else add_bos,  # lmcli's own: <bos> first
@@ -252,10 +254,19 @@ class Tokenizer:
         return "other"
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        except TypeError:  # "TextInputSequence must be str": a lone surrogate is one line
+            check_text(text, "the text")
+            raise
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        try:
+            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        except TypeError:
+            for i, text in enumerate(texts):
+                check_text(text, f"text {i}")
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

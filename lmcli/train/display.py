@@ -46,6 +46,10 @@ class TrainProgress:
         total = self.progress.tasks[0].total
         tok_s = record["tokens_per_s"]
         stats = f"loss {record['train_loss']:.4f}  lr {record['lr']:.2e}  {fmt_rate(tok_s)} tok/s"
+        if "margin" in record:  # --task dpo
+            stats += f"  margin {record['margin']:.3f}  acc {record['accuracy']:.2f}"
+        if "reward" in record:  # --task grpo
+            stats += f"  reward {record['reward']:.3f}"
         if record.get("mfu") is not None:
             stats += f"  MFU {100 * record['mfu']:.1f}%"
         remaining = []

@@ -47,6 +47,7 @@ from lmcli.train.parallel import (
     check_launch,
     clip_grad_norm,
 )
+from lmcli.train.posttrain import GRPOTraining
 from lmcli.train.preflight import (
     fmt_duration,
 )
@@ -126,6 +127,8 @@ def fit(run: Run, rep: Reporter) -> TrainResult:
     marks.log_step, marks.log_time = state.step, time.time()
     stopped = "max_steps"
     bar = rep.progress if run.dist.is_main else None
+    if isinstance(run.post, GRPOTraining) and state.step == 0:
+        baseline(run)
     if bar is not None:
         bar.start(run.max_steps, state.step, max_time)
     try:
@@ -176,16 +179,30 @@ def set_lr(run: Run, elapsed: float) -> float:
 
 
 def train_step(run: Run) -> torch.Tensor:
-    """One optimizer step over ``grad_accum`` micro-batches; returns the gradient norm."""
+    """One optimizer step over ``grad_accum`` micro-batches; returns the gradient norm. A grpo
+    step samples and rewards its replies first (``GRPOTraining.step``); a dpo micro-batch's loss
+    is its pairs' (``PreferenceTraining.micro_loss``)."""
+    if isinstance(run.post, GRPOTraining):
+        return run.post.step(run, optimizer_step)
     optim, state = run.cfg.optim, run.state
     accum, size = optim.grad_accum, optim.batch_size
     for micro in range(accum):
         batch = run.sampler.batch(state.cursor + run.dist.rank * size, size)
         state.cursor += run.global_batch
         with run.parallel.micro_batch(micro == accum - 1), autocast(run.device, run.amp):
-            loss = batch_loss(run.trained, batch.to(run.device, run.staging), run.cfg)
+            batch = batch.to(run.device, run.staging)
+            if run.post is not None:
+                loss = run.post.micro_loss(run.trained, batch)
+            else:
+                loss = batch_loss(run.trained, batch, run.cfg)
         run.scaler.scale(loss / accum).backward()
         run.marks.running += loss.detach() / accum
+    return optimizer_step(run)
+
+
+def optimizer_step(run: Run) -> torch.Tensor:
+    """The optimizer's step on the gradients gathered (unscaled, clipped); the gradient norm."""
+    optim = run.cfg.optim
     run.scaler.unscale_(run.optimizer)
     grad_norm = clip_grad_norm(list(run.model.parameters()), optim.grad_clip)
     run.scaler.step(run.optimizer)
@@ -216,6 +233,8 @@ def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar
         "epoch": run.sampler.epoch_of(run.state.cursor),
     }
     record["mfu"] = run.mfu.of(record["tokens_per_s"], run.dist.world_size)
+    if run.post is not None:  # dpo: rewards, margin, accuracy; grpo: rewards, spread, KL, lengths
+        record.update(run.post.logged())
     marks.log_step, marks.log_time = step, now
     run.trackers.log(step, record)  # rank 0's; no backend on the others
     if bar is not None:
@@ -233,13 +252,17 @@ def require_finite(run: Run, loss: float) -> None:
 def validate(run: Run) -> bool:
     """The validation loss (and, for translation, greedy BLEU), logged; True if it is the best."""
     state, cfg = run.state, run.cfg
-    loss = run.marks.val_loss = evaluate_loss(run.model, run.data, cfg, run.device, run.amp, run.dist)
+    if run.post is not None:
+        loss, scores = post_validation(run)
+    else:
+        loss, scores = evaluate_loss(run.model, run.data, cfg, run.device, run.amp, run.dist), {}
+    run.marks.val_loss = loss
     improved = loss < state.best_val
     state.best_val = min(state.best_val, loss)
     run.marks.val_step = state.step
     for average in run.averages:
         average.val_loss = evaluate_loss(average.module, run.data, cfg, run.device, run.amp, run.dist)
-    record = validation_record(run, loss) if run.dist.is_main else {}
+    record = validation_record(run, loss, scores) if run.dist.is_main else {}
     if cfg.selected_metric != "val_loss":  # a score rank 0 alone computes: every rank follows it
         improved = run.dist.is_main and select_improved(run, record, loss)
         if run.dist.enabled:
@@ -254,10 +277,38 @@ def validate(run: Run) -> bool:
             scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
         scores += describe_scores(record)
         run.info(
-            f"step {state.step}: train loss {train_loss:.4f}, val loss {loss:.4f} "
-            f"(ppl {math.exp(min(loss, 50)):.2f}){scores}" + (" *best*" if improved else "")
+            f"step {state.step}: train loss {train_loss:.4f}, {describe_validation(run, record, loss)}"
+            f"{scores}" + (" *best*" if improved else "")
         )
     return improved
+
+
+def post_validation(run: Run) -> tuple[float, dict[str, float]]:
+    """dpo: the loss, accuracy and margin of held-out pairs; grpo: the reward and pass@1 of
+    held-out prompts (its loss: minus the reward). The first ``eval_batches`` batches of them."""
+    size = run.cfg.optim.batch_size
+    limit = run.cfg.validation.eval_batches * size
+    if isinstance(run.post, GRPOTraining):
+        return run.post.validate(run, run.data.val[:limit])
+    batches = (b.to(run.device) for b in run.data.val_batches(size, limit))
+    with autocast(run.device, run.amp):
+        return run.post.validate(run.model, batches)
+
+
+def baseline(run: Run) -> None:
+    """grpo: the starting model's validation, logged at step 0 (what the run is to improve on);
+    it sets no best."""
+    _, scores = post_validation(run)
+    if run.dist.is_main:
+        run.trackers.log(0, {"step": 0, **scores})
+        run.info(f"step 0 (the starting model): {describe_validation(run, scores, 0.0)}")
+
+
+def describe_validation(run: Run, record: dict[str, Any], loss: float) -> str:
+    """A validation in words: its loss (and perplexity), or a post-training task's scores."""
+    if run.post is not None:
+        return run.post.summary(record)
+    return f"val loss {loss:.4f} (ppl {math.exp(min(loss, 50)):.2f})"
 
 
 def select_improved(run: Run, record: dict[str, Any], loss: float) -> bool:
@@ -273,10 +324,13 @@ def select_improved(run: Run, record: dict[str, Any], loss: float) -> bool:
     return False
 
 
-def validation_record(run: Run, loss: float) -> dict[str, Any]:
-    """Rank 0: the validation's scores (greedy BLEU/chrF for translation), logged."""
+def validation_record(run: Run, loss: float, scores: dict[str, float]) -> dict[str, Any]:
+    """Rank 0: the validation's scores (greedy BLEU/chrF for translation; a post-training task's
+    ``scores``), logged."""
     state, cfg = run.state, run.cfg
     record: dict[str, Any] = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+    if run.post is not None:  # dpo: its loss, no perplexity; grpo: the reward, no loss
+        record = {"step": state.step, **scores}
     for average in run.averages:
         record[f"val_loss_{average.name}"] = average.val_loss
     task = make_task(cfg)
@@ -346,10 +400,10 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
                 f"time limit reached at step {state.step}; "
                 f"continue with: lmcli train --resume {run.run_dir} --max-time ..."
             )
-        run.info(
-            f"done in {fmt_duration(elapsed)}: best validation loss {state.best_val:.4f}; "
-            f"run folder {run.run_dir}"
-        )
+        best_text = f"best validation loss {state.best_val:.4f}"
+        if run.post is not None:
+            best_text = run.post.best(state.best_val)
+        run.info(f"done in {fmt_duration(elapsed)}: {best_text}; run folder {run.run_dir}")
     best = state.best_val if math.isfinite(state.best_val) else None
     marks = run.marks
     result = TrainResult(run.run_dir, state.step, marks.train_loss, marks.val_loss, best, elapsed, stopped)

@@ -77,18 +77,34 @@ def _plot(plt: Any, lines: list[Curve], ylabel: str, out: Path) -> None:
 
 
 def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
-    """Write train/validation loss against step to ``out`` (PNG); a reason string if impossible."""
+    """Write train/validation loss against step to ``out`` (PNG); a reason string if impossible.
+    A dpo run's margin joins its loss; a grpo run plots its reward instead."""
     plt = _pyplot()
     if plt is None:
         return "matplotlib is not installed (pip install 'lmcli[plot]'), so no loss.png"
-    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    if not train and not val:
+    if any("reward" in r for r in records):  # --task grpo: the reward rises
+        lines = _curves(records, "reward", "val_reward")
+        _plot(plt, lines, "reward", out)
+        return None
+    lines = _curves(records, "train_loss", "val_loss")
+    if not lines:
         return "no metrics to plot"
-    lines = [(train, {"label": "train", "linewidth": 1})] if train else []
-    lines += [(val, {"label": "validation", "marker": "o", "markersize": 3})] if val else []
+    if any("margin" in r for r in records):  # --task dpo: the loss falls as the margin rises
+        margins = _curves(records, "margin", "val_margin")
+        for _, style in margins:
+            style["label"] = f"{style['label']} margin"
+        _plot(plt, lines + margins, "loss, margin (nats)", out)
+        return None
     _plot(plt, lines, "loss (nats/token)", out)
     return None
+
+
+def _curves(records: list[dict[str, Any]], train_key: str, val_key: str) -> list[Curve]:
+    """The training curve of ``train_key`` and the validation curve of ``val_key`` (those present)."""
+    train = [(r["step"], r[train_key]) for r in records if train_key in r]
+    val = [(r["step"], r[val_key]) for r in records if val_key in r]
+    lines: list[Curve] = [(train, {"label": "train", "linewidth": 1})] if train else []
+    return lines + ([(val, {"label": "validation", "marker": "o", "markersize": 3})] if val else [])
 
 
 def plot_task_scores(records: list[dict[str, Any]], out: Path) -> bool:

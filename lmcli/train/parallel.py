@@ -32,6 +32,7 @@ from lmcli.config.train import TrainConfig
 from lmcli.errors import LmcliError
 from lmcli.model import lora
 from lmcli.model.transformer import Transformer
+from lmcli.tasks import make_task
 from lmcli.train.activations import checkpoint_blocks
 from lmcli.train.distributed import Dist
 from lmcli.train.sharded import Contents, save_sharded, save_whole
@@ -68,6 +69,11 @@ def choose_parallel(cfg: TrainConfig, dist_info: Dist, need: int, available: int
         raise LmcliError(
             "--parallel fsdp cannot decode BLEU samples during training (rank 0 decodes alone); "
             "give --bleu-samples 0 and score the checkpoints with lmcli eval"
+        )
+    if chosen == "fsdp" and make_task(cfg).post_options:  # dpo, grpo
+        raise LmcliError(
+            f"--parallel fsdp does not run --task {cfg.task} yet (its reference and rollouts need "
+            "whole weights): use --parallel ddp, or LoRA (--lora-rank) to fit one device"
         )
     return chosen if chosen == "fsdp" or dist_info.enabled else "none"
 

@@ -207,7 +207,7 @@ def estimated_memory(
     block size)."""
     flash = device.type == "cuda" and not model.positions.biases_scores and not make_task(cfg).prefix_lm
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    params, batch = model.num_parameters(), cfg.optim.batch_size
+    params, batch = model.num_parameters(), cfg.optim.batch_size * make_task(cfg).sequences()
     recompute = cfg.parallelism.activation_checkpointing
     return estimate_memory(
         model.config,

@@ -101,6 +101,7 @@ class Run:
     staging: Staging | None = None  # batches' copies to a GPU, through reused pinned buffers
     base: dict[str, Any] | None = None  # a LoRA run's base reference (lora_base.base_reference)
     eval_tasks: list[Any] | None = None  # --eval-task files, scored at each validation (task_scores)
+    post: Any = None  # --task dpo/grpo: the reference and the step (train.posttrain.PostTraining)
 
     @property
     def global_batch(self) -> int:

@@ -23,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lmcli.config.fields import flag_name, option_fields
 from lmcli.config.files import from_dict, option_items, replace_options, split_options, stored_fields, to_dict
 from lmcli.config.model import ModelConfig
 from lmcli.config.train import TOKENIZER_KINDS, TrainConfig
@@ -235,6 +236,65 @@ def check_resumable(saved: ModelConfig, requested: ModelConfig) -> None:
         raise LmcliError(f"cannot resume with a different model shape ({what})")
 
 
+def _same_value(field: Any, given: Any, saved: Any) -> bool:
+    """Whether an option given now (a flag's or a config file's value) is what the run stored:
+    paths compared as the files they name, lists as tuples."""
+
+    def norm(value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return tuple(norm(v) for v in value)
+        if isinstance(value, str) and field.metadata.get("path") and value not in TOKENIZER_KINDS:
+            local = Path(value).exists() or glob.has_magic(value)  # as absolute_paths stores it
+            return os.path.realpath(value) if local else value
+        return value
+
+    return norm(given) == norm(saved)
+
+
+def _shown(value: Any) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
+def check_same_run(
+    run: str | Path, saved: dict[str, Any], file_options: dict[str, Any], cli_options: dict[str, Any]
+) -> None:
+    """A resume trains the run it resumes: one line naming the flag (or config file key) that
+    would change its task, base (``--init-from``) or tokenizer, or, without
+    ``--allow-new-data``, what it trains on (``TrainConfig.on_resume``)."""
+    declared = {f.name: f for _, f, _ in option_fields(TrainConfig)}
+    allow = cli_options.get("allow_new_data", file_options.get("allow_new_data")) or False
+    fixed, data = TrainConfig.on_resume("fixed"), TrainConfig.on_resume("data")
+    for source, options in (("flag", cli_options), ("config file", file_options)):
+        for name, value in options.items():
+            if name not in fixed and (allow or name not in data):
+                continue
+            f = declared[name]
+            was = saved.get(name, f.default)
+            if value is None or _same_value(f, value, was):
+                continue
+            flag = "the corpus" if f.metadata["argument"] else f"--{flag_name(name)}"
+            what = f"{flag} {_shown(value)}" if source == "flag" else f"{name} = {value!r} (config file)"
+            if name == "task":
+                raise LmcliError(
+                    f"{what}: {run} is a --task {was} run, and a resume keeps its task "
+                    f"(to train it as {value}: a new run with --init-from {run})"
+                )
+            if name == "init_from":
+                base = f"was started from {was}" if was else "was trained from scratch"
+                raise LmcliError(
+                    f"{what}: {run} {base}, and a resume keeps its base (to start from {value}: a new run)"
+                )
+            if name in fixed:
+                raise LmcliError(f"{what}: {run} has its own tokenizer, and a resume keeps it: drop {flag}")
+            stored = f"{flag} {_shown(was)}" if was or was == 0 else f"no {flag}"
+            if name == "corpus" and not was:
+                stored = "the built-in corpus"
+            raise LmcliError(
+                f"{what}: {run} trained with {stored}; "
+                "give --allow-new-data to resume on other (or moved) data"
+            )
+
+
 def resolve_configs(
     file_options: dict[str, Any], cli_options: dict[str, Any], *, resume: str | Path | None = None
 ) -> tuple[ModelConfig, TrainConfig]:
@@ -248,6 +308,7 @@ def resolve_configs(
         model = stored_fields(ModelConfig, dict(saved.get("model", {})))
         train = stored_fields(TrainConfig, dict(saved.get("train", {})))
         train.pop("out", None)  # a resumed run writes to its own folder unless --out says otherwise
+        check_same_run(resume, train, file_options, cli_options)
     for source, options in (("config file", file_options), ("options", cli_options)):
         m, t = split_options(options, source=source)
         model.update(m)

@@ -16,6 +16,7 @@ from lmcli.config.files import resolve_vocab_multiple, to_dict
 from lmcli.config.model import ModelConfig
 from lmcli.config.train import TrainConfig
 from lmcli.data.examples import pad_multiple
+from lmcli.data.preferences import load_preference_data, load_prompt_data
 from lmcli.data.train_data import ExampleData, TrainData, load_train_data
 from lmcli.device import (
     Staging,
@@ -37,6 +38,7 @@ from lmcli.formats.weights import model_from_state, model_state
 from lmcli.model import lora
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import refuse_symlinks
+from lmcli.tasks import make_task
 from lmcli.train.averaging import EMA
 from lmcli.train.distributed import (
     Dist,
@@ -46,7 +48,7 @@ from lmcli.train.distributed import (
 from lmcli.train.init_from import open_init
 from lmcli.train.losses import probe_step_seconds
 from lmcli.train.metrics import MetricsLog
-from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params, peak_tflops
+from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params
 from lmcli.train.optim import make_optimizer
 from lmcli.train.parallel import (
     Fill,
@@ -55,6 +57,8 @@ from lmcli.train.parallel import (
     make_parallel,
     per_process_memory,
 )
+from lmcli.train.posttrain import describe as describe_post
+from lmcli.train.posttrain import extra_memory, fill_tables, open_post_training
 from lmcli.train.preflight import (
     Preflight,
     available_memory,
@@ -112,12 +116,12 @@ def open_run(
     sampler = data.sampler(cfg.optim.batch_size, cfg.seed)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
     optimizer, scaler, state, states = training_state(model, cfg, amp, dist_info, device, averages)
+    post = open_post_training(cfg, model, resumed, data, states)  # dpo, grpo: the reference, rewards
     if resumed is not None:
         parallel.restore(resumed, model, states)
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
 
-    per_token = training_flops(model, cfg, data)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     in_place = resumed is not None and Path(resume) == run_dir
     trackers = open_trackers(
@@ -145,12 +149,14 @@ def open_run(
         marks=Marks(torch.zeros((), device=device), saved_step=state.step if resumed else -1),
         metrics=metrics,
         trackers=trackers,
-        mfu=MfuBasis(per_token, *peak_tflops(device, cfg.peak_tflops)),
+        mfu=MfuBasis.on(device, training_flops(model, cfg, data), cfg.peak_tflops),
         info=info,
         staging=Staging(device),
         base=base,
         eval_tasks=eval_tasks,
+        post=post,
     )
+    fill_tables(run, fresh=resumed is None)  # --precompute-reference: the model as training starts
     if dist_info.is_main:
         facts = show_preflight(run, rep)
         write_run_config(run_dir, model_config, cfg)
@@ -190,6 +196,14 @@ def open_data(
 ) -> TrainData:
     """The run's training and validation data, tokenized by rank 0 first (the other ranks then
     read its cache)."""
+    kind = make_task(cfg).examples
+    if kind in ("preferences", "prompts"):  # post-training's rows, in the model's tokenizer
+        block = model_config.block_size
+        if kind == "preferences":
+            data: Any = load_preference_data(cfg, block, tokenizer)
+            data.pad_multiple = pad_multiple(cfg.compile, device)
+            return data
+        return load_prompt_data(cfg, block, tokenizer, check=None)
     data = in_turn(
         lambda: load_train_data(
             cfg,
@@ -343,11 +357,12 @@ def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> i
 def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
     """Bytes a process needs: on a GPU after a probe step, its measured peak plus the optimizer
     state of what trains; otherwise the analytic estimate (per process: sharded state split)."""
-    if probed and run.device.type == "cuda":
+    if probed and run.device.type == "cuda":  # the probe's peak holds a reference copy already
         return measured_memory(torch.cuda.max_memory_allocated(run.device), trainable)
     shards = run.dist.world_size if run.parallel.sharded else 1
     longest = run.data.longest_example() if isinstance(run.data, ExampleData) else None
-    return estimated_memory(run.model, run.cfg, run.amp, run.device, shards, longest)
+    extra = extra_memory(run.cfg, run.model, run.post) if run.post is not None else 0
+    return estimated_memory(run.model, run.cfg, run.amp, run.device, shards, longest) + extra
 
 
 def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
@@ -356,6 +371,7 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
     cfg, model = run.cfg, run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     alone = not (cfg.compile or run.parallel.sharded)  # a sharded model steps with every rank
+    alone = alone and make_task(cfg).examples != "prompts"  # a grpo step samples first: no probe
     probe = probe_step_seconds(model, run.sampler, cfg, run.device, run.amp) if alone else None
     pre = Preflight(
         params=model.num_parameters(),
@@ -388,6 +404,8 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
         facts["processes"] = run.parallel.describe()
     if cfg.parallelism.activation_checkpointing != "none":
         facts["activation checkpointing"] = f"{cfg.parallelism.activation_checkpointing}, per block"
+    if run.post is not None:
+        facts["post-training"] = describe_post(run.post)
     if cfg.lora.lora_rank:
         facts["LoRA"] = (
             f"rank {cfg.lora.lora_rank} on {cfg.lora.lora_targets}: {fmt_count(trainable)} trainable "

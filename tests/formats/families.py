@@ -19,6 +19,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SHAPE = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64)
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+WINDOW = 8  # the sliding window of the families that have one: the tests run well past it
 
 # name -> (config class, config fields, special tokens, tokenizer_config roles, extra vocab rows)
 VARIANTS: dict[str, tuple] = {
@@ -78,6 +84,65 @@ VARIANTS: dict[str, tuple] = {
         dict(**SHAPE, num_key_value_heads=2, max_position_embeddings=96, sliding_window=48),
         ["<unk>", "<s>", "</s>"],
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+        0,
+    ),
+    "gemma3-window-scaled": (
+        transformers.Gemma3TextConfig,
+        dict(
+            **SHAPE | dict(num_hidden_layers=3),
+            num_key_value_heads=2,
+            head_dim=16,  # not hidden_size / heads
+            max_position_embeddings=64,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        {
+            "bos_token": "<bos>",
+            "eos_token": "<end_of_turn>",
+            "pad_token": "<pad>",
+            "chat_template": GEMMA_TEMPLATE,
+        },
+        0,
+    ),
+    "qwen3-window-untied": (
+        transformers.Qwen3Config,
+        dict(
+            **SHAPE,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        ),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        {
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "chat_template": CHAT_TEMPLATE,
+        },
+        0,
+    ),
+    "smollm3-nope-window": (
+        transformers.SmolLM3Config,
+        dict(
+            **SHAPE | dict(num_hidden_layers=4),
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+        ),
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|im_end|>"],
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>"},
         0,
     ),
 }

@@ -6,6 +6,11 @@ and biases), its matrices in one tensor type: F32/F16/BF16 and Q8_0/Q4_0/Q4_1 th
 ``gguf.quants.quantize``; the K types (Q4_K, Q5_K, Q6_K), which ``gguf`` reads but does not
 write, as random blocks with sane scales. Nothing of lmcli writes these files.
 
+``spm_source`` is a SentencePiece-style vocabulary (tokens, scores, types: control, unknown,
+user-defined and ``<0xNN>`` byte tokens) of a BPE trained on text with spaces as ``▁``, as a
+SentencePiece BPE model holds it; ``write_gguf_model(..., spm=...)`` writes it as llama.cpp's
+converter does (``tokenizer.ggml.model = "llama"``, scores, types, ``add_space_prefix``).
+
 ``reference_logits`` is a forward pass written from GGUF's side: it reads nothing but the file
 (metadata and tensors, through ``gguf.GGUFReader``, dequantized with ``gguf.quants``) and
 computes what llama.cpp's graphs compute in float64: ``gpt2`` (LayerNorm, tanh-GELU, learned
@@ -15,6 +20,8 @@ positions), ``llama`` (rotary on adjacent pairs) and ``qwen2`` (rotary on halves
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -22,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from families import hf_tokenizer
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 T = gguf.GGMLQuantizationType
 KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -41,6 +48,106 @@ TEXTS = [  # pre-tokenization cases: contractions, digits, runs of spaces, newli
 
 def field(reader: gguf.GGUFReader, key: str):
     return reader.fields[key].contents()
+
+
+SPM_TEXTS = (  # a SentencePiece vocabulary's corpus: prose, code, digits, accents, whitespace runs
+    "The quick brown fox jumps over the lazy dog. Naïve cafés serve crème brûlée.\n",
+    "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # 123 4567\n",
+    "    indented    spaces    and\ttabs\n\nnew paragraphs, 2024-05-01, 3.14159 and 1,000,000.\n",
+    "for i in range(10):\n        print(i ** 2, end=' ')\nif x != y: return {'a': [1, 2]}\n",
+)
+SPM_SPECIALS = {
+    "llama": ["<unk>", "<s>", "</s>"],
+    "gemma": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+}
+# added tokens that are not special (llama.cpp matches them in text even when it parses no special
+# tokens; it makes control tokens of a few names, such as <end_of_turn>, whatever the file says)
+USER_DEFINED = ["<start_of_image>", "<end_of_image>"]
+SPACE_RUNS = ["  ", "    "]  # Gemma's user-defined runs of spaces, as llama.cpp's converter writes them
+SPM_STRESS = [  # Unicode, runs of spaces and newlines, digits, code, turn markers, special-token text
+    "The quick brown fox: naïve café, crème brûlée — “quotes” and emoji 🙂; ümlaut ß 日本語\n",
+    "  two leading spaces,   three inside, a tab\tand trailing   ",
+    "\n\nnew paragraphs\n\n\n    indented 4\n        indented 8\r\n",
+    "digits 0 12 345 6789 3.14159 1,000,000 2024-05-01",
+    "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # {'a': [1, 2]}\n",
+    "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n",
+    "see <start_of_image>pixels<end_of_image> here and<start_of_image>",
+    "text that says <s> </s> <unk> <bos> <eos> is text",
+    " ",
+    "x",
+]
+
+
+@dataclass
+class SpmSource:
+    """A SentencePiece-style vocabulary as a GGUF file holds it."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]  # gguf.TokenType
+    add_space_prefix: bool
+    bos: int
+    eos: int
+    unk: int
+    pad: int | None = None
+
+
+def spm_source(style: str = "llama", vocab_size: int = 400) -> SpmSource:
+    """A vocabulary laid out as ``style``'s SentencePiece model: Llama 2's (<unk> <s> </s>, the
+    256 byte tokens, then the pieces; a space put in front of a text) or Gemma's (<pad> <eos>
+    <bos> <unk> and the turn markers, user-defined image markers, bytes, pieces; no space in
+    front). The pieces are a
+    BPE trained on ``SPM_TEXTS`` with spaces as ``▁``, scored as SentencePiece scores a BPE model:
+    a merge made earlier scores higher."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(  # words start with ▁; line breaks, tabs, digits alone
+        [
+            pre_tokenizers.Split(Regex("\u2581*[^\u2581\n\t]+|\u2581+|[\n\t]"), "isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False)
+    tok.train_from_iterator(SPM_TEXTS * 4, trainer=trainer)
+    pieces = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    TT = gguf.TokenType
+    specials = SPM_SPECIALS[style]
+    tokens = list(specials)
+    types = [TT.UNKNOWN if t == "<unk>" else TT.CONTROL for t in specials]
+    if style == "gemma":
+        tokens += USER_DEFINED + SPACE_RUNS
+        types += [TT.USER_DEFINED] * (len(USER_DEFINED) + len(SPACE_RUNS))
+    scores = [0.0] * len(tokens)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TT.BYTE] * 256
+    scores += [0.0] * 256
+    for rank, (piece, _) in enumerate(pieces):
+        tokens.append(piece)
+        types.append(TT.NORMAL)
+        scores.append(-float(rank + 1))
+    ids = {t: i for i, t in enumerate(tokens)}
+    if style == "gemma":
+        return SpmSource(
+            tokens, scores, [int(t) for t in types], False, ids["<bos>"], ids["<eos>"], ids["<unk>"], 0
+        )
+    return SpmSource(tokens, scores, [int(t) for t in types], True, ids["<s>"], ids["</s>"], ids["<unk>"])
+
+
+def write_spm_tokenizer(w: gguf.GGUFWriter, spm: SpmSource, add_bos: bool | None = True) -> None:
+    """A SentencePiece-style vocabulary's metadata as llama.cpp's converter writes it."""
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(spm.tokens)
+    w.add_token_scores(spm.scores)
+    w.add_token_types(spm.types)
+    w.add_bos_token_id(spm.bos)
+    w.add_eos_token_id(spm.eos)
+    w.add_unk_token_id(spm.unk)
+    if spm.pad is not None:
+        w.add_pad_token_id(spm.pad)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_add_space_prefix(spm.add_space_prefix)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -165,12 +272,17 @@ def write_gguf_model(
     name: str = "tiny",
     tok: Tokenizer | None = None,
     tokenizer_model: str = "gpt2",
+    spm: SpmSource | None = None,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """A tiny random ``arch`` model, its matrices ``kind``, as llama.cpp's converter lays it out
-    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text)."""
+    (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text;
+    ``spm``: a SentencePiece-style vocabulary instead; ``extra``: called on the writer after the
+    tokenizer, to add crafted metadata)."""
     rng = np.random.default_rng(seed)
     tok = tok or hf_tokenizer(SPECIALS)
-    vocab = tok.get_vocab_size() + 4  # a few unused ids, as padded vocabularies have
+    # a few unused ids, as padded vocabularies have
+    vocab = len(spm.tokens) if spm is not None else tok.get_vocab_size() + 4
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     C, H = SHAPE["n_embd"], SHAPE["n_head"]
@@ -186,7 +298,12 @@ def write_gguf_model(
         w.add_layer_norm_rms_eps(1e-6)
         w.add_rope_freq_base(5000.0)
         w.add_rope_dimension_count(C // H)
-    write_tokenizer(w, tok, vocab, pre, add_bos, tokenizer_model)
+    if spm is not None:
+        write_spm_tokenizer(w, spm, add_bos)
+    else:
+        write_tokenizer(w, tok, vocab, pre, add_bos, tokenizer_model)
+    if extra is not None:
+        extra(w)
     for tname, value in model_tensors(arch, vocab, rng, tied).items():
         if value.ndim == 1:
             w.add_tensor(tname, value)
@@ -283,3 +400,106 @@ def reference_logits(path: Path, ids: list[int]) -> torch.Tensor:
         x = x + linear(h, b + "ffn_down")
     head = w.get("output.weight", w["token_embd.weight"])
     return norm(x, "output_norm") @ head.T
+
+
+# ----------------------------------------------------------------------------- llama.cpp's converter
+
+# Hugging Face's names in a block -> GGUF's, as llama.cpp's converter maps them (gemma3 has four norms)
+HF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GEMMA3_BLOCK = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+HF_ARCH = {"Gemma3ForCausalLM": "gemma3", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
+
+
+def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's ``LlamaModel.permute``: each head's rows from rotary halves to
+    adjacent pairs (its ``llama``-style architectures turn pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_to_gguf(folder: Path, path: Path, tokenizer_writer, kind: str = "F32") -> Path:
+    """A Hugging Face folder of Gemma 3, Qwen3 or SmolLM3 as a float32 GGUF file, laid out as
+    llama.cpp's ``convert_hf_to_gguf.py`` writes it: names, metadata, Gemma 3's norm weights
+    with 1 added and its embedding cut to the tokenizer's rows, SmolLM3's query/key rows in
+    adjacent rotary pairs. ``tokenizer_writer(writer, n)`` writes the vocabulary as ``n``
+    tokens (the embedding's rows; unused ones after the tokenizer's)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    hp = json.loads((folder / "config.json").read_text())
+    arch = HF_ARCH[hp["architectures"][0]]
+    state = load_file(str(folder / "model.safetensors"))
+    n_layer, n_head = hp["num_hidden_layers"], hp["num_attention_heads"]
+    n_kv = hp.get("num_key_value_heads", n_head)
+    head_dim = hp.get("head_dim") or hp["hidden_size"] // n_head
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(folder.name)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    rope = hp.get("rope_parameters") or {}
+    if arch == "gemma3":
+        w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+        w.add_sliding_window(hp["sliding_window"])
+    else:
+        w.add_rope_freq_base(rope.get("rope_theta", hp.get("rope_theta", 10000.0)))
+    if arch in ("gemma3", "qwen3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        w.add_rope_dimension_count(head_dim)
+    n_vocab = hp["vocab_size"]
+    if arch == "gemma3":  # the rows past the tokenizer's tokens are cut off
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        n_vocab = len(set(spec["model"]["vocab"]) | {a["content"] for a in spec["added_tokens"]})
+    tokenizer_writer(w, n_vocab)
+    tensors = {}
+    for name, t in state.items():
+        t = t.float()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = t[:n_vocab] if arch == "gemma3" else t
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = t
+        elif name == "lm_head.weight":
+            if not hp.get("tie_word_embeddings", arch == "gemma3"):
+                tensors["output.weight"] = t
+        else:
+            _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{rest}.weight
+            module = rest.removesuffix(".weight")
+            norms = GEMMA3_BLOCK if arch == "gemma3" else {"post_attention_layernorm": "ffn_norm"}
+            table = HF_BLOCK | norms
+            if arch == "smollm3" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = llama_permute(t, n_head if module == "self_attn.q_proj" else n_kv)
+            tensors[f"blk.{i}.{table[module]}.weight"] = t
+    for name, t in tensors.items():  # ``kind`` Q8_0: the matrices whose rows hold whole blocks
+        data = t.contiguous().numpy()
+        if kind == "Q8_0" and data.ndim == 2 and data.shape[1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(data, T.Q8_0), raw_dtype=T.Q8_0)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

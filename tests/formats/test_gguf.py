@@ -230,7 +230,7 @@ def test_byte_tokenizer_is_gpt2_bpe_with_one_inert_merge(tmp_path: Path) -> None
             "llama architecture cannot express this model (layernorm, a gelu MLP)",
         ),
         (dict(**LLAMA, norm_placement="post"), "bpe", "(post-norm)"),
-        (dict(**LLAMA, qk_norm=True), "bpe", "(qk-norm)"),
+        (dict(**LLAMA, qk_norm=True, attn_softcap=50.0), "bpe", "qwen3 architecture cannot express"),
         (dict(logit_softcap=30.0), "bpe", "gpt2 architecture cannot express this model (logit soft-capping)"),
         ({**LLAMA, "mlp": "relu2"}, "bpe", "(a relu2 MLP)"),
     ],

@@ -233,8 +233,8 @@ def truncated(tmp: Path, keep: float) -> Path:
         (lambda t: truncated(t, 0.9), "truncated or damaged"),
         (lambda t: truncated(t, 0.01), "truncated or damaged"),
         (
-            lambda t: write_gguf_model(t / "m.gguf", "llama", "F32", tokenizer_model="llama"),
-            "unsupported GGUF tokenizer model 'llama'",
+            lambda t: write_gguf_model(t / "m.gguf", "llama", "F32", tokenizer_model="bert"),
+            "unsupported GGUF tokenizer model 'bert'",
         ),
         (
             lambda t: write_gguf_model(t / "m.gguf", "llama", "F32", pre="tekken"),
@@ -246,7 +246,7 @@ def truncated(tmp: Path, keep: float) -> Path:
         "tensor-type",
         "truncated-data",
         "truncated-header",
-        "spm-tokenizer",
+        "tokenizer-model",
         "pre-tokenizer",
     ],
 )

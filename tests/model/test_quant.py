@@ -9,13 +9,13 @@ model with clear greedy margins the int8 tokens equal the reference's exactly.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import FAST_TRAIN_ARGS, assert_one_line_error, tiny_model, tiny_tokenizer
+from helpers import dequantized_reference as reference
 from helpers import run_cli as run
 
 from lmcli.config.commands import SampleConfig
@@ -52,25 +52,6 @@ def spread(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if p.dim() == 1 else noise / p.size(1) ** 0.5)
     return model
-
-
-def reference(quantized: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of ``quantized`` holding its dequantized weights as plain modules."""
-    ref = copy.deepcopy(quantized)
-    for parent in list(ref.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear):
-                linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                linear.weight.data = child.dequantized()
-                if child.bias is not None:
-                    linear.bias.data = child.bias.clone()
-                setattr(parent, name, linear)
-            elif isinstance(child, Int8Embedding):
-                table = child.qweight.float() * child.scales[:, None]
-                setattr(parent, name, torch.nn.Embedding.from_pretrained(table))
-            elif isinstance(child, BlockEmbedding):
-                setattr(parent, name, torch.nn.Embedding.from_pretrained(child.table.dequantized()))
-    return ref.double()
 
 
 def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:

@@ -37,6 +37,22 @@ ARCHITECTURES = {
     "rope-gqa-qkv-bias": dict(
         position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, qkv_bias=True
     ),
+    # Gemma-3-like, a window of 6 on every other layer: the batch keeps every column and masks the
+    # window, generate's cache keeps the window alone; the texts must agree
+    "gemma-window": dict(
+        position="rope",
+        norm="rmsnorm1p",
+        norm_placement="sandwich",
+        mlp="geglu",
+        bias=False,
+        qk_norm=True,
+        scale_embeddings=True,
+        n_head=4,
+        n_kv_head=2,
+        sliding_window=6,
+        layer_pattern="LG",
+        rope_local_base=100.0,
+    ),
 }
 
 
@@ -114,12 +130,13 @@ def test_a_2000_token_reply_decodes_a_few_tokens_per_step(monkeypatch) -> None:
     assert "".join(u.text for u in updates[:-1]) == original(tokens)  # streamed whole
 
 
-def test_a_reply_that_ended_in_a_running_batch_is_reused_exactly() -> None:
+@pytest.mark.parametrize("arch", ["learned", "gemma-window"])
+def test_a_reply_that_ended_in_a_running_batch_is_reused_exactly(arch: str) -> None:
     """With a prefix cache: a request whose prompt is an earlier request's prompt and reply
     (that row ended in a batch with padding and holes) starts from its cached keys and values
     and gives the text ``generate`` gives it alone; out of memory, the cache is given up."""
     tok = tiny_tokenizer()
-    model = tiny_model(tok.vocab_size, block_size=96)
+    model = tiny_model(tok.vocab_size, block_size=96, **ARCHITECTURES[arch])
     sched = Scheduler(model, tok, max_batch=4, max_queue=8, prefixes=PrefixCache(1 << 26))
     first = make_prompt("the cat sat on the", tok, 96).ids
     cfg = SampleConfig(max_new_tokens=30, min_new_tokens=30, temperature=0.9, seed=1)

@@ -28,9 +28,8 @@ def test_a_run_of_lmcli_0_1_resumes_and_samples(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     shutil.copytree(OLD_RUN, run)
     (tmp_path / "corpus.txt").write_text(TINY_TEXT)  # the run's corpus, moved: given again
-    code, _, err = run_cli(
-        ["train", "--resume", str(run), str(tmp_path / "corpus.txt"), "--max-steps", "6", "-q"], capsys
-    )
+    corpus = [str(tmp_path / "corpus.txt"), "--allow-new-data"]  # another path: said explicitly
+    code, _, err = run_cli(["train", "--resume", str(run), *corpus, "--max-steps", "6", "-q"], capsys)
     assert code == 0, err
     assert json.loads((run / "last" / "meta.json").read_text())["step"] == 6
     # written before --vocab-multiple: no padding, and the resumed run now records that

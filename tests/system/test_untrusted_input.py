@@ -165,7 +165,7 @@ def test_a_shared_config_with_a_bad_vocab_multiple_is_one_line(
         ["eval", str(run), str(tmp_path / "corpus.txt")],
         ["verify", str(run)],
         ["export", str(run), str(tmp_path / "hf")],
-        ["train", "--resume", str(run), str(tmp_path / "corpus.txt"), "--max-steps", "1", "-q"],
+        ["train", "--resume", str(run), "--max-steps", "1", "-q"],
     ]
     for argv in commands:
         code, _, err = run_cli(argv, capsys)

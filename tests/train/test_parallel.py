@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import train_config
 
+from lmcli.config.files import replace_options
 from lmcli.errors import LmcliError
 from lmcli.train.distributed import Dist
 from lmcli.train.optim import owners
@@ -28,6 +29,14 @@ def test_fsdp_refuses_bleu_samples_decoded_by_rank_0_alone() -> None:
     cfg = train_config(corpus=("x",), parallel="fsdp", task="translation", bleu_samples=4)
     with pytest.raises(LmcliError, match="--parallel fsdp cannot decode BLEU samples"):
         choose_parallel(cfg, TWO, need=0, available=None)
+
+
+@pytest.mark.parametrize("task", [dict(task="dpo"), dict(task="grpo", reward=("number",))])
+def test_fsdp_refuses_post_training(task: dict) -> None:
+    cfg = train_config(corpus=("x",), init_from="m", **task)
+    with pytest.raises(LmcliError, match=f"--parallel fsdp does not run --task {task['task']} yet"):
+        choose_parallel(replace_options(cfg, parallel="fsdp"), TWO, need=0, available=None)
+    assert choose_parallel(cfg, TWO, need=10, available=100) == "ddp"
 
 
 def test_muon_gives_each_rank_about_the_same_newton_schulz_work() -> None:

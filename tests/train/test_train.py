@@ -425,3 +425,84 @@ def test_auto_vocab_multiple_is_64_on_cuda_and_1_elsewhere_and_the_checkpoint_re
     assert stored["vocab_multiple"] == 64
     ckpt = load_checkpoint(gpu.run_dir)  # on this CPU, with its padding
     assert ckpt.model.wte.weight.shape == (64, 32) and ckpt.model_config.vocab_multiple == 64
+
+
+# ----------------------------------------------------------------------------- issue 37: Gemma 3, Qwen3
+
+GEMMA3_TOML = """
+[model]
+n-layer = 2
+n-head = 2
+n-kv-head = 1
+n-embd = 32
+head-size = 24
+block-size = 16
+position = "rope"
+norm = "rmsnorm1p"
+norm-placement = "sandwich"
+mlp = "geglu"
+bias = false
+qk-norm = true
+scale-embeddings = true
+sliding-window = 4
+layer-pattern = "LG"
+rope-local-base = 100.0
+attn-scalar = 16.0
+attn-softcap = 50.0
+"""
+QWEN3 = replace(
+    MODEL,
+    position="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+    qk_norm=True,
+    head_size=24,
+    n_kv_head=1,
+    sliding_window=4,
+    layer_pattern="GL",
+    tie_embeddings=False,
+)
+
+
+def test_a_gemma3_shaped_model_from_a_toml_trains_from_scratch(tmp_path: Path, capsys) -> None:
+    """Every Gemma 3 option from a TOML file through `lmcli train`: the run holds them, learns."""
+    from helpers import run_cli
+
+    (tmp_path / "corpus.txt").write_text(TINY_TEXT)
+    (tmp_path / "gemma3.toml").write_text(GEMMA3_TOML)
+    argv = ["train", str(tmp_path / "corpus.txt"), "--config", str(tmp_path / "gemma3.toml")]
+    argv += ["-o", str(tmp_path / "run"), "--max-steps", "30", "--batch-size", "8", "--lr", "3e-3"]
+    argv += ["--eval-interval", "10", "--eval-batches", "1", "--warmup-steps", "5", "-q"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    cfg = load_checkpoint(tmp_path / "run").model_config
+    assert (cfg.norm, cfg.norm_placement, cfg.mlp, cfg.head_dim, cfg.layer_pattern) == (
+        "rmsnorm1p",
+        "sandwich",
+        "geglu",
+        24,
+        "LG",
+    )
+    records = MetricsLog(tmp_path / "run" / "metrics.jsonl").read()
+    losses = [r["train_loss"] for r in records if "train_loss" in r]
+    assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.parametrize("shape", ["gemma3", "qwen3"])
+def test_gemma3_and_qwen3_shaped_models_learn_and_resume_exactly(tmp_path: Path, shape: str) -> None:
+    from lmcli.config.files import load_config_file
+
+    if shape == "gemma3":
+        (tmp_path / "g.toml").write_text(GEMMA3_TOML)
+        model = ModelConfig(**load_config_file(tmp_path / "g.toml"))  # (the file holds model options only)
+    else:
+        model = QWEN3
+    full = train(model, config(tmp_path, "full", max_steps=30), reporter=quiet(), progress=False)
+    losses = [r["train_loss"] for r in MetricsLog(full.run_dir / "metrics.jsonl").read() if "train_loss" in r]
+    assert losses[-1] < losses[0] - 0.5
+    cfg = config(tmp_path, "crashed", max_steps=30)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(model, cfg, reporter=Reporter(info=lambda m: None, progress=CrashAt(15)), progress=False)
+    resumed = train(model, cfg, resume=tmp_path / "crashed", reporter=quiet(), progress=False)
+    assert_same_weights(weights(full.run_dir), weights(resumed.run_dir))

@@ -17,7 +17,6 @@ target) and GSM8K (``question``, ``answer`` with ``#### N``).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +25,10 @@ from typing import Any
 from lmcli.config.fields import task_name
 from lmcli.data.corpus import read_lines
 from lmcli.errors import LmcliError
+from lmcli.safe_io import check_text, parse_json
 
 KINDS = ("multiple_choice", "cloze", "generation")
+MAX_CHOICES = 1024  # choices of one row (benchmarks have 2 to 10; each is a forward's row)
 GSM8K_ANSWER = r"#### (\-?[0-9\.\,]+)"  # lm-evaluation-harness gsm8k's strict-match
 
 
@@ -73,10 +74,7 @@ def read_task(path: str | Path, limit: int | None = None, num_fewshot: int = 0) 
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise LmcliError(f"{where}: not a JSON object") from None
+        row = parse_json(line, where)
         kind, item, fewshot = parse_row(to_lmcli(row, where), where)
         if task.kind and kind != task.kind:
             raise LmcliError(f"{where}: a {kind} row in a {task.kind} file: one kind per file")
@@ -103,12 +101,7 @@ def parse_row(row: dict[str, Any], where: str) -> tuple[str, Item, bool]:
     if not isinstance(fewshot, bool):
         raise LmcliError(f"{where}: fewshot must be true or false")
     if "choices" in row:
-        choices = row["choices"]
-        if not isinstance(choices, list) or not choices:
-            raise LmcliError(f"{where}: choices must be a non-empty list of texts")
-        for i, choice in enumerate(choices):
-            if not isinstance(choice, str) or not choice:
-                raise LmcliError(f"{where}: choice {i} must be a non-empty text, got {choice!r}")
+        choices = _choices(row["choices"], where)
         answer = row.get("answer")
         if not isinstance(answer, int) or isinstance(answer, bool):
             raise LmcliError(f"{where}: answer must be the index of the right choice, got {answer!r}")
@@ -131,6 +124,8 @@ def parse_row(row: dict[str, Any], where: str) -> tuple[str, Item, bool]:
         stop = row.get("stop", [])
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise LmcliError(f"{where}: stop must be a list of non-empty texts")
+        for i, text in enumerate(stop):
+            check_text(text, f"{where}: stop {i}")
         return (
             "generation",
             Item(context, target=answer_text, solution=solution, extract=extract, stop=tuple(stop)),
@@ -142,11 +137,24 @@ def parse_row(row: dict[str, Any], where: str) -> tuple[str, Item, bool]:
     )
 
 
+def _choices(choices: Any, where: str) -> list[str]:
+    """A row's choices: a list of at most ``MAX_CHOICES`` non-empty texts."""
+    if not isinstance(choices, list) or not choices:
+        raise LmcliError(f"{where}: choices must be a non-empty list of texts")
+    if len(choices) > MAX_CHOICES:
+        raise LmcliError(f"{where}: {len(choices):,} choices (a row has at most {MAX_CHOICES:,})")
+    for i, choice in enumerate(choices):
+        if not isinstance(choice, str) or not choice:
+            raise LmcliError(f"{where}: choice {i} must be a non-empty text, got {choice!r:.60}")
+        check_text(choice, f"{where}: choice {i}")
+    return choices
+
+
 def _text(row: dict[str, Any], key: str, where: str) -> str:
     value = row.get(key)
     if not isinstance(value, str):
-        raise LmcliError(f"{where}: {key} must be text, got {value!r}")
-    return value
+        raise LmcliError(f"{where}: {key} must be text, got {value!r:.60}")
+    return check_text(value, f"{where}: {key}")
 
 
 def _check_regex(pattern: Any, where: str) -> None:
@@ -192,13 +200,17 @@ def _hellaswag(row: dict[str, Any], where: str) -> dict[str, Any]:
         )
     try:
         context = row.get("activity_label", "") + ": " + row["ctx_a"] + " " + row["ctx_b"].capitalize()
-        return {
-            "context": _hellaswag_clean(context),
-            "choices": [_hellaswag_clean(e) for e in row["endings"]],
-            "answer": int(row["label"]),
-        }
+        endings = [_hellaswag_clean(e) for e in row["endings"]]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise LmcliError(f"{where}: not a HellaSwag row ({type(exc).__name__}: {exc})") from None
+    label = row["label"]
+    number = int(label) if type(label) is int or (isinstance(label, str) and label.isdecimal()) else None
+    if number is None or not 0 <= number < len(endings):
+        raise LmcliError(
+            f"{where}: HellaSwag label {label!r} is not the index of one of its {len(endings)} endings "
+            f"(0 to {len(endings) - 1})"
+        )
+    return {"context": _hellaswag_clean(context), "choices": endings, "answer": number}
 
 
 def _arc(row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -211,12 +223,19 @@ def _arc(row: dict[str, Any], where: str) -> dict[str, Any]:
         }
     if not isinstance(question, str) or not isinstance(choices, dict):
         raise LmcliError(f"{where}: not an ARC row (question and choices with text and label)")
-    labels = choices.get("label") or []
+    labels, texts = choices.get("label") or [], choices.get("text") or []
+    if not isinstance(labels, list) or not isinstance(texts, list) or len(labels) != len(texts):
+        count = [len(v) if isinstance(v, list) else "no list of" for v in (texts, labels)]
+        raise LmcliError(
+            f"{where}: an ARC row with {count[0]} choice texts and {count[1]} labels: one label a text"
+        )
+    if len(set(map(str, labels))) != len(labels):
+        raise LmcliError(f"{where}: an ARC row whose labels repeat ({labels})")
     if row["answerKey"] not in labels:
         raise LmcliError(f"{where}: answerKey {row['answerKey']!r} is not one of the labels {labels}")
     return {
         "context": f"Question: {question}\nAnswer:",
-        "choices": choices.get("text"),
+        "choices": texts,
         "answer": labels.index(row["answerKey"]),
     }
 

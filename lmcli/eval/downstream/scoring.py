@@ -19,6 +19,7 @@ cuts each pair on its own; the groups here share one cut).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from lmcli.model.kv_cache import KVCache
 from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
 
+ROWS = 256  # continuations scored in one forward at most (each repeats its context's KV cache)
 Scored = tuple[float, bool]  # (sum of the continuation's log-probabilities, greedy would produce it)
 
 
@@ -65,16 +67,31 @@ def score_groups(
     on_batch: Callable[[int], None] | None = None,
 ) -> list[list[Scored]]:
     """(log-likelihood, greedy) of every continuation of every group, in order; up to
-    ``batch_size`` groups per forward (longest first), ``on_batch(n)`` after each batch of n."""
+    ``batch_size`` groups and ``ROWS`` continuations per forward (longest first), ``on_batch(n)``
+    after each batch that finished n groups."""
     block = model.config.block_size
-    fitted = [_fit(g, block) for g in groups]
-    order = sorted(range(len(groups)), key=lambda i: (-len(fitted[i].context), i))
+    # a group of many continuations is scored in parts of at most ROWS (its context run once
+    # per part): the KV cache is repeated once per continuation, so memory stays bounded
+    parts = [
+        (i, Group(g.context, g.continuations[at : at + ROWS]))
+        for i, g in enumerate(groups)
+        for at in range(0, len(g.continuations), ROWS)
+    ]
+    fitted = [_fit(g, block) for _, g in parts]
+    order = sorted(range(len(parts)), key=lambda p: (-len(fitted[p].context), p))
     out: list[list[Scored]] = [[] for _ in groups]
+    scored_parts: list[list[Scored]] = [[] for _ in parts]
+    left = Counter(i for i, _ in parts)  # parts of each group not scored yet
     for chunk in _batches(order, fitted, batch_size, block):
-        for i, scored in zip(chunk, _score_batch(model, [fitted[i] for i in chunk]), strict=True):
-            out[i] = scored
-        if on_batch is not None:
-            on_batch(len(chunk))
+        done = 0
+        for p, scored in zip(chunk, _score_batch(model, [fitted[p] for p in chunk]), strict=True):
+            scored_parts[p] = scored
+            left[parts[p][0]] -= 1
+            done += left[parts[p][0]] == 0
+        if on_batch is not None and done:
+            on_batch(done)
+    for (i, _), scored in zip(parts, scored_parts, strict=True):
+        out[i].extend(scored)
     return out
 
 
@@ -91,14 +108,15 @@ def _batches(order: list[int], groups: list[Group], size: int, block: int) -> It
     """``order`` in batches of at most ``size`` groups whose longest context and longest
     continuation fit the context together (the KV cache's columns hold the left padding too)."""
     chunk: list[int] = []
-    width = longest = 0
+    width = longest = rows = 0
     for i in order:
         w, n = len(groups[i].context), max(len(c) for c in groups[i].continuations)
-        if chunk and (len(chunk) == size or max(width, w) + max(longest, n) - 1 > block):
+        r = len(groups[i].continuations)
+        if chunk and (len(chunk) == size or max(width, w) + max(longest, n) - 1 > block or rows + r > ROWS):
             yield chunk
-            chunk, width, longest = [], 0, 0
+            chunk, width, longest, rows = [], 0, 0, 0
         chunk.append(i)
-        width, longest = max(width, w), max(longest, n)
+        width, longest, rows = max(width, w), max(longest, n), rows + r
     if chunk:
         yield chunk
 

@@ -18,7 +18,9 @@ pair (i, i + D/2). Attention scores do not change: queries and keys move togethe
 
 Tokenizer (``gguf_vocab.py``): a byte-level BPE is GGUF's ``gpt2`` tokenizer model, with the
 source's pre-tokenizer by its GGUF name (GPT-2's ``gpt-2`` for lmcli's own), ``add_bos_token`` as
-the tokenizer says and its chat template. The char tokenizer is refused.
+the tokenizer says and its chat template; a SentencePiece-style one (a BPE with byte fallback,
+spaces as ``▁``: Llama 2's, Gemma's) is GGUF's ``llama`` model, with scores and
+``add_space_prefix`` (``gguf/spm.py``). The char tokenizer is refused.
 
 Any source exports (``export_gguf``): an lmcli run or checkpoint, a Hugging Face folder, a GGUF
 file; ``general.name`` is the source's name (a run folder's, ``RUN-best`` for a checkpoint in
@@ -115,7 +117,7 @@ def write_gguf(
         w.add_file_type(file_type)
         if dtype in ("q8_0", "q4_0"):
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_context_length(cfg.block_size)
+        w.add_context_length(family.gguf_context(cfg))
         w.add_embedding_length(cfg.n_embd)
         w.add_block_count(cfg.n_layer)
         w.add_feed_forward_length(cfg.ffn_dim)

@@ -87,7 +87,7 @@ class SplitQKV:
         if key not in src:
             return
         kv = cfg.n_kv_head * cfg.head_dim
-        q, k, v = src.pop(key).split([cfg.n_embd, kv, kv])  # (C + 2*kv, ...) -> q, k, v rows
+        q, k, v = src.pop(key).split([cfg.q_width, kv, kv])  # (C + 2*kv, ...) -> q, k, v rows
         if self.pairs:
             q, k = pairs_from_halves(q, cfg.n_head), pairs_from_halves(k, cfg.n_kv_head)
         for name, piece in zip(self.theirs, (q, k, v), strict=True):
@@ -139,6 +139,24 @@ GGUF_BLOCK = (
 GGUF_HEAD = (Rename("ln_f", "output_norm"), Rename("lm_head", "output"))
 
 
+def variants(cfg: ModelConfig) -> dict[str, bool]:
+    """Which of the model's optional variants ``cfg`` uses, by the name an export's refusal gives
+    them; a family lists those it can hold in ``FamilyAdapter.expresses``."""
+    return {
+        "qk-norm": cfg.qk_norm,
+        "a head size apart from n-embd/n-head": bool(cfg.head_size)
+        and cfg.head_size * cfg.n_head != cfg.n_embd,
+        "a sliding window": bool(cfg.sliding_window),
+        "a layer pattern": bool(cfg.layer_pattern),
+        "a local rotary base": bool(cfg.rope_local_base),
+        "layers without rotary": bool(cfg.rope_pattern),
+        "scaled embeddings": cfg.scale_embeddings,
+        "an attention scale": bool(cfg.attn_scalar),
+        "attention soft-capping": bool(cfg.attn_softcap),
+        "logit soft-capping": bool(cfg.logit_softcap),
+    }
+
+
 @dataclass(frozen=True)
 class Field:
     """A ``config.json`` field holding a ModelConfig field: read on import, written on export."""
@@ -159,9 +177,11 @@ class FamilyAdapter:
     name: ClassVar[str]  # config.json's model_type
     architecture: ClassVar[str]  # config.json's architectures
     gguf_arch: ClassVar[str | None] = None  # GGUF's general.architecture
+    reads_gguf: ClassVar[bool] = True  # whether GGUF files of ``gguf_arch`` are read through it
     position: ClassVar[str]  # what the family computes, as lmcli's options say it
     norm: ClassVar[str]
     mlp: ClassVar[str]
+    placement: ClassVar[str] = "pre"  # the norm placement
     hf_names: ClassVar[tuple[Entry, ...]]  # Hugging Face's tensor names
     hf_buffers: ClassVar[tuple[str, ...]] = ()  # tensors some checkpoints hold that are no weights
     gguf_names: ClassVar[tuple[Entry, ...]] = ()  # GGUF's tensor names
@@ -169,6 +189,7 @@ class FamilyAdapter:
     gguf_needs: ClassVar[str] = ""  # what GGUF's architecture needs, for its error
     hf_fields: ClassVar[tuple[Field, ...]]  # config.json fields that hold ModelConfig fields
     hf_extra: ClassVar[dict[str, Any]] = {}  # config.json fields after the rest (constants)
+    expresses: ClassVar[frozenset[str]] = frozenset()  # the ``variants`` the family can hold
 
     # ------------------------------------------------------------------------- configs
 
@@ -231,6 +252,7 @@ class FamilyAdapter:
                 vocab_multiple=1,  # the file's shapes as they are
                 position=self.position,
                 norm=self.norm,
+                norm_placement=self.placement,
                 mlp=self.mlp,
                 **settings,
             )
@@ -250,16 +272,21 @@ class FamilyAdapter:
             found.append(f"{cfg.position} positions")
         if cfg.norm != self.norm:
             found.append(cfg.norm)
-        if cfg.norm_placement != "pre":
-            found.append("post-norm")
+        if cfg.norm_placement != self.placement:
+            found.append(f"{cfg.norm_placement}-norm")
         if cfg.mlp != self.mlp:
             found.append(f"a {cfg.mlp} MLP")
         found += self.own_problems(cfg, fmt)
-        if cfg.qk_norm:
-            found.append("qk-norm")
-        if cfg.logit_softcap:
-            found.append("logit soft-capping")
+        found += [name for name, used in variants(cfg).items() if used and name not in self.expressed(fmt)]
         return found
+
+    def expressed(self, fmt: Format) -> frozenset[str]:
+        """The ``variants`` the family holds in ``fmt``."""
+        return self.expresses
+
+    def gguf_context(self, cfg: ModelConfig) -> int:
+        """The context length a GGUF file of ``cfg`` states."""
+        return cfg.block_size
 
     def own_problems(self, cfg: ModelConfig, fmt: Format) -> list[str]:
         """The family's own limits beyond positions, norm and MLP."""

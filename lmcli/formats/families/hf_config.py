@@ -127,6 +127,18 @@ SCHEMA: dict[str, Rule] = {
     "mlp_bias": Rule("bool"),
     "rope_scaling": Rule("table"),
     "rope_parameters": Rule("table"),
+    "layer_types": Rule("names"),
+    "max_window_layers": Rule("int", 0, MAX_LAYERS),
+    "sliding_window_pattern": Rule("int", 1, MAX_LAYERS),
+    "rope_local_base_freq": Rule("number", 0, 1e15, above=True),
+    "no_rope_layers": Rule("ids", 0, 1),
+    "no_rope_layer_interval": Rule("int", 1, MAX_LAYERS),
+    "query_pre_attn_scalar": Rule("number", 0, 1e9, above=True),
+    "attn_logit_softcapping": Rule("number", 0, 1e9, above=True),
+    "final_logit_softcapping": Rule("number", 0, 1e9, above=True),
+    "hidden_activation": Rule("text"),
+    "use_bidirectional_attention": Rule("bool"),
+    "text_config": Rule("table"),
     "bos_token_id": Rule("ids", 0, MAX_VOCAB),
     "eos_token_id": Rule("ids", 0, MAX_VOCAB),
     "pad_token_id": Rule("ids", 0, MAX_VOCAB),
@@ -142,6 +154,8 @@ ROPE_SCHEMA: dict[str, Rule] = {
     "beta_fast": COUNT,
     "beta_slow": COUNT,
     "truncate": Rule("bool"),
+    "full_attention": Rule("table"),  # transformers 5: rope_parameters by layer type (Gemma 3)
+    "sliding_attention": Rule("table"),
 }
 
 # GGUF metadata keys ("{arch}." + key) and the config.json field each stands for
@@ -159,6 +173,9 @@ GGUF_FIELDS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.layer_norm_epsilon": "layer_norm_epsilon",
     "rope.freq_base": "rope_theta",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
 GGUF_ROPE = {"rope.scaling.type": "type", "rope.scaling.factor": "factor"}
 
@@ -216,7 +233,7 @@ class HFConfig:
 
     def section(self, key: str) -> HFConfig:
         """The table ``key`` (empty when absent or null), its fields read by ``ROPE_SCHEMA``."""
-        return HFConfig(self.get(key) or {}, self.where, ROPE_SCHEMA, f"{key}.")
+        return HFConfig(self.get(key) or {}, self.where, ROPE_SCHEMA, f"{self.prefix}{key}.")
 
     def named(self) -> set[str]:
         """The keys whose value is not null."""

@@ -48,14 +48,40 @@ def gguf_names(pairs: bool) -> tuple[Rename | SplitQKV, ...]:
     )
 
 
+LOCAL, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer types
+
+
+def layer_pattern(types: list[str], where: str) -> str:
+    """The shortest ``layer_pattern`` (L local, G global, repeated) of config.json's
+    ``layer_types``; "" when every layer is local."""
+    letters = []
+    for t in types:
+        if t not in (LOCAL, GLOBAL):
+            raise LmcliError(f"{where}: unsupported layer type {t!r} (lmcli reads {LOCAL}, {GLOBAL})")
+        letters.append("L" if t == LOCAL else "G")
+    return "" if all(x == "L" for x in letters) else shortest_period("".join(letters))
+
+
+def shortest_period(letters: str) -> str:
+    """The shortest prefix that, repeated, gives ``letters`` (a layer or rotary pattern)."""
+    n = next(n for n in range(1, len(letters) + 1) if all(c == letters[i % n] for i, c in enumerate(letters)))
+    return letters[:n]
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """config.json's ``layer_types`` of ``cfg``."""
+    return [LOCAL if cfg.is_local(i) else GLOBAL for i in range(cfg.n_layer)]
+
+
 class Llama(FamilyAdapter):
     name = "llama"
     architecture = "LlamaForCausalLM"
     gguf_arch = "llama"
     position, norm, mlp = "rope", "rmsnorm", "swiglu"
+    activation: ClassVar[str] = "silu"  # config.json's hidden_act of the MLP
     qkv_bias: ClassVar[bool] = False  # biases on the query/key/value projections (Qwen2)
-    windowed: ClassVar[bool] = False  # the sliding window applies without use_sliding_window (Mistral)
     hf_extra: ClassVar[dict[str, Any]] = {"attention_bias": False, "mlp_bias": False}
+    expresses = frozenset({"a head size apart from n-embd/n-head"})
     hf_names = (
         Rename("wte", "model.embed_tokens"),
         Rename("ln_f", "model.norm"),
@@ -82,8 +108,9 @@ class Llama(FamilyAdapter):
     gguf_names = gguf_names(pairs=True)
     hf_refusal = (
         "no Hugging Face family expresses this model ({}): GPT-2 needs learned positions, pre-LayerNorm, "
-        "a GELU MLP and biases; Llama/Qwen2 need rope, pre-RMSNorm, SwiGLU and no biases "
-        "(Qwen2: query/key/value biases only)"
+        "a GELU MLP and biases; Llama/Qwen2/Qwen3/Mistral/SmolLM3 need rope, pre-RMSNorm, SwiGLU and no "
+        "biases (Qwen2: query/key/value biases only); Gemma 3 needs rope, sandwich (1+w) RMSNorms, GeGLU, "
+        "qk-norm and scaled embeddings"
     )
     gguf_needs = "rotary positions without scaling, pre-RMSNorm and a SwiGLU MLP"
 
@@ -92,65 +119,118 @@ class Llama(FamilyAdapter):
             return ["biases outside the query/key/value projection"] if cfg.bias else []
         return [f"rope scaling {cfg.rope_scaling!r}"] if cfg.rope_scaling != "none" else []
 
+    def expressed(self, fmt: Format) -> frozenset[str]:
+        # GGUF's llama has no window: a window over every layer is written as a context capped at
+        # it (exact for every sequence that fits in it)
+        return self.expresses if fmt == "hf" else self.gguf_expresses
+
+    gguf_expresses: ClassVar[frozenset[str]] = frozenset(
+        {"a sliding window", "a head size apart from n-embd/n-head"}
+    )
+
+    def gguf_context(self, cfg: ModelConfig) -> int:
+        if cfg.sliding_window and not cfg.layer_pattern:  # (a layer pattern is refused)
+            return min(cfg.block_size, cfg.sliding_window)
+        return cfg.block_size
+
+    def window(self, hf: HFConfig) -> int | None:
+        """The sliding window the family's transformers code applies (None: none)."""
+        return None
+
+    def default_layer_types(self, hf: HFConfig, n_layer: int, window: int) -> list[str]:
+        """The layer types transformers gives a config.json without ``layer_types``."""
+        return [LOCAL] * n_layer
+
+    def window_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
+        """``sliding_window`` and ``layer_pattern`` of the config (transformers 5's ``layer_types``
+        or the family's older keys)."""
+        window = self.window(hf)
+        if not window:
+            return {}
+        types = hf.get("layer_types") or self.default_layer_types(hf, n_layer, window)
+        if len(types) != n_layer:
+            raise LmcliError(f"{hf.where}: layer_types has {len(types)} entries for {n_layer} layers")
+        if LOCAL not in types:
+            return {}
+        return {"sliding_window": window, "layer_pattern": layer_pattern(types, hf.where)}
+
+    def own_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
+        """The ModelConfig fields only this family's config.json holds."""
+        return {}
+
     def config_from_hf(self, hf: HFConfig) -> tuple[ModelConfig, list[str]]:
         width, heads = hf.require("hidden_size"), hf.require("num_attention_heads")
-        if hf.get("head_dim") not in (None, width // heads) or width % heads:
+        head_dim = hf.get("head_dim", width // heads)
+        if width % heads and "head_dim" not in hf.named():
             raise LmcliError(
-                f"{hf.where}: head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads"
+                f"{hf.where}: hidden_size is not a multiple of num_attention_heads and no head_dim"
             )
-        if hf.get("hidden_act", "silu") != "silu":
+        act_key = "hidden_activation" if "hidden_activation" in hf.named() else "hidden_act"
+        if hf.get(act_key, self.activation) != self.activation:
             raise LmcliError(
-                f"{hf.where}: unsupported hidden_act {hf.get('hidden_act')!r} (lmcli's SwiGLU uses silu)"
+                f"{hf.where}: unsupported {act_key} {hf.get(act_key)!r} "
+                f"(lmcli's {self.mlp} uses {self.activation})"
             )
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise LmcliError(f"{hf.where}: attention_bias/mlp_bias are not supported for {self.name}")
         fields = self.read_fields(hf)
-        notices = []
-        context = fields["block_size"]
-        window = hf.get("sliding_window") if self.windowed or hf.get("use_sliding_window") else None
-        if window and window < context:
-            notices.append(f"context capped at the sliding window of {window} tokens (of {context})")
         fields.update(
-            block_size=min(window or context, context),
             n_kv_head=fields["n_kv_head"] or heads,
             tie_embeddings=bool(fields["tie_embeddings"]),
+            head_size=head_dim if head_dim * heads != width else 0,
         )
-        cfg = ModelConfig(
-            **fields,
-            vocab_multiple=1,  # the imported shapes as they are
-            bias=False,
-            qkv_bias=self.qkv_bias,
-            position=self.position,
-            mlp=self.mlp,
-            norm=self.norm,
-            **rope_settings(hf),
-        )
-        return cfg, notices
+        n_layer = fields["n_layer"]
+        settings = {"bias": False, "qkv_bias": self.qkv_bias, **rope_settings(hf)}
+        settings |= self.window_settings(hf, n_layer) | self.own_settings(hf, n_layer)
+        try:
+            cfg = ModelConfig(
+                **fields,
+                vocab_multiple=1,  # the imported shapes as they are
+                position=self.position,
+                mlp=self.mlp,
+                norm=self.norm,
+                **settings,
+            )
+        except LmcliError as exc:
+            raise LmcliError(f"{hf.where}: {exc}") from None
+        return cfg, []
 
     def hf_settings(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
             "head_dim": cfg.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.activation,
             "rope_theta": cfg.rope_base,
             "rope_scaling": rope_scaling_dict(cfg),
             "attention_dropout": 0.0,
+            **self.window_config(cfg),
         }
+
+    def window_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The config.json fields of ``cfg``'s sliding window (none for Llama)."""
+        return {}
+
+    gguf_head_lengths: ClassVar[bool] = False  # key_length/value_length always written (else when needed)
 
     def gguf_metadata(self, writer: Any, cfg: ModelConfig) -> None:
         writer.add_layer_norm_rms_eps(cfg.norm_eps)
         writer.add_rope_dimension_count(cfg.head_dim)
         writer.add_rope_freq_base(cfg.rope_base)
+        if self.gguf_head_lengths or cfg.q_width != cfg.n_embd:  # llama.cpp's default: n_embd / n_head
+            writer.add_key_length(cfg.head_dim)
+            writer.add_value_length(cfg.head_dim)
 
     def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-        """Norm epsilon, rope base and scaling, and the biases the tensors hold; one line for what
-        lmcli's rope cannot compute (a partial rotary dimension, frequency factors, yarn)."""
+        """Norm epsilon, head size, rope base and scaling, and the biases the tensors hold; one
+        line for what lmcli's rope cannot compute (a partial rotary dimension, frequency
+        factors, yarn)."""
         arch = self.gguf_arch
         width, heads = meta.require(f"{arch}.embedding_length"), meta.require(f"{arch}.attention.head_count")
-        head_dim = width // heads if isinstance(width, int) and isinstance(heads, int) and heads else None
-        for key in (f"{arch}.rope.dimension_count", f"{arch}.attention.key_length"):
+        head_dim = meta.get(f"{arch}.attention.key_length", width // heads)
+        for key in (f"{arch}.rope.dimension_count", f"{arch}.attention.value_length"):
             if meta.get(key, head_dim) != head_dim:
                 raise LmcliError(f"{meta.where}: {key} {meta.get(key)} is not the head size {head_dim}")
         out: dict[str, Any] = {
+            "head_size": head_dim if head_dim * heads != width else 0,
             "norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
             "rope_base": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             "bias": "blk.0.attn_output.bias" in shapes,
@@ -169,10 +249,11 @@ class Llama(FamilyAdapter):
         return out
 
 
-def rope_settings(hf: HFConfig) -> dict[str, Any]:
+def rope_settings(hf: HFConfig, params: HFConfig | None = None) -> dict[str, Any]:
     """lmcli's rope fields from a config's ``rope_theta``/``rope_scaling`` (transformers 4) or
-    ``rope_parameters`` (transformers 5); an unsupported scaling type is refused."""
-    params = hf.section("rope_parameters")
+    ``rope_parameters`` (transformers 5; ``params``: the table to read instead, a layer type's);
+    an unsupported scaling type is refused."""
+    params = params if params is not None else hf.section("rope_parameters")
     scaling = hf.section("rope_scaling") if hf.get("rope_scaling") else params
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default"))

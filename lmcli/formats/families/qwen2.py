@@ -1,13 +1,18 @@
 """Qwen2: Llama with biases on the query, key and value projections (lmcli's ``qkv_bias``).
 
-Its ``use_sliding_window`` caps the context as Mistral's window does. llama.cpp's ``qwen2`` turns
-the halves of each head as lmcli does, so its GGUF map permutes no rows (lmcli's GGUF export
-writes such models as ``llama``, which reads the biases too; this map is for reading).
+With ``use_sliding_window`` the layers from ``max_window_layers`` on attend through the window
+(transformers 5 lists them in ``layer_types``). llama.cpp's ``qwen2`` turns the halves of each
+head as lmcli does, so its GGUF map permutes no rows (lmcli's GGUF export writes such models as
+``llama``, which reads the biases too; this map is for reading).
 """
 
 from __future__ import annotations
 
-from lmcli.formats.families.llama import Llama, gguf_names
+from typing import Any
+
+from lmcli.config.model import ModelConfig
+from lmcli.formats.families.hf_config import HFConfig
+from lmcli.formats.families.llama import GLOBAL, LOCAL, Llama, gguf_names, layer_types
 
 
 class Qwen2(Llama):
@@ -15,5 +20,23 @@ class Qwen2(Llama):
     architecture = "Qwen2ForCausalLM"
     gguf_arch = "qwen2"
     qkv_bias = True
-    hf_extra = {"use_sliding_window": False, "sliding_window": None}
+    hf_extra = {}
     gguf_names = gguf_names(pairs=False)
+    expresses = Llama.expresses | {"a sliding window", "a layer pattern"}
+
+    def window(self, hf: HFConfig) -> int | None:
+        return hf.get("sliding_window") if hf.get("use_sliding_window") else None
+
+    def default_layer_types(self, hf: HFConfig, n_layer: int, window: int) -> list[str]:
+        first = hf.get("max_window_layers", 28)
+        return [LOCAL if i >= first else GLOBAL for i in range(n_layer)]
+
+    def window_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        if not cfg.sliding_window:
+            return {"use_sliding_window": False, "sliding_window": None}
+        return {
+            "use_sliding_window": True,
+            "sliding_window": cfg.sliding_window,
+            "max_window_layers": 0,
+            "layer_types": layer_types(cfg),
+        }

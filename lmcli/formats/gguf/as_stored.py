@@ -1,5 +1,5 @@
 """A GGUF file's matrices kept as stored (``load_gguf_as_stored``, what a CPU decode loads): its
-q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the memory-mapped file's
+q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the memory-mapped
 bytes (no dequantize, no requantize), so the model takes the file's size in memory; norms,
 biases and float matrices load as usual.
 
@@ -79,11 +79,13 @@ def load_as_stored(header: GgufHeader, dtype: torch.dtype) -> Transformer:
     sources = [t for t in header.tensors.values() if keeps_blocks(t)]
     starts = torch.tensor([0, *torch.tensor([t.shape[0] for t in sources]).cumsum(0).tolist()])
     state, first = {}, dict(zip((t.name for t in sources), starts.tolist(), strict=False))
-    for name, t in header.tensors.items():
-        state[name] = (
-            torch.arange(first[name], first[name] + t.shape[0]) if name in first else t.dequantized(dtype)
-        )
+    for name, t in header.tensors.items():  # (vectors as stored until mapped: see load_gguf)
+        if name in first:
+            state[name] = torch.arange(first[name], first[name] + t.shape[0])
+        else:
+            state[name] = t.dequantized(dtype if len(t.shape) > 1 else None)
     state = header.family.from_gguf(state, header.config)
+    state = {n: v if v.dtype == torch.int64 else v.to(dtype) for n, v in state.items()}
     cfg = header.config
     blocks = {name: state.pop(name) for name in [n for n, v in state.items() if v.dtype == torch.int64]}
     with torch.device("meta"):

@@ -35,6 +35,7 @@ from lmcli.errors import LmcliError, check_blocks
 from lmcli.formats.families import FamilyAdapter, HFConfig, from_gguf_arch
 from lmcli.formats.families.hf_config import GgufSchema
 from lmcli.formats.weights import WeightsHeader, check_header
+from lmcli.safe_io import open_input
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -146,7 +147,7 @@ def scan(path: str | Path) -> GgufHeader:
     path = Path(path)
     where = str(path)
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with open_input(path, "GGUF file") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             cur = _Cursor(mm, where)
             if len(mm) < 24 or mm[:4] != MAGIC:
                 raise LmcliError(f"{where} is not a GGUF file (no GGUF magic)")

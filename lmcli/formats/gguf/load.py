@@ -3,10 +3,13 @@
 ``read_gguf_header`` is the one check before anything is built, as a run folder's safetensors
 header is checked against its config:
 
-- ``hf.gguf_check.check_gguf`` scans the header with bounds, reads the config through the family
+- ``gguf.check.check_gguf`` scans the header with bounds, reads the config through the family
   adapter (``config_from_gguf``, each value by the rule of the ``config.json`` field it stands
   for) and checks every tensor's name and shape, under lmcli's names, against it;
-- then ``gguf``'s own reader maps the file (metadata and tensor table parsed, no tensor read): a
+- the metadata and the tensor table are those of that bounded scan: of the metadata arrays only
+  the tokenizer's (``ARRAYS``) are decoded, any other is skipped unread (``gguf.GGUFReader``
+  would build Python objects for every element: a 2 MB file with a million-element array took
+  a GB); each tensor's data is a view of one memory map of the file at its checked offset; a
   tensor type lmcli does not read (``TYPES``) is one line;
 - the tokenizer is rebuilt from the metadata (``gguf_vocab.tokenizer_from_gguf``) and must fit
   the vocabulary.
@@ -27,6 +30,7 @@ quantized linear layer to take instead of a dequantized weight.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,26 +44,29 @@ from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.formats.families import FamilyAdapter, HFConfig
 from lmcli.formats.families.hf_config import GgufSchema
-from lmcli.formats.gguf.check import check_gguf
+from lmcli.formats.gguf.check import GgufHeader as Scanned
+from lmcli.formats.gguf.check import TensorInfo, check_gguf
 from lmcli.formats.gguf.vocab import tokenizer_from_gguf
 from lmcli.formats.weights import model_from_state
 from lmcli.model.transformer import Transformer
+from lmcli.safe_io import open_input
 from lmcli.text.tokenizer import Tokenizer
 
 MAGIC = b"GGUF"
 # the tensor types lmcli reads (dequantized with gguf's quants); GGML's names
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# the metadata arrays lmcli reads (the tokenizer's); any other array is skipped unread
+ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def is_gguf_file(path: str | Path) -> bool:
     """A file that starts with GGUF's magic bytes."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            return path.is_file() and f.read(4) == MAGIC
-    except OSError:
+    if not os.path.lexists(path) or path.is_dir():
         return False
+    with open_input(path) as f:  # a FIFO or a device named as a model is one line, not a hang
+        return f.read(4) == MAGIC
 
 
 @dataclass
@@ -103,6 +110,7 @@ class GgufHeader:
     family: FamilyAdapter
     config: ModelConfig
     tokenizer: Tokenizer
+    table: dict[str, TensorInfo]  # the bounded scan's: GGML type, shape, offset in the file, bytes
 
     @property
     def name(self) -> str:
@@ -111,46 +119,42 @@ class GgufHeader:
         return name if isinstance(name, str) and name.strip() else self.path.stem
 
 
-def _open(path: Path) -> Any:
-    """``gguf``'s reader on ``path`` (copy-on-write memory map), or one line saying why not."""
-    import gguf
-
-    if not path.is_file():
-        raise LmcliError(f"no such GGUF file: {path}")
-    try:
-        return gguf.GGUFReader(path, "c")
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError, OSError) as exc:
-        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        if isinstance(exc, ValueError) and "GGMLQuantizationType" in reason:
-            raise LmcliError(f"{path}: unknown GGUF tensor type ({reason})") from None
-        raise LmcliError(f"cannot read GGUF file {path}: truncated or damaged ({reason})") from None
+def _metadata(scanned: Scanned) -> HFConfig:
+    """The file's scalar and text metadata, and decoded the arrays lmcli reads (``ARRAYS``): the
+    others (a crafted million-element array) are skipped, never materialized."""
+    out: dict[str, Any] = dict(scanned.metadata)
+    for key in ARRAYS:
+        if key in scanned.arrays:
+            value = scanned.array(key)
+            out[key] = value.tolist() if isinstance(value, np.ndarray) else value
+    return HFConfig(out, str(scanned.path), GgufSchema())
 
 
-def _metadata(reader: Any, where: str) -> HFConfig:
-    """Every metadata key of the file with its value (text, number, bool, or a list of them)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            value = field.contents()
-        except (ValueError, UnicodeDecodeError, IndexError) as exc:
-            raise LmcliError(f"{where}: cannot read metadata {key}: {exc}") from None
-        out[key] = value
-    return HFConfig(out, where, GgufSchema())
-
-
-def _tensors(reader: Any, where: str) -> dict[str, GgufTensor]:
-    """The tensor table, each a type lmcli reads; one line naming the first that is not."""
-    out = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in TYPES:
+def _tensors(scanned: Scanned) -> dict[str, GgufTensor]:
+    """The tensor table of the bounded scan, each tensor's data a view of one copy-on-write
+    memory map of the file at its checked offset; one line naming a type lmcli does not read."""
+    where = str(scanned.path)
+    for t in scanned.tensors.values():
+        if t.type_name not in TYPES:
             reads = ", ".join(TYPES)
             raise LmcliError(
-                f"{where}: tensor {t.name} is {kind}, a type lmcli does not read (it reads {reads})"
+                f"{where}: tensor {t.name} is {t.type_name}, a type lmcli does not read (it reads {reads})"
             )
-        out[t.name] = GgufTensor(t.name, kind, tuple(int(n) for n in reversed(t.shape.tolist())), t.data)
+    try:
+        with open_input(scanned.path, "GGUF file") as f:
+            mm = np.memmap(f, dtype=np.uint8, mode="c")  # the map outlives the file object
+    except (OSError, ValueError) as exc:
+        raise LmcliError(f"cannot read GGUF file {where}: {exc}") from None
+    if len(mm) != scanned.file_size:
+        raise LmcliError(f"{where} changed while it was read")
+    out = {}
+    for name, info in scanned.tensors.items():
+        raw = mm[info.offset : info.offset + info.n_bytes]
+        if info.type_name in ("F32", "F16"):
+            data = raw.view(np.float32 if info.type_name == "F32" else np.float16).reshape(info.shape)
+        else:  # BF16 and quantized blocks: one row of bytes per row
+            data = raw.reshape(*info.shape[:-1], -1)
+        out[name] = GgufTensor(name, info.type_name, info.shape, data)
     return out
 
 
@@ -158,19 +162,18 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
     """A GGUF file's metadata, tensor table, config and tokenizer, every one checked (see the
     module doc) before anything is built; one line naming the first problem."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise LmcliError(f"no such GGUF file: {path}")
     # the header scanned with bounds, its config read and every tensor's shape checked against
     # it first: gguf's reader trusts the file's counts
-    _, family, cfg, _ = check_gguf(path)
-    reader = _open(path)
+    scanned, family, cfg, _ = check_gguf(path)
     where = str(path)
-    meta = _metadata(reader, where)
-    tensors = _tensors(reader, where)
+    meta = _metadata(scanned)
+    tensors = _tensors(scanned)
     tok = tokenizer_from_gguf(meta)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
-    return GgufHeader(path, meta, tensors, family, cfg, tok)
+    return GgufHeader(path, meta, tensors, family, cfg, tok, scanned.tensors)
 
 
 def gguf_state(
@@ -194,7 +197,10 @@ def load_gguf(
     its Tokenizer and what it says of itself (``source``, ``name``, tensor types)."""
     header = read_gguf_header(path)
     dtype = dtype or default_dtype(header)
-    state = gguf_state(header, lambda t: t.dequantized(dtype))
+    # vectors (norms, biases) as stored until the adapter's map is done: Gemma 3's norm weights
+    # are stored with 1 added, which comes off in float32 before the weights' dtype rounds them
+    state = gguf_state(header, lambda t: t.dequantized(dtype if len(t.shape) > 1 else None))
+    state = {name: t.to(dtype) for name, t in state.items()}
     model = model_from_state(header.config, state, f"in {header.path}").eval()
     return model, header.tokenizer, gguf_meta(header)
 

@@ -1,4 +1,5 @@
-"""A tokenizer as GGUF metadata and back: byte-level BPE, GGUF's ``gpt2`` tokenizer model.
+"""A tokenizer as GGUF metadata and back: byte-level BPE (GGUF's ``gpt2`` tokenizer model), and
+SentencePiece-style vocabularies (its ``llama`` model: ``spm.py``).
 
 GGUF holds a byte-level BPE as its tokens (by id), their types (normal, control: a special
 token; user-defined: an added token matched in text; unused), its merges, the pre-tokenizer by
@@ -36,6 +37,7 @@ from typing import Any
 
 from lmcli.errors import LmcliError
 from lmcli.formats.families.hf_config import HFConfig
+from lmcli.formats.gguf.spm import DEFAULT_IDS, SpmVocab, is_sentencepiece, spm_tokenizer, spm_vocab
 from lmcli.text.tokenizer import Tokenizer
 
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -75,7 +77,7 @@ PRE_ALIASES = {
     "mpt": "gpt-2",
     "olmo": "gpt-2",
 }
-ADDS_BOS = ("llama-bpe",)  # llama.cpp puts <bos> first for these unless the file says otherwise
+ADDS_BOS = ("llama-bpe", "llama")  # llama.cpp puts <bos> first for these unless the file says otherwise
 IGNORES_MERGES = ("llama-bpe",)  # a word the vocabulary holds whole is not merged piece by piece
 NORMALIZERS = (None, {"type": "NFC"})  # Qwen2's NFC: llama.cpp leaves text as it is
 
@@ -117,15 +119,16 @@ def pre_tokenizer_name(spec: dict[str, Any]) -> str:
 
 @dataclass
 class GgufVocab:
-    """A tokenizer as GGUF's ``gpt2`` tokenizer model sees it."""
+    """A tokenizer as GGUF's ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece) model sees it."""
 
     tokens: list[str]
     types: list[int]
-    merges: list[str]
+    merges: list[str]  # gpt2 only
     special_ids: dict[str, int]  # bos, eos, pad, unk, sep
     pre: str  # tokenizer.ggml.pre
     add_bos: bool
     add_eos: bool
+    spm: SpmVocab | None = None  # llama only: scores, add_space_prefix
 
 
 def _merge_text(merge: str | list[str]) -> str:
@@ -145,20 +148,35 @@ def check_bpe(spec: dict[str, Any]) -> None:
     )
     if model.get("type") != "BPE" or not plain or spec.get("normalizer") not in NORMALIZERS:
         what = model.get("type") if model.get("type") != "BPE" else "a BPE with a normalizer or options"
-        raise LmcliError(f"GGUF export supports byte-level BPE tokenizers, not this one ({what})")
+        raise LmcliError(
+            f"GGUF export supports byte-level BPE tokenizers and SentencePiece-style ones (a BPE with "
+            f"byte fallback, spaces as \u2581), not this one ({what})"
+        )
+
+
+def _special_ids(tok: Tokenizer) -> dict[str, int]:
+    special_ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    for role in ("unk", "sep"):
+        if getattr(tok, f"{role}_id", None) is not None:
+            special_ids[role] = getattr(tok, f"{role}_id")
+    return special_ids
 
 
 def gguf_vocab(tok: Tokenizer, vocab_size: int, token_types: Any) -> GgufVocab:
-    """GGUF tokenizer metadata of a byte-level BPE or byte tokenizer (others refused).
+    """GGUF tokenizer metadata of a byte-level BPE or byte tokenizer (``gpt2``) or of a
+    SentencePiece-style one (``llama``); others refused.
 
     ``vocab_size``: the model's; ids the tokenizer does not use are filled with unused tokens.
     ``token_types``: ``gguf.TokenType``.
     """
     spec = json.loads(tok.to_json())
-    check_bpe(spec)
-    pre = pre_tokenizer_name(spec)
     if tok.vocab_size > vocab_size:
         raise LmcliError(f"tokenizer has {tok.vocab_size} tokens, the model only {vocab_size}")
+    if is_sentencepiece(spec):
+        tokens, types, spm = spm_vocab(tok, spec, vocab_size)
+        return GgufVocab(tokens, types, [], _special_ids(tok), "default", tok.add_bos, tok.add_eos, spm)
+    check_bpe(spec)
+    pre = pre_tokenizer_name(spec)
     by_id = {i: t for t, i in tok.hf.get_vocab(with_added_tokens=True).items()}
     added = tok.hf.get_added_tokens_decoder()
     TT = token_types
@@ -172,10 +190,7 @@ def gguf_vocab(tok: Tokenizer, vocab_size: int, token_types: Any) -> GgufVocab:
             special = i in added and added[i].special
             types.append(TT.CONTROL if special else TT.USER_DEFINED if i in added else TT.NORMAL)
     merges = [_merge_text(m) for m in spec["model"].get("merges") or []]
-    special_ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
-    for role in ("unk", "sep"):
-        if getattr(tok, f"{role}_id", None) is not None:
-            special_ids[role] = getattr(tok, f"{role}_id")
+    special_ids = _special_ids(tok)
     if not merges:  # the byte tokenizer: one merge no byte-level piece can match (see the module doc)
         controls = [tokens[i] for i in range(vocab_size) if types[i] == TT.CONTROL]
         if len(controls) < 2:
@@ -186,11 +201,16 @@ def gguf_vocab(tok: Tokenizer, vocab_size: int, token_types: Any) -> GgufVocab:
 
 def write_vocab(writer: Any, vocab: GgufVocab, chat_template: str | None) -> None:
     """The tokenizer's metadata into a ``gguf.GGUFWriter``."""
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model("gpt2" if vocab.spm is None else "llama")
     writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
+    if vocab.spm is not None:
+        writer.add_token_scores(vocab.spm.scores)
     writer.add_token_types(vocab.types)
-    writer.add_token_merges(vocab.merges)
+    if vocab.spm is None:
+        writer.add_token_merges(vocab.merges)
+    else:
+        writer.add_add_space_prefix(vocab.spm.add_space_prefix)
     for role, token_id in vocab.special_ids.items():
         getattr(writer, f"add_{role}_token_id")(token_id)
     writer.add_add_bos_token(vocab.add_bos)
@@ -208,7 +228,7 @@ SPECIAL_KEYS = {
     "unk": "tokenizer.ggml.unknown_token_id",
     "sep": "tokenizer.ggml.seperator_token_id",  # sic: GGUF's spelling
 }
-CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # gguf.TokenType
 
 
 def _applicable(merges: list[str], vocab: dict[str, int]) -> list[list[str]]:
@@ -262,6 +282,16 @@ def bpe_spec(tokens: list[str], types: list[int], merges: list[str], pre: str) -
     }
 
 
+def check_not_empty(tokens: list[str], types: list[int], where: str) -> None:
+    """One line when a normal token is empty text (it must spell something)."""
+    empty = [i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if not t and kind == NORMAL]
+    if empty:
+        raise LmcliError(
+            f"{where}: {len(empty)} of its {len(tokens)} tokens are empty text (the first: id {empty[0]}): "
+            "a normal token must spell something"
+        )
+
+
 def _texts(value: Any, what: str, where: str, kind: type = str) -> list:
     """``value`` if it is a list of ``kind``; one line otherwise."""
     if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
@@ -272,35 +302,21 @@ def _texts(value: Any, what: str, where: str, kind: type = str) -> list:
 def tokenizer_from_gguf(meta: HFConfig) -> Tokenizer:
     """lmcli's Tokenizer of a GGUF file's metadata (keys as the file names them); one line for
     a tokenizer model or pre-tokenizer lmcli lacks, or metadata of the wrong kind."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     get, where = meta.get, meta.where
     kind = get("tokenizer.ggml.model", None)
-    if kind != "gpt2":
+    if kind == "llama":
+        hf, pre, defaults = spm_tokenizer(meta), "llama", DEFAULT_IDS
+    elif kind == "gpt2":
+        hf, pre, defaults = _bpe_tokenizer(meta), _pre(meta), {}
+    else:
         raise LmcliError(
-            f"{where}: unsupported GGUF tokenizer model {kind!r} (lmcli reads gpt2, a byte-level BPE)"
+            f"{where}: unsupported GGUF tokenizer model {kind!r} (lmcli reads gpt2, a byte-level BPE, "
+            "and llama, a SentencePiece-style vocabulary)"
         )
-    name = get("tokenizer.ggml.pre", "gpt-2")
-    pre = PRE_ALIASES.get(name, name)
-    if pre not in PRE_TOKENIZERS:
-        raise LmcliError(
-            f"{where}: unsupported GGUF pre-tokenizer {name!r} (lmcli reads {', '.join(PRE_TOKENIZERS)})"
-        )
-    tokens = _texts(meta.require("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", where)
-    types = _texts(get("tokenizer.ggml.token_type", None) or [1] * len(tokens), "the token types", where, int)
-    merges = _texts(get("tokenizer.ggml.merges", None) or [], "tokenizer.ggml.merges", where)
-    if len(types) != len(tokens):
-        raise LmcliError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
-    spec = bpe_spec(tokens, types, merges, pre)
-    try:
-        hf = HFTokenizer.from_str(json.dumps(spec))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # tokenizers raises plain Exception, or panics (not an Exception)
-        raise LmcliError(f"{where}: cannot build its tokenizer: {str(exc)[:200]}") from None
+    tokens = meta.require("tokenizer.ggml.tokens")
     specials = {}
     for role, key in SPECIAL_KEYS.items():
-        i = get(key, None)
+        i = get(key, defaults.get(role))
         if isinstance(i, int) and 0 <= i < len(tokens):
             specials[role] = tokens[i]
     add_bos = get("tokenizer.ggml.add_bos_token", None)
@@ -314,3 +330,35 @@ def tokenizer_from_gguf(meta: HFConfig) -> Tokenizer:
         )
     except LmcliError as exc:
         raise LmcliError(f"{where}: {exc}") from None
+
+
+def _pre(meta: HFConfig) -> str:
+    """The pre-tokenizer of a ``gpt2`` vocabulary, by the name lmcli knows it."""
+    name = meta.get("tokenizer.ggml.pre", "gpt-2")
+    pre = PRE_ALIASES.get(name, name)
+    if pre not in PRE_TOKENIZERS:
+        raise LmcliError(
+            f"{meta.where}: unsupported GGUF pre-tokenizer {name!r} (lmcli reads {', '.join(PRE_TOKENIZERS)})"
+        )
+    return pre
+
+
+def _bpe_tokenizer(meta: HFConfig) -> Any:
+    """The ``tokenizers`` Tokenizer of a GGUF ``gpt2`` vocabulary."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    get, where, pre = meta.get, meta.where, _pre(meta)
+    tokens = _texts(meta.require("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", where)
+    types = _texts(get("tokenizer.ggml.token_type", None) or [1] * len(tokens), "the token types", where, int)
+    merges = _texts(get("tokenizer.ggml.merges", None) or [], "tokenizer.ggml.merges", where)
+    if len(types) != len(tokens):
+        raise LmcliError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    check_not_empty(tokens, types, where)
+    spec = bpe_spec(tokens, types, merges, pre)
+    try:
+        hf = HFTokenizer.from_str(json.dumps(spec))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # tokenizers raises plain Exception, or panics (not an Exception)
+        raise LmcliError(f"{where}: cannot build its tokenizer: {str(exc)[:200]}") from None
+    return hf

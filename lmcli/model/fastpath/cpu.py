@@ -44,7 +44,13 @@ from lmcli.model.fastpath.packed import (
 from lmcli.model.lora import has_adapters
 from lmcli.model.positions import Positions, Rotary, rotate_half
 from lmcli.model.quant import quantized_elements
-from lmcli.model.transformer import CausalSelfAttention, GeluMLP, Transformer
+from lmcli.model.transformer import (
+    CausalSelfAttention,
+    GeluMLP,
+    RMSNorm1p,
+    Transformer,
+    softcapped_attention,
+)
 
 if TYPE_CHECKING:
     from lmcli.model.kv_cache import KVCache
@@ -81,6 +87,8 @@ class SigmoidGeluMLP(GeluMLP):
 Norm = Callable[[Tensor], Tensor]
 Rotate = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 Turn = Callable[[Tensor], Tensor]
+Masks = tuple[Tensor | None, Tensor | None]  # a global and a sliding-window layer's mask
+Turns = tuple[Turn | None, Turn | None]  # a global and a sliding-window layer's rotary turn
 
 
 def functional_norm(norm: nn.Module) -> Norm:
@@ -95,6 +103,10 @@ def functional_norm(norm: nn.Module) -> Norm:
         )
     if isinstance(norm, nn.Identity):  # post-norm models have no final norm
         return lambda x: x
+    if isinstance(norm, RMSNorm1p):  # (1 + weight) computed once: on float32 rows, one fused op
+        scale = (1.0 + norm.weight.detach().float()).contiguous()
+        fused = functools.partial(F.rms_norm, normalized_shape=(scale.numel(),), weight=scale, eps=norm.eps)
+        return lambda x: fused(x) if x.dtype == torch.float32 else norm(x)
     return functools.partial(
         F.rms_norm, normalized_shape=(norm.weight.numel(),), weight=norm.weight, eps=norm.eps
     )
@@ -115,31 +127,43 @@ class LayerStep:
     fc: LinearFn
     gate: LinearFn | None
     mlp_out: LinearFn
+    post: tuple[Norm, ...]  # sandwich norms of the sublayers' outputs, or none
+    local: int  # 1: a sliding-window layer (its mask and rotary turn are the second of each pair)
+    one_turn: bool  # rotary without QK-norm: queries and keys turned in one call
 
     def __call__(
-        self, x: Tensor, pos: Tensor, mask: Tensor | None, rotate: Rotate, cache: KVCache, turn: Turn | None
+        self, x: Tensor, pos: Tensor, masks: Masks, rotate: Rotate, cache: KVCache, turns: Turns
     ) -> Tensor:
+        heads, mask, turn = self.heads, masks[self.local], turns[self.local]
+
         def attn(h: Tensor) -> Tensor:
-            B, C = h.size()
-            H, KV, D = self.heads.n_head, self.heads.n_kv_head, self.heads.head_dim
-            qkv = self.qkv(h).view(B, H + 2 * KV, D)  # (B, C + 2 * KV * D) -> (B, heads, D)
+            B = h.size(0)
+            H, KV, D = heads.n_head, heads.n_kv_head, heads.head_dim
+            qkv = self.qkv(h).view(B, H + 2 * KV, D)  # (B, H * D + 2 * KV * D) -> (B, heads, D)
             v = qkv[:, H + KV :].unsqueeze(2)  # (B, KV, 1, D)
-            if turn is not None and self.heads.q_norm is None:  # rotary: queries and keys in one turn
+            if turn is not None and self.one_turn:
                 qk = turn(qkv[:, : H + KV])  # (B, H + KV, D)
                 q, k = qk[:, :H].unsqueeze(2), qk[:, H:].unsqueeze(2)  # (B, H, 1, D), (B, KV, 1, D)
             else:
-                q, k = self.heads.normalize_qk(qkv[:, :H].unsqueeze(2), qkv[:, H : H + KV].unsqueeze(2))
-                q, k = rotate(q, k, pos)
+                q, k = heads.normalize_qk(qkv[:, :H].unsqueeze(2), qkv[:, H : H + KV].unsqueeze(2))
+                if heads.rotary:
+                    q, k = rotate(q, k, pos, local=heads.local)
             keys, values = cache.update(self.layer, k, v)  # (B, KV, S, D)
-            return self.attn_out(grouped_attention(q, keys, values, mask).reshape(B, C))
+            if heads.scale is None and not heads.softcap:
+                y = grouped_attention(q, keys, values, mask)  # (B, KV, G, D)
+            else:
+                y = grouped_attention(q, keys, values, mask, heads.scale, heads.softcap)
+            return self.attn_out(y.reshape(B, H * D))
 
         def mlp(h: Tensor) -> Tensor:
             return self.mlp_out(self.hidden(h, self.fc, self.gate))
 
-        return self.residual(x, attn, mlp, self.norm_1, self.norm_2)
+        return self.residual(x, attn, mlp, self.norm_1, self.norm_2, *self.post)
 
 
-def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+def grouped_attention(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float | None = None, cap: float = 0.0
+) -> Tensor:
     """One query per head, q (B, H, 1, D), against keys and values (B, KV, S, D): each key/value
     head's G = H / KV query heads attend as G rows of one head, so nothing is repeated (the
     model's ``share_heads`` copies every key and value G times). Returns (B, KV, G, D), which is
@@ -149,17 +173,22 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | No
     G = H // KV
     if mask is not None and mask.size(1) != 1:  # a bias per head (ALiBi): (B or 1, H, 1, S)
         mask = mask.reshape(mask.size(0), KV, G, -1)  # -> (B or 1, KV, G, S)
-    return F.scaled_dot_product_attention(q.reshape(B, KV, G, D), keys, values, attn_mask=mask)
+    if cap:  # soft-capped scores (``--attn-softcap``): the model's own attention
+        return softcapped_attention(q.reshape(B, KV, G, D), keys, values, mask, False, scale, cap, 0.0)
+    if scale is None:
+        return F.scaled_dot_product_attention(q.reshape(B, KV, G, D), keys, values, attn_mask=mask)
+    return F.scaled_dot_product_attention(q.reshape(B, KV, G, D), keys, values, attn_mask=mask, scale=scale)
 
 
-def rotary_turn(positions: Positions, pos: Tensor, dtype: torch.dtype) -> Turn | None:
+def rotary_turn(positions: Positions, pos: Tensor, dtype: torch.dtype, local: bool = False) -> Turn | None:
     """The rotary turn of one decoding step, for rows (B, N, D) of queries and keys at ``pos``
     (B or 1, 1): ``Rotary.rotate``'s arithmetic with its cos and sin looked up once per step
     instead of once per layer; None for other positions."""
     if not isinstance(positions, Rotary):
         return None
-    cos = positions.cos[pos].to(dtype)  # (B or 1, 1, D)
-    sin = positions.sin[pos].to(dtype)
+    cos, sin = positions.table(local)
+    cos = cos[pos].to(dtype)  # (B or 1, 1, D)
+    sin = sin[pos].to(dtype)
     return lambda x: rotate_half(x, cos, sin)
 
 
@@ -195,6 +224,9 @@ class StepRunner:
                     linear(mlp.c_fc),
                     linear(mlp.c_gate) if mlp.c_gate is not None else None,
                     linear(mlp.c_proj),
+                    () if block.post is None else tuple(functional_norm(n) for n in block.post),
+                    int(attn.local),
+                    attn.q_norm is None and attn.rotary,
                 )
             )
         return layers, functional_norm(self.model.ln_f), linear(self.model.lm_head)
@@ -210,12 +242,15 @@ class StepRunner:
             plan = self.plans[B] = self._plan(B)
         layers, final_norm, head = plan
         pos = cache.positions(1)  # (B or 1, 1)
-        x = model.positions.embed(model.wte(idx), pos).view(B, -1)  # (B, 1, C) -> (B, C)
+        x = model.embed(idx, pos).view(B, -1)  # (B, 1, C) -> (B, C)
         mask, _ = model.attention_mask(1, cache, None, x.dtype, idx.device)
+        window = model.config.sliding_window
+        masks: Masks = (mask, model.local_mask(mask, False, 1, cache, idx.device)[0] if window else mask)
         rotate = model.positions.rotate
         turn = rotary_turn(model.positions, pos, x.dtype)
+        turns: Turns = (turn, rotary_turn(model.positions, pos, x.dtype, local=True) if window else turn)
         for layer in layers:
-            x = layer(x, pos, mask, rotate, cache, turn)
+            x = layer(x, pos, masks, rotate, cache, turns)
         cache.advance(1)
         return model.cap_logits(model.vocab_logits(head(final_norm(x)))).view(B, 1, -1)
 
