@@ -48,7 +48,7 @@ def blocks_for(fmt: str, n: int, k: int) -> torch.Tensor:
     """Random blocks (the speed does not depend on the values) with finite fp16 scales."""
     f = ops.FORMATS[fmt]
     raw = np.random.default_rng(0).integers(0, 256, (n * k // f.block, f.block_bytes), dtype=np.uint8)
-    for at in (208,) if fmt == "q6_K" else (0, 2) if fmt in ("q4_K", "q5_K") else (0,):
+    for at in (208,) if fmt == "q6_K" else (0, 2) if fmt in ("q4_1", "q5_1", "q4_K", "q5_K") else (0,):
         raw[:, at : at + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
 

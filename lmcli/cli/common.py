@@ -51,7 +51,7 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
     CPU threads they ask for and its linear layers quantized as asked (``--quantize``)."""
     from lmcli.device import pick_device, set_threads
     from lmcli.formats.sources import DTYPES, load_model
-    from lmcli.model.quant import quantize
+    from lmcli.model.quant import products_line, quantize
 
     cfg = build(DeviceConfig, options)
     set_threads(cfg.threads)
@@ -60,6 +60,8 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
         run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype), as_stored=cfg.quantize == "none"
     )
     quantize(ckpt.model, cfg.quantize, cfg.group_size)
+    if cfg.verbose:
+        print(products_line(ckpt.model), file=sys.stderr)
     return ckpt
 
 

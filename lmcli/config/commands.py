@@ -206,6 +206,11 @@ class DeviceConfig:
         "or int4 (groups of --group-size; the vocabulary head stays int8). docs/quantization.md.",
     )
     group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
+    verbose: bool = option(
+        False,
+        "After loading, print on stderr one line naming the path the model's products take "
+        "(lmcli's native kernels and their instruction set, or torch's).",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

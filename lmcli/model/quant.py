@@ -32,7 +32,7 @@ The products (docs/quantization.md has the measurements that chose them):
   ``group_size``), held as the block bytes a GGUF file stores (``BlockLinear``) and multiplied
   with int8 activations by integer dot products; the head and the embedding are q8_0 (a tied
   embedding looks its rows up in the head's blocks, ``BlockEmbedding``). A GGUF file's own
-  q8_0/q4_0/q4_K/q5_K/q6_K matrices load into the same layers as stored
+  q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K matrices load into the same layers as stored
   (``lmcli.formats.gguf.as_stored``).
 
 ``lmcli.model.fastpath``'s CPU scope leaves these modules alone (they are no ``nn.Linear``: nothing is
@@ -219,9 +219,10 @@ class Int8Embedding(nn.Module):
 
 
 class BlockLinear(QuantLinear):
-    """Weights as GGUF blocks (q8_0, q4_0, q4_K, q5_K, q6_K; ``lmcli.model.native``), multiplied
-    by the native kernels: activations rounded to int8 per block, integer dot products (a
-    prompt of ``BLOCK_GEMM_ROWS`` rows or more: the weight dequantized to bfloat16, one GEMM).
+    """Weights as GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K;
+    ``lmcli.model.native``), multiplied by the native kernels: activations rounded to int8 per
+    block, integer dot products (a prompt of ``BLOCK_GEMM_ROWS`` rows or more: the weight
+    dequantized to bfloat16, one GEMM).
 
     ``blocks`` (out, row bytes) uint8 is the bytes a GGUF file stores (a view of a memory-mapped
     file, or ``quantize_blocks``'s output), so the layer takes the file's size. One row (decode)
@@ -367,6 +368,20 @@ def _quantize_vocabulary(model: nn.Module, native: bool) -> None:
         model.lm_head = Int8Linear(head)
         q, s = quantize_int8(wte.weight)
     model.wte = Int8Embedding(q, s, dtype)
+
+
+def products_line(model: nn.Module) -> str:
+    """One line naming the path ``model``'s products take (``--verbose``): the native kernels'
+    line (``ops.backend_line``) for GGUF blocks, torch's int8/int4 kernels, or float weights."""
+    modules = list(model.modules())
+    blocks = sorted({m.fmt for m in modules if isinstance(m, BlockLinear)})
+    if blocks:
+        return f"{ops.backend_line()}; blocks {', '.join(blocks)}"
+    device = next(model.parameters(), torch.empty(0)).device.type
+    torch_quant = sorted({f"int{m.bits}" for m in modules if isinstance(m, (Int8Linear, Int4Linear))})
+    if torch_quant:
+        return f"quantized products: torch ({', '.join(torch_quant)} kernels on {device})"
+    return f"products: torch (float weights on {device}; no quantized layer)"
 
 
 def quantized_elements(model: nn.Module) -> int:

@@ -25,7 +25,8 @@ float uniform() { return (float)(next() & 0xFFFFFF) / 16777216.0f; }
 
 int main() {
   struct Fmt { const char* name; int type, block, bytes, d_at; };
-  const Fmt fmts[] = {{"q4_0", 2, 32, 18, 0}, {"q8_0", 8, 32, 34, 0}, {"q4_K", 12, 256, 144, 0},
+  const Fmt fmts[] = {{"q4_0", 2, 32, 18, 0},     {"q4_1", 3, 32, 20, 0},     {"q5_0", 6, 32, 22, 0},
+                      {"q5_1", 7, 32, 24, 0},     {"q8_0", 8, 32, 34, 0},     {"q4_K", 12, 256, 144, 0},
                       {"q5_K", 13, 256, 176, 0}, {"q6_K", 14, 256, 210, 208}};
   const char* isas[] = {"scalar", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod"};
   const int64_t n = 19, k = 512, m = 3;
@@ -34,8 +35,10 @@ int main() {
     const int64_t nblocks = n * (k / f.block);
     std::vector<uint8_t> w((size_t)(nblocks * f.bytes));
     for (auto& b : w) b = (uint8_t)next();
-    for (int64_t b = 0; b < nblocks; ++b) {  // finite fp16 scales: 2^-12 .. 2^-9 (and q4/5_K's dmin)
-      for (int at : {f.d_at, f.type == 12 || f.type == 13 ? 2 : f.d_at}) {
+    // finite fp16 scales: 2^-12 .. 2^-9 (and the second one, at byte 2, of q4_1/q5_1's m and q4/5_K's dmin)
+    const bool two = f.type == 3 || f.type == 7 || f.type == 12 || f.type == 13;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      for (int at : {f.d_at, two ? 2 : f.d_at}) {
         const uint16_t h = (uint16_t)(((3 + (next() % 3)) << 10) | (next() & 0x3FF));
         std::memcpy(&w[(size_t)(b * f.bytes + at)], &h, 2);
       }

@@ -25,11 +25,11 @@ QT = gguf.GGMLQuantizationType
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """(n, row bytes) uint8: q8_0/q4_0 from gguf's own quantizer, K-quants as random valid blocks
-    (random bits with finite fp16 scales; gguf has no K-quant quantizer)."""
+    """(n, row bytes) uint8: the 32-value formats from gguf's own quantizer, K-quants as random
+    valid blocks (random bits with finite fp16 scales; gguf has no K-quant quantizer)."""
     rng = np.random.default_rng(seed)
     f = ops.FORMATS[fmt]
-    if fmt in ("q8_0", "q4_0"):
+    if f.block == 32:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         return gguf.quants.quantize(w, QT[fmt.upper()])
     raw = rng.integers(0, 256, (n * (k // 256), f.block_bytes), dtype=np.uint8)
@@ -91,7 +91,7 @@ def test_every_instruction_set_equals_scalar(fmt: str) -> None:
         assert ((y - ref).abs() <= 1e-5 * scale.double() + 1e-30).all(), isa
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q6_K"])
+@pytest.mark.parametrize("fmt", FMTS)
 def test_batched_and_threaded_equal_one_row_at_a_time(fmt: str) -> None:
     n, k = 45, 512
     blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=4))
@@ -132,11 +132,19 @@ def test_bad_sizes_are_refused() -> None:
         lambda: ops.matmul(x, torch.cat([blocks, blocks], 1)[:, ::2], "q8_0", k),  # not contiguous
         lambda: ops.matmul(x[:, :32], blocks, "q8_0", k),  # inputs of the wrong width
         lambda: ops.matmul(x.long(), blocks, "q8_0", k),  # integer inputs
-        lambda: ops.matmul(x, blocks, "q4_1", k),  # no kernel for the format
+        lambda: ops.matmul(x, blocks, "q2_K", k),  # no kernel for the format
         lambda: ops.matmul(x, blocks, "q4_K", k),  # a K-quant needs 256-value rows
         lambda: ops.matmul(x, blocks, "q8_0", k, threads=0),
         lambda: ops.matmul(x, blocks, "q8_0", k, isa="sse9"),
     ]
+    for fmt in ("q4_1", "q5_0", "q5_1"):  # the 32-value formats with a min or a fifth bit
+        b = torch.from_numpy(random_blocks(fmt, 4, k))
+        bad += [
+            lambda b=b, fmt=fmt: ops.matmul(x, b, fmt, 48),  # k does not match the row bytes
+            lambda b=b, fmt=fmt: ops.matmul(x[:, :48], b[:, : len(b[0]) * 3 // 4], fmt, 48),  # 1.5 blocks
+            lambda b=b, fmt=fmt: ops.matmul(x, b[:, :-1].contiguous(), fmt, k),  # truncated rows
+            lambda b=b, fmt=fmt: ops.matmul(x, b, "q8_0", k),  # another format's row bytes
+        ]
     for i, call in enumerate(bad):
         with pytest.raises(LmcliError):
             call()

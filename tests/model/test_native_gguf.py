@@ -30,6 +30,9 @@ TEXT = "the cat sat on the mat. 12 birds sang, didn't they?\n"
         ("llama", "Q8_0", True),
         ("qwen2", "Q4_0", False),
         ("qwen2", "Q5_K", False),
+        ("qwen2", "Q5_0", False),  # Q4_K_M files of 896-wide models hold some matrices in Q5_0
+        ("llama", "Q4_1", True),
+        ("qwen2", "Q5_1", True),
     ],
 )
 def test_logits_of_a_file_run_as_stored(tmp_path: Path, arch: str, kind: str, tied: bool) -> None:
@@ -107,6 +110,9 @@ def test_commands_run_a_gguf_file_as_stored(tmp_path: Path, capsys) -> None:
     ):
         code, out, err = run_cli(argv, capsys)
         assert code == 0, err
+    code, _, err = run_cli(["sample", str(path), "-p", "the", "--max-new-tokens", "2", "--verbose"], capsys)
+    assert code == 0, err
+    assert [line for line in err.splitlines() if "products" in line] == [f"{ops.backend_line()}; blocks q4_K"]
 
 
 @pytest.mark.parametrize("keep", [0.97, 0.5])

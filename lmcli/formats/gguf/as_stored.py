@@ -1,5 +1,5 @@
 """A GGUF file's matrices kept as stored (``load_gguf_as_stored``, what a CPU decode loads): its
-q8_0/q4_0/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the memory-mapped file's
+q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the memory-mapped
 bytes (no dequantize, no requantize), so the model takes the file's size in memory; norms,
 biases and float matrices load as usual.
 
@@ -33,7 +33,7 @@ from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear
 from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
 
-KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K"}
+KINDS = {k.upper(): k for k in ops.FORMATS}  # GGML's type names -> the kernels' formats
 
 
 def keeps_blocks(t: GgufTensor) -> bool:

@@ -54,7 +54,7 @@ from lmcli.text.tokenizer import Tokenizer
 
 MAGIC = b"GGUF"
 # the tensor types lmcli reads (dequantized with gguf's quants); GGML's names
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # the metadata arrays lmcli reads (the tokenizer's); any other array is skipped unread
 ARRAYS = (
     *("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"),

@@ -1,5 +1,5 @@
 // lmcli's native CPU products: activations quantized to int8 per block x weights stored in GGUF's
-// block layouts (q8_0, q4_0, q4_K, q5_K, q6_K, byte for byte as ggml writes them).
+// block layouts (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K, byte for byte as ggml writes them).
 //
 // A plain C ABI (loaded with ctypes, see ops.py). The instruction set is picked at run time: each
 // SIMD version is the same code (simd_body.inc) compiled under a function target attribute, and
@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -37,40 +39,67 @@
 namespace {
 
 // weight types: GGML's numbers (gguf.GGMLQuantizationType)
-enum WType { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum WType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 // instruction sets, best last
 enum Isa { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3, NEON_DOT = 4 };
 
-constexpr int QK = 32;    // elements of a q8_0 / q4_0 block (and of a q8 activation block)
+constexpr int QK = 32;    // elements of a 32-value block (q8_0, q4_0, q4_1, q5_0, q5_1; a q8 activation block)
 constexpr int QK_K = 256; // elements of a K-quant super-block
 
 // One activation row quantized to int8: per 32-block (d32, s32: scale, sum of the block's q) for
-// q8_0/q4_0 weights, per 256-block (d256, s16: scale, sums of 16-element groups) for the K-quants.
+// the 32-value formats, per 256-block (d256, s16: scale, sums of 16-element groups) for the K-quants.
 struct ActRow {
   const int8_t* q;
   const float* d;
   const int32_t* s;
-  // q4_0 on x86, blocks 2p and 2p + 1 laid out for one register each (pair_layout): the values
-  // 0-15 of both, then 16-31 of both (64 bytes); -8 sum(a) in 32-bit lanes 0 and 4; the scales
-  // in lanes 0-3 and 4-7. Null for the other formats and paths.
+  // q4_0/q4_1/q5_0/q5_1 on x86, blocks 2p and 2p + 1 laid out for one register each (pair_layout):
+  // the values 0-15 of both, then 16-31 of both (64 bytes); -8 sum(a) in 32-bit lanes 0 and 4; the
+  // scales in lanes 0-3 and 4-7 (with AVX512: quad_layout, four blocks). Null for the other formats.
   const int8_t* qp = nullptr;
   const int32_t* ip = nullptr;
   const float* dp = nullptr;
+  // q4_K/q5_K on x86: the sums of q over 32-value sub-blocks (8 a super-block). Null otherwise.
+  const int32_t* s32 = nullptr;
 };
+
+// the 4- and 5-bit formats with AVX512: blocks 4t..4t + 3 laid out for one 512-bit register each
+// (quad_layout): the values 0-15 of the four, then 16-31 of the four (128 bytes); -8 sum(a) in
+// 32-bit lanes 4i; the scales in lanes 4i..4i + 3 (i: the block of the four). In qp, ip, dp (the
+// pair layout's sizes).
+void quad_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, int8_t* qp, int32_t* ip, float* dp) {
+  for (int64_t t = 0; t < nb / 4; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      const int8_t* a = q + 32 * (4 * t + i);
+      std::memcpy(qp + 128 * t + 16 * i, a, 16);       // values 0-15 of block 4t + i
+      std::memcpy(qp + 128 * t + 64 + 16 * i, a + 16, 16);  // values 16-31
+      for (int l = 0; l < 4; ++l) {
+        ip[16 * t + 4 * i + l] = l == 0 ? -8 * s[4 * t + i] : 0;
+        dp[16 * t + 4 * i + l] = d[4 * t + i];
+      }
+    }
+  }
+}
 
 // the pair layout of one activation row (nb blocks of 32; pairs = nb / 2)
 void pair_layout(const int8_t* q, const float* d, const int32_t* s, int64_t nb, int8_t* qp, int32_t* ip, float* dp) {
   for (int64_t p = 0; p < nb / 2; ++p) {
     const int8_t* a = q + 64 * p;  // blocks 2p (a[0:32]) and 2p + 1 (a[32:64])
     int8_t* o = qp + 64 * p;
-    for (int t = 0; t < 16; ++t) {
-      o[t] = a[t], o[16 + t] = a[32 + t], o[32 + t] = a[16 + t], o[48 + t] = a[48 + t];
-    }
+    std::memcpy(o, a, 16);            // values 0-15 of block 2p
+    std::memcpy(o + 16, a + 32, 16);  // values 0-15 of block 2p + 1
+    std::memcpy(o + 32, a + 16, 16);  // values 16-31 of block 2p
+    std::memcpy(o + 48, a + 48, 16);  // values 16-31 of block 2p + 1
     for (int l = 0; l < 8; ++l) {
       ip[8 * p + l] = l == 0 ? -8 * s[2 * p] : l == 4 ? -8 * s[2 * p + 1] : 0;
       dp[8 * p + l] = d[2 * p + l / 4];
     }
   }
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 inline uint16_t load_u16(const uint8_t* p) {
@@ -160,6 +189,57 @@ float dot1_q4_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
     for (int i = 0; i < 16; ++i) isum += (qs[i] & 0xF) * aq[i] + (qs[i] >> 4) * aq[i + 16];
     isum -= 8 * a.s[b];  // (q - 8) . a
     acc += fp16_to_fp32(load_u16(blk)) * a.d[b] * (float)isum;
+  }
+  return acc;
+}
+
+// q4_1 (fp16 d, fp16 m, 16 bytes of nibbles): w = d q + m, so w . a = d (q . a) + m sum(a)
+float dot1_q4_1_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 20;
+    const uint8_t* qs = blk + 4;
+    const int8_t* aq = a.q + b * QK;
+    int32_t isum = 0;
+    for (int i = 0; i < 16; ++i) isum += (qs[i] & 0xF) * aq[i] + (qs[i] >> 4) * aq[i + 16];
+    const float da = a.d[b];
+    acc += da * fp16_to_fp32(load_u16(blk)) * (float)isum + da * fp16_to_fp32(load_u16(blk + 2)) * (float)a.s[b];
+  }
+  return acc;
+}
+
+// the 5-bit values of a q5_0/q5_1 block: element i's fifth bit is bit i of the 32-bit word qh
+// (elements 0-15 in the low nibbles of qs, 16-31 in the high ones)
+inline int32_t q5_dot(const uint8_t* qh4, const uint8_t* qs, const int8_t* aq) {
+  const uint32_t qh = load_u32(qh4);
+  int32_t isum = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int lo = (qs[i] & 0xF) | (int)(((qh >> i) & 1) << 4);
+    const int hi = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+    isum += lo * aq[i] + hi * aq[i + 16];
+  }
+  return isum;
+}
+
+// q5_0 (fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles): w = d (q - 16)
+float dot1_q5_0_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 22;
+    const int32_t isum = q5_dot(blk + 2, blk + 6, a.q + b * QK) - 16 * a.s[b];
+    acc += fp16_to_fp32(load_u16(blk)) * a.d[b] * (float)isum;
+  }
+  return acc;
+}
+
+// q5_1 (fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes of nibbles): w = d q + m
+float dot1_q5_1_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 24;
+    const int32_t isum = q5_dot(blk + 4, blk + 8, a.q + b * QK);
+    const float da = a.d[b];
+    acc += da * fp16_to_fp32(load_u16(blk)) * (float)isum + da * fp16_to_fp32(load_u16(blk + 2)) * (float)a.s[b];
   }
   return acc;
 }
@@ -254,6 +334,7 @@ void rows(const uint8_t* w, const ActRow* a, int64_t nb, float* out) {
 // ---------------------------------------------------------------- SIMD versions
 
 #if defined(LM_X86)
+#define LM_AVX512 0
 namespace avx2 {
 #define LM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define LM_DOT(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
@@ -272,14 +353,17 @@ namespace avxvnni {
 #undef LM_DOT
 #undef LM_VNNI
 }  // namespace avxvnni
-namespace avx512vnni {  // the EVEX (AVX512-VNNI + VL) vpdpbusd on 256-bit registers
+#undef LM_AVX512
+namespace avx512vnni {  // the EVEX (AVX512-VNNI + VL) vpdpbusd on 256-bit registers (q4_0: 512-bit)
 #define LM_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define LM_DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define LM_VNNI 1
+#define LM_AVX512 1
 #include "simd_body.inc"
 #undef LM_TARGET
 #undef LM_DOT
 #undef LM_VNNI
+#undef LM_AVX512
 }  // namespace avx512vnni
 #endif
 
@@ -325,6 +409,9 @@ Kernels pick(int wtype, int isa) {
 #define LM_X86_ISA(ns, i)                            \
   case i * 100 + Q8_0: return {ns::dot_q8_0, ns::dot4_q8_0, ns::quantize}; \
   case i * 100 + Q4_0: return {ns::dot_q4_0, ns::dot4_q4_0, ns::quantize}; \
+  case i * 100 + Q4_1: return {ns::dot_q4_1, ns::dot4_q4_1, ns::quantize}; \
+  case i * 100 + Q5_0: return {ns::dot_q5_0, ns::dot4_q5_0, ns::quantize}; \
+  case i * 100 + Q5_1: return {ns::dot_q5_1, ns::dot4_q5_1, ns::quantize}; \
   case i * 100 + Q4_K: return {ns::dot_q4_K, ns::dot4_q4_K, ns::quantize}; \
   case i * 100 + Q5_K: return {ns::dot_q5_K, ns::dot4_q5_K, ns::quantize}; \
   case i * 100 + Q6_K: return {ns::dot_q6_K, ns::dot4_q6_K, ns::quantize};
@@ -341,6 +428,9 @@ Kernels pick(int wtype, int isa) {
     switch (wtype) {
       case Q8_0: return {rows<neon::dot_q8_0, 1>, rows<neon::dot_q8_0, 4>, quantize_act};
       case Q4_0: return {rows<neon::dot_q4_0, 1>, rows<neon::dot_q4_0, 4>, quantize_act};
+      case Q4_1: return {rows<neon::dot_q4_1, 1>, rows<neon::dot_q4_1, 4>, quantize_act};
+      case Q5_0: return {rows<neon::dot_q5_0, 1>, rows<neon::dot_q5_0, 4>, quantize_act};
+      case Q5_1: return {rows<neon::dot_q5_1, 1>, rows<neon::dot_q5_1, 4>, quantize_act};
       case Q4_K: return {rows<neon::dot_q4_K, 1>, rows<neon::dot_q4_K, 4>, quantize_act};
       case Q5_K: return {rows<neon::dot_q5_K, 1>, rows<neon::dot_q5_K, 4>, quantize_act};
       case Q6_K: return {rows<neon::dot_q6_K, 1>, rows<neon::dot_q6_K, 4>, quantize_act};
@@ -351,6 +441,9 @@ Kernels pick(int wtype, int isa) {
   switch (wtype) {
     case Q8_0: return {rows<dot1_q8_0_scalar, 1>, rows<dot1_q8_0_scalar, 4>, quantize_act};
     case Q4_0: return {rows<dot1_q4_0_scalar, 1>, rows<dot1_q4_0_scalar, 4>, quantize_act};
+    case Q4_1: return {rows<dot1_q4_1_scalar, 1>, rows<dot1_q4_1_scalar, 4>, quantize_act};
+    case Q5_0: return {rows<dot1_q5_0_scalar, 1>, rows<dot1_q5_0_scalar, 4>, quantize_act};
+    case Q5_1: return {rows<dot1_q5_1_scalar, 1>, rows<dot1_q5_1_scalar, 4>, quantize_act};
     case Q4_K: return {rows<dot1_q4_K_scalar, 1>, rows<dot1_q4_K_scalar, 4>, quantize_act};
     case Q5_K: return {rows<dot1_q5_K_scalar, 1>, rows<dot1_q5_K_scalar, 4>, quantize_act};
     case Q6_K: return {rows<dot1_q6_K_scalar, 1>, rows<dot1_q6_K_scalar, 4>, quantize_act};
@@ -438,12 +531,50 @@ Pool& pool() {
   return *p;
 }
 
+// A product's activation copies (int8 rows, scales, sums, q4_0's pair layout): one buffer a
+// calling thread, grown as needed and kept, so a decode step's products neither allocate nor
+// zero-fill. `reserve` lays out parts of the given byte sizes, each 64-byte aligned.
+class Scratch {
+ public:
+  static constexpr int kParts = 7;
+  void reserve(std::initializer_list<int64_t> bytes) {
+    size_t total = 0, i = 0;
+    for (const int64_t b : bytes) {
+      offsets_[i++] = total;
+      total += ((size_t)b + 63) / 64 * 64;
+    }
+    if (total > size_) {
+      buf_.reset(new uint8_t[total + 64]);
+      size_ = total;
+    }
+    base_ = buf_.get() + (64 - (uintptr_t)buf_.get() % 64) % 64;
+  }
+  template <class T>
+  T* part(int i) const {
+    return (T*)(base_ + offsets_[i]);
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> buf_;
+  size_t size_ = 0;
+  uint8_t* base_ = nullptr;
+  size_t offsets_[kParts] = {};
+};
+
+Scratch& thread_scratch() {
+  static thread_local Scratch scratch;
+  return scratch;
+}
+
 bool k_quant(int wtype) { return wtype == Q4_K || wtype == Q5_K || wtype == Q6_K; }
 
 int64_t block_bytes(int wtype) {
   switch (wtype) {
     case Q8_0: return 34;
     case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -479,19 +610,27 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   const int64_t nb = k / block;
   const int64_t row_bytes = nb * bb;
 
-  std::vector<int8_t> q((size_t)(m * k));
-  std::vector<float> d((size_t)(m * nb));
-  std::vector<int32_t> s((size_t)(m * (k / sum_block)));
+  const bool x86 = isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI;
+  const bool paired = wtype == Q4_0 || wtype == Q4_1 || wtype == Q5_0 || wtype == Q5_1;
+  const int64_t np = paired && x86 ? nb / 2 : 0;  // the 4- and 5-bit formats' pair layout
+  const bool subs = (wtype == Q4_K || wtype == Q5_K) && x86;  // 32-value sums for q4_K/q5_K
+  Scratch& scratch = thread_scratch();
+  scratch.reserve({m * k, 4 * m * nb, 4 * m * (k / sum_block), m * np * 64, 4 * m * np * 8, 4 * m * np * 8,
+                   subs ? 4 * m * (k / QK) : 0});
+  int8_t* const q = scratch.part<int8_t>(0);
+  float* const d = scratch.part<float>(1);
+  int32_t* const s = scratch.part<int32_t>(2);
+  int8_t* const qp = scratch.part<int8_t>(3);
+  int32_t* const ip = scratch.part<int32_t>(4);
+  float* const dp = scratch.part<float>(5);
+  int32_t* const s32 = scratch.part<int32_t>(6);
   for (int64_t i = 0; i < m; ++i)
-    kern.quantize(x + i * k, k, block, sum_block, q.data() + i * k, d.data() + i * nb, s.data() + i * (k / sum_block));
-  const bool pairs = wtype == Q4_0 && (isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI);
-  const int64_t np = pairs ? nb / 2 : 0;
-  std::vector<int8_t> qp((size_t)(m * np * 64));
-  std::vector<int32_t> ip((size_t)(m * np * 8));
-  std::vector<float> dp((size_t)(m * np * 8));
+    kern.quantize(x + i * k, k, block, sum_block, q + i * k, d + i * nb, s + i * (k / sum_block));
+  const bool quads = paired && isa == AVX512_VNNI;
   for (int64_t i = 0; i < m && np > 0; ++i)
-    pair_layout(q.data() + i * k, d.data() + i * nb, s.data() + i * nb, nb, qp.data() + i * np * 64,
-                ip.data() + i * np * 8, dp.data() + i * np * 8);
+    (quads ? quad_layout : pair_layout)(q + i * k, d + i * nb, s + i * nb, nb, qp + i * np * 64,
+                ip + i * np * 8, dp + i * np * 8);
+  for (int64_t g = 0; subs && g < m * (k / QK); ++g) s32[g] = s[2 * g] + s[2 * g + 1];
 
   // rows of activations taken together: their int8 copies stay in L2 while weight rows stream by
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(m, (256 * 1024) / k));
@@ -509,8 +648,9 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
           float out[4];
           for (int t = 0; t < r; ++t) {
             const int64_t row = i + t;
-            a[t] = {q.data() + row * k, d.data() + row * nb, s.data() + row * (k / sum_block)};
-            if (np > 0) a[t].qp = qp.data() + row * np * 64, a[t].ip = ip.data() + row * np * 8, a[t].dp = dp.data() + row * np * 8;
+            a[t] = {q + row * k, d + row * nb, s + row * (k / sum_block)};
+            if (np > 0) a[t].qp = qp + row * np * 64, a[t].ip = ip + row * np * 8, a[t].dp = dp + row * np * 8;
+            if (subs) a[t].s32 = s32 + row * (k / QK);
           }
           (r == 4 ? kern.dot4 : kern.dot1)(wr, a, nb, out);
           for (int t = 0; t < r; ++t) y[(i + t) * n + j] = out[t];
@@ -519,7 +659,10 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
       }
     }
   };
-  pool().run(threads, part);
+  if (threads == 1)
+    part(0, 1);  // (no pool: pool() asks getpid, a system call, to tell a forked child)
+  else
+    pool().run(threads, part);
   return 0;
 }
 

@@ -1,7 +1,8 @@
 """The kernels from Python: load the library (building it on first use), check every size, call.
 
 ``matmul(x, blocks, fmt, k)`` is ``x @ W.T`` for W stored as GGUF blocks of format ``fmt``: the
-rows of ``x`` are quantized to int8 per block (32 values for q8_0/q4_0, 256 for the K-quants),
+rows of ``x`` are quantized to int8 per block (32 values for q8_0, q4_0, q4_1, q5_0, q5_1; 256
+for the K-quants),
 multiplied with integer dot products and scaled back to float32. Nothing reaches the kernel
 before its shapes, dtypes, contiguity and byte counts are checked here: the C++ side trusts them.
 """
@@ -39,6 +40,9 @@ FORMATS = {
     f.name: f
     for f in (
         BlockFormat("q4_0", 2, 32, 18),
+        BlockFormat("q4_1", 3, 32, 20),
+        BlockFormat("q5_0", 6, 32, 22),
+        BlockFormat("q5_1", 7, 32, 24),
         BlockFormat("q8_0", 8, 32, 34),
         BlockFormat("q4_K", 12, 256, 144),
         BlockFormat("q5_K", 13, 256, 176),
