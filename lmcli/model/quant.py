@@ -226,7 +226,7 @@ class BlockLinear(QuantLinear):
 
     ``blocks`` (out, row bytes) uint8 is the bytes a GGUF file stores (a view of a memory-mapped
     file, or ``quantize_blocks``'s output), so the layer takes the file's size. One row (decode)
-    and many (a prompt) go through the same kernel, on ``torch.get_num_threads()`` threads.
+    and many (a prompt) go through the same kernel (``threads``: how many share its rows).
     Without the kernels the weight is dequantized once, on first use, for torch's product."""
 
     def __init__(
@@ -262,7 +262,14 @@ class BlockLinear(QuantLinear):
         if self._bound is None or self._bound.blocks is not self.blocks:  # new blocks: checked first
             self.format = ops.check_blocks(self.blocks, self.fmt, self.in_features)
             self._bound = ops.BoundProduct(self.blocks, self.format, self.in_features)
-        return self._bound(x, torch.get_num_threads())
+        return self._bound(x, self.threads(x.size(0)))
+
+    def threads(self, rows: int) -> int:
+        """The kernel's threads for ``rows`` activation rows: torch's count for a prompt, one for
+        a decoding step, whose products (tens of µs) would wait on woken workers while torch's
+        own threads spin on the other cores: on 2 threads a SmolLM2-shaped q8_0 step ran 2.3x
+        slower than on 1, a Qwen2.5-shaped one 2.1x (bench_cpu_decode, 2026-11-26)."""
+        return torch.get_num_threads() if rows > 1 else 1
 
     def dequantized(self) -> Tensor:
         return dequantize_blocks(self.blocks, self.fmt, self.in_features)
