@@ -52,7 +52,12 @@ def main() -> None:
     set_threads(threads)
     torch.manual_seed(0)
     cfg = ModelConfig(
-        block_size=max(2048, context + NEW + 1), position="rope", norm="rmsnorm", mlp="swiglu", bias=False, **QWEN
+        block_size=max(2048, context + NEW + 1),
+        position="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        **QWEN,
     )
     model = Transformer(cfg).eval()
     best: dict[torch.dtype, float] = {}

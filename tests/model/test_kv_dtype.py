@@ -86,7 +86,9 @@ def test_check_fits_counts_the_cache_in_its_dtype(monkeypatch) -> None:
     cfg = model.config
     per_row32 = kv_bytes(cfg, cfg.block_size, 4) + 16 * cfg.padded_vocab_size
     per_row16 = kv_bytes(cfg, cfg.block_size, 2) + 16 * cfg.padded_vocab_size
-    assert kv_bytes(cfg, cfg.block_size, 4) == 2 * cfg.n_layer * cfg.block_size * cfg.head_dim * 4  # one kv head
+    assert (
+        kv_bytes(cfg, cfg.block_size, 4) == 2 * cfg.n_layer * cfg.block_size * cfg.head_dim * 4
+    )  # one kv head
     monkeypatch.setattr("lmcli.model.kv_cache.memory_of", lambda device: 10 * per_row16)
     model.kv_dtype = torch.bfloat16
     check_fits(model, 10, "ten rows")  # fits in bf16 ...
@@ -104,7 +106,18 @@ def test_the_option_reaches_the_model_and_the_commands(tmp_path, capsys) -> None
     outs = {}
     for kv in ("float32", "bfloat16"):
         code, out, err = run_cli(
-            ["sample", str(run), "-p", "the", "--max-new-tokens", "12", "--temperature", "0", "--kv-dtype", kv],
+            [
+                "sample",
+                str(run),
+                "-p",
+                "the",
+                "--max-new-tokens",
+                "12",
+                "--temperature",
+                "0",
+                "--kv-dtype",
+                kv,
+            ],
             capsys,
         )
         assert code == 0, err
@@ -127,9 +140,13 @@ def test_speculative_decoding_and_beams_take_the_16_bit_cache(dtype) -> None:
     with torch.no_grad():
         plain = generate(model, tok, prompts, cfg)
         drafted = generate(model, tok, prompts, cfg, draft=Draft(draft, tok, 3))
-        beams = beam_search(model, prompts, BeamConfig(beam_size=3, max_new_tokens=10), eos_id=tok.eos_id, pad_id=tok.pad_id)
+        beams = beam_search(
+            model, prompts, BeamConfig(beam_size=3, max_new_tokens=10), eos_id=tok.eos_id, pad_id=tok.pad_id
+        )
     assert [g.ids for g in drafted] == [g.ids for g in plain]
     model.kv_dtype = torch.float32
     with torch.no_grad():
-        wide = beam_search(model, prompts, BeamConfig(beam_size=3, max_new_tokens=10), eos_id=tok.eos_id, pad_id=tok.pad_id)
+        wide = beam_search(
+            model, prompts, BeamConfig(beam_size=3, max_new_tokens=10), eos_id=tok.eos_id, pad_id=tok.pad_id
+        )
     assert [b[0].ids for b in beams] == [b[0].ids for b in wide]  # the same best beam
