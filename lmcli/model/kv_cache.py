@@ -337,6 +337,31 @@ class KVCache:
         values.narrow(2, self.length, k.size(2)).copy_(v)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
+    def columns(self, row: int, first: int, end: int) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(n_layer, n_kv_head, end - first, head_dim)`` of every layer, in
+        layer order, of filled columns ``first..end-1`` of row ``row`` (a sliding-window layer's
+        from its ring, which must still hold them)."""
+        if self.ring is None:
+            return self.k[:, row, :, first:end], self.v[:, row, :, first:end]
+        if first < self.length - self.ring.size:
+            raise ValueError(f"columns from {first} on are gone from the ring of {self.ring.size}")
+        slots = torch.arange(first, end, device=self.k.device) % self.ring.size
+        ks, vs = [], []
+        for layer, i in enumerate(self.index):
+            if i >= 0:
+                ks.append(self.k[i, row, :, first:end])
+                vs.append(self.v[i, row, :, first:end])
+            else:
+                j = self.ring.slot[layer]
+                ks.append(self.ring.k[j, row].index_select(1, slots))
+                vs.append(self.ring.v[j, row].index_select(1, slots))
+        return torch.stack(ks), torch.stack(vs)
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers, the ring's included."""
+        held = [self.k, self.v] + ([self.ring.k, self.ring.v] if self.ring is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
+
     def advance(self, n: int) -> None:
         """Mark ``n`` more columns as filled (called once per forward)."""
         self.length += n

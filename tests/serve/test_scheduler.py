@@ -37,8 +37,8 @@ ARCHITECTURES = {
     "rope-gqa-qkv-bias": dict(
         position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, qkv_bias=True
     ),
-    # Gemma-3-like, a window of 6 on every other layer: the batch keeps every column and masks the
-    # window, generate's cache keeps the window alone; the texts must agree
+    # Gemma-3-like, a window of 6 on every other layer: the batch keeps the window and a block in its
+    # ring (turned as rows move), generate's cache the window alone; the texts must agree
     "gemma-window": dict(
         position="rope",
         norm="rmsnorm1p",
