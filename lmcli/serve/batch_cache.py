@@ -21,7 +21,6 @@ c % size for every row; a relayout that moves a row's columns turns its ring wit
 from __future__ import annotations
 
 import torch
-
 from torch import Tensor
 
 from lmcli.generate.prefix_cache import BLOCK
