@@ -250,6 +250,8 @@ class Engine:
         """Decode ``rows``, ``len(rows) // len(prompts)`` per prompt in prompt order, from the
         ``prompts`` prefilled together; the cache holds ``reserve`` more tokens without growing."""
         cache, logits, _ = self.prefill(prompts)
+        if self.prefixes is not None:  # its blocks are cached: the local layers keep their window
+            cache = cache.ringed(self.model, self.prefixes.block)
         cache.reserve(cache.length + reserve)
         n = len(rows) // len(prompts)
         if n > 1:

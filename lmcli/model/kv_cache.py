@@ -282,6 +282,27 @@ class KVCache:
             windows=(local, cfg.sliding_window, window_slack) if ringed else None,
         )
 
+    def ringed(self, model: torch.nn.Module, slack: int) -> KVCache:
+        """This cache with its sliding-window layers' columns in a ring of window + ``slack``
+        columns (their newest; the others' as they are), or itself when it has a ring already
+        or ``for_model`` would make none."""
+        out = KVCache.for_model(
+            model, self.batch_size, max_len=self._max_len, dtype=self.k.dtype, window_slack=slack
+        )
+        if self.ring is not None or out.ring is None:
+            return self
+        held = [layer for layer, i in enumerate(out.index) if i >= 0]
+        out.reserve(self.k.size(3))
+        n = self.length
+        out.k[:, :, :, :n] = self.k[held, :, :, :n]
+        out.v[:, :, :, :n] = self.v[held, :, :, :n]
+        cols = torch.arange(max(0, n - out.ring.size), n, device=self.k.device)
+        local = list(out.ring.slot)  # model layers, in ring order
+        out.ring.k[:, :, :, cols % out.ring.size] = self.k[local].index_select(3, cols)
+        out.ring.v[:, :, :, cols % out.ring.size] = self.v[local].index_select(3, cols)
+        out.length, out.ring.high, out.padding = n, n, self.padding
+        return out
+
     @property
     def batch_size(self) -> int:
         return self.k.size(1)
