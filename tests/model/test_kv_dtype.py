@@ -19,6 +19,7 @@ from test_sliding_window import windowed
 from lmcli.cli.common import load_source
 from lmcli.config.commands import BeamConfig, SampleConfig
 from lmcli.errors import LmcliError
+from lmcli.eval.downstream.scoring import Group, score_groups
 from lmcli.generate.beam import beam_search
 from lmcli.generate.sampling import generate
 from lmcli.generate.speculative import Draft
@@ -150,3 +151,25 @@ def test_speculative_decoding_and_beams_take_the_16_bit_cache(dtype) -> None:
             model, prompts, BeamConfig(beam_size=3, max_new_tokens=10), eos_id=tok.eos_id, pad_id=tok.pad_id
         )
     assert [b[0].ids for b in beams] == [b[0].ids for b in wide]  # the same best beam
+
+
+def test_eval_scoring_reads_a_16_bit_cache_within_its_rounding() -> None:
+    """``eval``'s cached scoring (contexts in a cache, continuations on it): the log-likelihoods
+    of a bfloat16 cache are the float32 cache's within its rounding, the greedy flags the same."""
+    model = tiny_model(seed=1, position="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1, block_size=64)
+    g = torch.Generator().manual_seed(4)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist()
+
+    groups = [Group(ids(20 + 3 * i), [ids(1 + i), ids(5), ids(2)]) for i in range(4)]
+    scores = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            model.kv_dtype = dtype
+            scores[dtype] = score_groups(model, groups, batch_size=2)
+    wide = torch.tensor([s for group in scores[torch.float32] for s, _ in group])
+    narrow = torch.tensor([s for group in scores[torch.bfloat16] for s, _ in group])
+    assert 0 < (wide - narrow).abs().max() <= RELATIVE[torch.bfloat16] * wide.abs().max()
+    flags = {d: [f for group in s for _, f in group] for d, s in scores.items()}
+    assert flags[torch.float32] == flags[torch.bfloat16]
