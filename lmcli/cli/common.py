@@ -48,7 +48,8 @@ def read_lines(
 
 def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
     """The checkpoint to decode or evaluate with, on the device the options ask for, with the
-    CPU threads they ask for and its linear layers quantized as asked (``--quantize``)."""
+    CPU threads they ask for, its linear layers quantized as asked (``--quantize``) and its KV
+    cache's dtype (``--kv-dtype``)."""
     from lmcli.device import pick_device, set_threads
     from lmcli.formats.sources import DTYPES, load_model
     from lmcli.model.quant import products_line, quantize
@@ -60,6 +61,7 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
         run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype), as_stored=cfg.quantize == "none"
     )
     quantize(ckpt.model, cfg.quantize, cfg.group_size)
+    ckpt.model.kv_dtype = DTYPES.get(cfg.kv_dtype)  # None (auto): the dtype it computes in
     if cfg.verbose:
         print(products_line(ckpt.model), file=sys.stderr)
     return ckpt
@@ -90,6 +92,7 @@ def load_draft(options: dict[str, Any], ckpt: Any) -> Any:
     param = next(ckpt.model.parameters())
     draft = load_model(cfg.draft, param.device, param.dtype, as_stored=True)
     check_draft(ckpt.tokenizer, draft.tokenizer, cfg.draft)
+    draft.model.kv_dtype = ckpt.model.kv_dtype  # the draft's cache as the model's (--kv-dtype)
     return Draft(draft.model, draft.tokenizer, cfg.draft_tokens)
 
 

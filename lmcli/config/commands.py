@@ -206,6 +206,12 @@ class DeviceConfig:
         "or int4 (groups of --group-size; the vocabulary head stays int8). docs/quantization.md.",
     )
     group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
+    kv_dtype: Dtype = option(
+        "auto",
+        "Dtype of the KV cache's keys and values (auto: the dtype the model computes in). "
+        "bfloat16 or float16 halves its memory and the bytes attention reads; attention still "
+        "computes in the model's dtype. docs/quantization.md.",
+    )
     verbose: bool = option(
         False,
         "After loading, print on stderr one line naming the path the model's products take "

@@ -175,10 +175,14 @@ class ChatSession:
     def _prefixes(self) -> Any:
         """The session's prefix cache: room for two context windows of keys and values."""
         if self.prefixes is None:
-            from lmcli.generate.prefix_cache import PrefixCache
+            import torch
 
-            cfg, param = self.model.config, next(self.model.parameters())
-            window = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * param.element_size()
+            from lmcli.generate.prefix_cache import PrefixCache
+            from lmcli.model.kv_cache import cache_dtype
+
+            cfg = self.model.config
+            itemsize = torch.empty((), dtype=cache_dtype(self.model)).element_size()
+            window = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * itemsize
             self.prefixes = PrefixCache(2 * window)
         return self.prefixes
 

@@ -250,6 +250,8 @@ class Engine:
         """Decode ``rows``, ``len(rows) // len(prompts)`` per prompt in prompt order, from the
         ``prompts`` prefilled together; the cache holds ``reserve`` more tokens without growing."""
         cache, logits, _ = self.prefill(prompts)
+        if self.prefixes is not None:  # its blocks are cached: the local layers keep their window
+            cache = cache.ringed(self.model, self.prefixes.block)
         cache.reserve(cache.length + reserve)
         n = len(rows) // len(prompts)
         if n > 1:
@@ -396,3 +398,20 @@ class Engine:
             last = [r.sequence[-1] if r is not None else pad for r in self.rows]
             tokens = torch.tensor(last, device=self.device)
         self.logits = step(self.model, self.cache, tokens)
+        if self.prefixes is not None and self.cache.ring is not None:
+            self._keep_blocks()
+
+    def _keep_blocks(self) -> None:
+        """With a prefix cache and a ring (the sliding-window layers keep their last columns
+        only): every row that has just completed a block caches it now, while the ring holds it
+        (a finished row's columns are gone from the ring by then)."""
+        assert self.prefixes is not None and self.cache is not None
+        block, end = self.prefixes.block, self.cache.length
+        starts = self.cache.padding.start.tolist()
+        for i, r in enumerate(self.rows):
+            if r is None or r.finish_reason == "error":
+                continue
+            n = len(r.sequence)  # all fed: the cache holds the row's every token
+            if n % block == 0 and end - starts[i] == n:
+                k, v = self.cache.columns(i, end - block, end)  # (n_layer, KV, block, D)
+                self.prefixes.add_block(r.sequence, k, v)

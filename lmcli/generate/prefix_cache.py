@@ -107,6 +107,30 @@ class PrefixCache:
                 node = child
             self._touch(path)
 
+    def add_block(self, ids: list[int], k: Tensor, v: Tensor) -> None:
+        """Keep the keys and values ``k, v`` (n_layer, n_kv_head, block, head_dim) of the last
+        block of ``ids`` (a whole number of blocks) when the blocks before it are cached: a
+        decoding row's newest block, while its sliding-window layers' ring still holds it."""
+        with self._lock:
+            path, node = [], self.root
+            for b in range(0, len(ids) - self.block, self.block):
+                child = node.children.get(tuple(ids[b : b + self.block]))
+                if child is None:
+                    return
+                path.append(child)
+                node = child
+            key = tuple(ids[len(ids) - self.block :])
+            child = node.children.get(key)
+            if child is None:
+                size = 2 * k.numel() * k.element_size()
+                if not self._make_room(size, keep=path):
+                    return
+                child = Node(key, torch.stack([k, v]), node)
+                node.children[key] = child
+                self._lru[child] = None
+                self.bytes += size
+            self._touch([*path, child])
+
     def _touch(self, path: list[Node]) -> None:
         """Mark ``path`` used, deepest first: a node is never older than a descendant."""
         for node in reversed(path):
@@ -178,9 +202,14 @@ class PrefixCache:
     def keep_row(self, cache: KVCache, row: int, sequence: list[int]) -> None:
         """Cache row ``row`` of ``cache`` (a decoding batch whose row holds ``sequence`` but its
         last token, which was chosen and not fed): a finished reply with its prompt. A row whose
-        context slid (its columns no longer start at position 0) is not cached."""
+        context slid (its columns no longer start at position 0) is not cached, nor one whose
+        sliding-window layers' ring no longer holds all its columns (``Engine`` cached its
+        blocks as they were completed)."""
         start, end = int(cache.padding.start[row]), cache.length
         n = len(sequence) - 1
         if end - start != n or n < self.block:
             return
-        self.add(sequence[:n], cache.k[:, row, :, start:end], cache.v[:, row, :, start:end])
+        if cache.ring is not None and start < end - cache.ring.size:
+            return
+        k, v = cache.columns(row, start, end)  # (n_layer, KV, n, D)
+        self.add(sequence[:n], k, v)

@@ -18,23 +18,44 @@ step, and without reading the device; rows that move in a reorder take them alon
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from lmcli.device import compute_dtype, memory_of
 from lmcli.errors import LmcliError
 
+if TYPE_CHECKING:
+    from lmcli.config.model import ModelConfig
+
 GROW = 16  # the least number of columns added to the buffers at a time
+
+
+def kv_bytes(cfg: ModelConfig, columns: int, itemsize: int, slack: int | None = 0) -> int:
+    """Bytes of one row's keys and values over ``columns`` columns: ``n_kv_head * head_dim`` a
+    column and layer, the sliding-window layers' ring (window + ``slack`` columns) where the
+    cache keeps one (``KVCache.for_model`` with ``window_slack``; None: no ring)."""
+    ring = cfg.sliding_window + (slack or 0)
+    ringed = slack is not None and cfg.position != "alibi" and cfg.sliding_window > 0 and ring < columns
+    cols = sum(ring if ringed and cfg.is_local(i) else columns for i in range(cfg.n_layer))
+    return 2 * cols * cfg.n_kv_head * cfg.head_dim * itemsize
+
+
+def cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``KVCache.for_model`` gives ``model``'s cache (``--kv-dtype``, else the compute dtype)."""
+    param = next(model.parameters())
+    return getattr(model, "kv_dtype", None) or compute_dtype(param.device, param.dtype)
 
 
 def check_fits(model: torch.nn.Module, rows: int, what: str) -> None:
     """Refuse with one line a decoding batch of ``rows`` rows whose KV cache (a full context per
-    row) and next-token scores would not fit in the device's memory, before allocating any."""
+    row, the sliding-window layers' ring) and next-token scores would not fit in the device's
+    memory, before allocating any."""
     cfg = model.config
     param = next(model.parameters())
-    per_row = (
-        2 * cfg.n_layer * cfg.block_size * cfg.n_embd * param.element_size() + 4 * cfg.padded_vocab_size * 4
-    )
+    itemsize = torch.empty((), dtype=cache_dtype(model)).element_size()
+    per_row = kv_bytes(cfg, cfg.block_size, itemsize) + 4 * cfg.padded_vocab_size * 4
     have = memory_of(param.device)
     if have is not None and rows * per_row > have:
         raise LmcliError(
@@ -145,6 +166,7 @@ class WindowRing:
         over, in the order of ``key_columns``."""
         i, T = self.slot[layer], k.size(2)
         keys, values = self.k[i], self.v[i]
+        k, v = k.to(keys.dtype), v.to(keys.dtype)  # rounded as the ring keeps them
         new, old = self.slots(length, T)
         if old is None:  # the ring itself
             keys.index_copy_(2, new, k)
@@ -234,8 +256,9 @@ class KVCache:
         window_slack: int | None = None,
     ) -> KVCache:
         """A cache sized for ``model`` (default length: its context window), holding keys and values
-        in the dtype the forward computes them in (default: the autocast dtype under autocast, so
-        no decoding step casts the whole cache; else the weights'). ``window_slack`` (not None):
+        in ``dtype``, else the model's ``kv_dtype`` (``--kv-dtype``), else the dtype the forward
+        computes them in (the autocast dtype under autocast, so no decoding step casts the whole
+        cache; else the weights'). ``window_slack`` (not None):
         the sliding-window layers keep only their window, plus that many columns to roll back."""
         cfg = model.config
         param = next(model.parameters())
@@ -254,10 +277,31 @@ class KVCache:
             max_len,
             cfg.head_dim,
             device=param.device,
-            dtype=dtype or compute_dtype(param.device, param.dtype),
+            dtype=dtype or cache_dtype(model),
             start=start,
             windows=(local, cfg.sliding_window, window_slack) if ringed else None,
         )
+
+    def ringed(self, model: torch.nn.Module, slack: int) -> KVCache:
+        """This cache with its sliding-window layers' columns in a ring of window + ``slack``
+        columns (their newest; the others' as they are), or itself when it has a ring already
+        or ``for_model`` would make none."""
+        out = KVCache.for_model(
+            model, self.batch_size, max_len=self._max_len, dtype=self.k.dtype, window_slack=slack
+        )
+        if self.ring is not None or out.ring is None:
+            return self
+        held = [layer for layer, i in enumerate(out.index) if i >= 0]
+        out.reserve(self.k.size(3))
+        n = self.length
+        out.k[:, :, :, :n] = self.k[held, :, :, :n]
+        out.v[:, :, :, :n] = self.v[held, :, :, :n]
+        cols = torch.arange(max(0, n - out.ring.size), n, device=self.k.device)
+        local = list(out.ring.slot)  # model layers, in ring order
+        out.ring.k[:, :, :, cols % out.ring.size] = self.k[local].index_select(3, cols)
+        out.ring.v[:, :, :, cols % out.ring.size] = self.v[local].index_select(3, cols)
+        out.length, out.ring.high, out.padding = n, n, self.padding
+        return out
 
     @property
     def batch_size(self) -> int:
@@ -313,6 +357,31 @@ class KVCache:
         keys.narrow(2, self.length, k.size(2)).copy_(k)
         values.narrow(2, self.length, k.size(2)).copy_(v)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+
+    def columns(self, row: int, first: int, end: int) -> tuple[Tensor, Tensor]:
+        """Keys and values ``(n_layer, n_kv_head, end - first, head_dim)`` of every layer, in
+        layer order, of filled columns ``first..end-1`` of row ``row`` (a sliding-window layer's
+        from its ring, which must still hold them)."""
+        if self.ring is None:
+            return self.k[:, row, :, first:end], self.v[:, row, :, first:end]
+        if first < self.length - self.ring.size:
+            raise ValueError(f"columns from {first} on are gone from the ring of {self.ring.size}")
+        slots = torch.arange(first, end, device=self.k.device) % self.ring.size
+        ks, vs = [], []
+        for layer, i in enumerate(self.index):
+            if i >= 0:
+                ks.append(self.k[i, row, :, first:end])
+                vs.append(self.v[i, row, :, first:end])
+            else:
+                j = self.ring.slot[layer]
+                ks.append(self.ring.k[j, row].index_select(1, slots))
+                vs.append(self.ring.v[j, row].index_select(1, slots))
+        return torch.stack(ks), torch.stack(vs)
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers, the ring's included."""
+        held = [self.k, self.v] + ([self.ring.k, self.ring.v] if self.ring is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more columns as filled (called once per forward)."""

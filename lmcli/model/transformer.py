@@ -213,6 +213,7 @@ class CausalSelfAttention(nn.Module):
             q, k = ctx.positions.rotate(q, k, ctx.pos, local=self.local)
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer, k, v)  # (B, KV, S, D), S = cached + T
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a 16-bit cache (--kv-dtype) read in q's dtype
         k, v = self.share_heads(k, v)
         mask, is_causal = (ctx.local_mask, ctx.local_is_causal) if self.local else (ctx.mask, ctx.is_causal)
         dropout = self.dropout if self.training else 0.0
@@ -386,6 +387,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.wte.weight
         # a one-token decoding step installed by lmcli.model.fastpath for an inference scope, else None
         self.fast_step: Callable[[Tensor, KVCache], Tensor] | None = None
+        # the dtype a decoding command's KV cache holds (--kv-dtype), else None: the compute dtype
+        self.kv_dtype: torch.dtype | None = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # residual projections, GPT-2 scaling (or zero)

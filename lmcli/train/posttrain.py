@@ -20,6 +20,7 @@ from lmcli.config.commands import SampleConfig
 from lmcli.data.preferences import PairBatch, PreferenceRows, PromptRow, collate_pairs, pair_set
 from lmcli.data.windows import IGNORE
 from lmcli.device import autocast
+from lmcli.model.kv_cache import kv_bytes
 from lmcli.model.transformer import Transformer
 from lmcli.tasks import Preference, Reinforcement, make_task
 from lmcli.text.tokenizer import Tokenizer
@@ -392,7 +393,7 @@ def extra_memory(cfg: Any, model: Transformer, post: PostTraining) -> int:
     if isinstance(post, GRPOTraining):
         c = model.config
         rows = cfg.optim.batch_size * cfg.post.group_size
-        extra += rows * (2 * c.n_layer * c.block_size * c.n_embd * 4 + 4 * c.padded_vocab_size * 4)
+        extra += rows * (kv_bytes(c, c.block_size, 4) + 4 * c.padded_vocab_size * 4)
     return extra
 
 

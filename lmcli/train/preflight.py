@@ -68,7 +68,9 @@ def estimate_memory(
     weights, gradients and moments, plus the unsharded parameters in use: the root's
     (embeddings, head) and two blocks' (one computing, one prefetched).
 
-    Activations follow Korthikanti et al. (34·B·T·C + 5·H·B·T² values per layer, halved
+    Activations follow Korthikanti et al. (34·B·T·C + 5·H·B·T² values per layer, its
+    queries, keys, values and attention output counted at their widths (``q_width``, ``n_kv_head
+    x head_dim``) rather than C each, halved
     under 16-bit autocast; with ``flash`` attention, which never stores the T×T scores, the
     second term goes) plus the logits: the logits, their float32 copy or log-softmax kept for
     the backward, and their gradient (12 bytes a value). ``recompute`` (activation
@@ -86,11 +88,15 @@ def estimate_memory(
         state += (root + 2 * block) * 4
     act_bytes = 2 if autocast else 4
     scores = 0 if flash else 5 * H * B * T * T
-    layer = 34 * B * T * C + scores  # bytes of one block's activations at 16 bits
+    # 34·C a column when the heads are C wide; queries, keys, values and the attention's output
+    # (8·C of it) are 4·q_width + 4·kv with a free head size and grouped key/value heads
+    kv = cfg.n_kv_head * cfg.head_dim
+    layer = (
+        B * T * (26 * C + 4 * cfg.q_width + 4 * kv) + scores
+    )  # bytes of one block's activations at 16 bits
     if recompute == "full":
         kept = cfg.n_layer * 2 * B * T * C + layer
     elif recompute == "selective":
-        kv = cfg.n_kv_head * cfg.head_dim
         ffn = cfg.ffn_dim * (2 if cfg.mlp == "swiglu" else 1)
         kept = cfg.n_layer * 2 * B * T * (5 * C + 2 * kv + ffn) + layer
     else:

@@ -16,6 +16,7 @@ from lmcli.generate.decoding import prefill
 from lmcli.generate.prefix_cache import BLOCK, PrefixCache
 from lmcli.generate.sampling import generate
 from lmcli.model import fastpath
+from lmcli.model.kv_cache import KVCache
 from lmcli.serve.scheduler import malloc_trim
 
 ARCHITECTURES = [
@@ -81,16 +82,42 @@ def converse(
     return replies, reused, lengths
 
 
+# sliding-window layers (W = 5 on two of three layers): the decoding cache keeps their window and
+# a block in a ring, and the reply's blocks go to the prefix cache as they are completed
+WINDOWED = dict(
+    position="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+    n_layer=3,
+    sliding_window=5,
+    layer_pattern="LLG",
+)
+
+
+@pytest.mark.parametrize("arch", [{}, WINDOWED], ids=["full", "windowed"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_conversation_replies_equal_with_and_without_the_cache(temperature: float) -> None:
+def test_conversation_replies_equal_with_and_without_the_cache(
+    temperature: float, arch: dict, monkeypatch
+) -> None:
     """With the cache, each turn reuses the prompt and the reply before it; the replies are
     the same as without."""
     tok = tiny_tokenizer()
-    model = tiny_model(tok.vocab_size, block_size=256)
+    model = tiny_model(tok.vocab_size, block_size=256, **arch)
     cfg = SampleConfig(max_new_tokens=20, temperature=temperature, seed=3, min_new_tokens=20)
+    rings = []
+    ringed = KVCache.ringed
+
+    def spy(cache: KVCache, *args) -> KVCache:
+        out = ringed(cache, *args)
+        rings.append(None if out.ring is None else out.ring.size)
+        return out
+
+    monkeypatch.setattr(KVCache, "ringed", spy)
     with fastpath.inference(model):
         plain, _, _ = converse(model, tok, cfg, None)
         cached, reused, lengths = converse(model, tok, cfg, PrefixCache(1 << 30))
+    assert rings == [5 + BLOCK] * 5 if arch else rings == [None] * 5
     assert [ids for ids, _ in cached] == [ids for ids, _ in plain]
     for (_, got), (_, want) in zip(cached, plain, strict=True):  # the logits too, not only the draws
         assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4)

@@ -37,8 +37,8 @@ ARCHITECTURES = {
     "rope-gqa-qkv-bias": dict(
         position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, qkv_bias=True
     ),
-    # Gemma-3-like, a window of 6 on every other layer: the batch keeps every column and masks the
-    # window, generate's cache keeps the window alone; the texts must agree
+    # Gemma-3-like, a window of 6 on every other layer: the batch keeps the window and a block in its
+    # ring (turned as rows move), generate's cache the window alone; the texts must agree
     "gemma-window": dict(
         position="rope",
         norm="rmsnorm1p",
@@ -57,14 +57,17 @@ ARCHITECTURES = {
 
 
 @pytest.mark.parametrize(
-    ("arch", "quant"),
-    # quantized models (lmcli.model.quant) decode in the batch too: their products are row by row
-    [(arch, "none") for arch in ARCHITECTURES]
-    + [("rope-gqa-qkv-bias", "int8"), ("rope-gqa-qkv-bias", "int4")],
+    ("arch", "quant", "kv_dtype"),
+    # quantized models (lmcli.model.quant) decode in the batch too: their products are row by row;
+    # a 16-bit KV cache (--kv-dtype) in the batch as in generate's cache
+    [(arch, "none", None) for arch in ARCHITECTURES]
+    + [("rope-gqa-qkv-bias", "int8", None), ("rope-gqa-qkv-bias", "int4", None)]
+    + [("gemma-window", "none", torch.bfloat16), ("rope-gqa-qkv-bias", "none", torch.float16)],
 )
-def test_joining_and_leaving_rows_keep_every_request_exact(arch: str, quant: str) -> None:
+def test_joining_and_leaving_rows_keep_every_request_exact(arch: str, quant: str, kv_dtype) -> None:
     tok = tiny_tokenizer()
     model = quantize(tiny_model(tok.vocab_size, block_size=64, **ARCHITECTURES[arch]), quant, 32)
+    model.kv_dtype = kv_dtype
     sched = Scheduler(model, tok, max_batch=6, max_queue=8)
     plan = [  # (iteration at which it arrives, prompt, settings)
         (0, "the cat sat on the", SampleConfig(max_new_tokens=30, temperature=0.9, seed=1, stop=("\x00",))),
@@ -91,6 +94,7 @@ def test_joining_and_leaving_rows_keep_every_request_exact(arch: str, quant: str
         assert isinstance(r["end"], Done)
         assert [r.get(j, "") for j in range(cfg.num_samples)] == exp
     assert sched.stats()["active_rows"] == 0 and sched.stats()["kv_cache_bytes"] == 0
+    assert sched.engine.cache.k.dtype == (kv_dtype or torch.float32)
 
 
 def test_a_request_past_its_time_fails_and_frees_its_rows() -> None:
@@ -130,13 +134,16 @@ def test_a_2000_token_reply_decodes_a_few_tokens_per_step(monkeypatch) -> None:
     assert "".join(u.text for u in updates[:-1]) == original(tokens)  # streamed whole
 
 
-@pytest.mark.parametrize("arch", ["learned", "gemma-window"])
-def test_a_reply_that_ended_in_a_running_batch_is_reused_exactly(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "kv_dtype"), [("learned", None), ("gemma-window", None), ("gemma-window", torch.bfloat16)]
+)
+def test_a_reply_that_ended_in_a_running_batch_is_reused_exactly(arch: str, kv_dtype) -> None:
     """With a prefix cache: a request whose prompt is an earlier request's prompt and reply
     (that row ended in a batch with padding and holes) starts from its cached keys and values
     and gives the text ``generate`` gives it alone; out of memory, the cache is given up."""
     tok = tiny_tokenizer()
     model = tiny_model(tok.vocab_size, block_size=96, **ARCHITECTURES[arch])
+    model.kv_dtype = kv_dtype  # the prefix cache's blocks in the cache's dtype
     sched = Scheduler(model, tok, max_batch=4, max_queue=8, prefixes=PrefixCache(1 << 26))
     first = make_prompt("the cat sat on the", tok, 96).ids
     cfg = SampleConfig(max_new_tokens=30, min_new_tokens=30, temperature=0.9, seed=1)

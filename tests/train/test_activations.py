@@ -80,3 +80,18 @@ def test_the_memory_estimate_shrinks_with_recomputation_and_shards() -> None:
     halves = estimate_memory(cfg, params, 8, False, shards=2)
     state = params * 16  # weights, gradients and two AdamW moments, float32
     assert whole - halves == pytest.approx(state / 2, rel=0.2), "about half the state per process"
+
+
+def test_the_memory_estimate_counts_the_heads_at_their_width() -> None:
+    """Grouped key/value heads and a free head size change what a block keeps for the backward:
+    queries, keys, values and the attention's output at their own widths, not the model's."""
+    base = dict(vocab_size=1000, block_size=256, n_layer=8, n_head=8, n_embd=512)
+    params, B, T = 30_000_000, 8, 256
+
+    def estimate(**shape) -> int:
+        return estimate_memory(ModelConfig(**{**base, **shape}), params, B, False)
+
+    mha, gqa, wide = estimate(), estimate(n_kv_head=2), estimate(head_size=128)
+    # float32 activations: 4 bytes a value; keys and values 2 x 2 values a column each
+    assert mha - gqa == 8 * B * T * 4 * (512 - 2 * 64) * 2
+    assert wide - mha == 8 * B * T * 4 * (2 * 1024 - 2 * 512) * 2  # queries, output, keys, values

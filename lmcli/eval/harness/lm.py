@@ -61,6 +61,8 @@ class LmcliLM(TemplateLM):
             checkpoint = load_model(path, pick_device(cfg.device), DTYPES.get(cfg.dtype))
         self.ckpt = checkpoint
         self.model, self.tok = checkpoint.model, checkpoint.tokenizer
+        if cfg.kv_dtype != "auto":  # (auto keeps what ``lmcli eval`` set, or the compute dtype)
+            self.model.kv_dtype = DTYPES[cfg.kv_dtype]
         param = next(self.model.parameters())
         self._amp = inference_dtype(param.device, cfg.dtype, param.dtype)
         self._device = param.device

@@ -149,6 +149,7 @@ class LayerStep:
                 if heads.rotary:
                     q, k = rotate(q, k, pos, local=heads.local)
             keys, values = cache.update(self.layer, k, v)  # (B, KV, S, D)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # a 16-bit cache, read in q's dtype
             if heads.scale is None and not heads.softcap:
                 y = grouped_attention(q, keys, values, mask)  # (B, KV, G, D)
             else:
