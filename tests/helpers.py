@@ -45,6 +45,10 @@ TINY_TEXT = (
 TINY_SHAPE = dict(block_size=48, n_layer=2, n_head=2, n_embd=32)
 
 # A one-layer model trained for a few steps: CLI runs that finish in about a second.
+# Gemma 3's block (the tests' windowed models add their window, layer pattern and sizes)
+GEMMA3_BLOCK = dict(
+    position="rope", norm="rmsnorm1p", norm_placement="sandwich", mlp="geglu", bias=False, qk_norm=True
+)
 FAST_TRAIN_ARGS = [
     *("--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16"),
     *("--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--warmup-steps", "1", "-q"),

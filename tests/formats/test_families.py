@@ -20,6 +20,7 @@ transformers.utils.logging.disable_progress_bar()
 
 from families import VARIANTS, hf_folder  # noqa: E402
 from helpers import (  # noqa: E402
+    GEMMA3_BLOCK,
     TINY_TEXT,
     assert_float32_close,
     assert_one_line_error,
@@ -230,12 +231,7 @@ EXPORTABLE = {
     ),
     "gemma3-window": (
         dict(
-            position="rope",
-            norm="rmsnorm1p",
-            norm_placement="sandwich",
-            mlp="geglu",
-            bias=False,
-            qk_norm=True,
+            **GEMMA3_BLOCK,
             scale_embeddings=True,
             head_size=16,
             n_kv_head=2,

@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import assert_float32_close, tiny_model, tiny_tokenizer
+from helpers import GEMMA3_BLOCK, assert_float32_close, tiny_model, tiny_tokenizer
 
 from lmcli.config.commands import BeamConfig, SampleConfig
 from lmcli.generate.beam import beam_search
@@ -24,12 +24,7 @@ from lmcli.model.kv_cache import KVCache
 W = 5
 # every variant at once: a Gemma-3-like block with a SmolLM3-like layer without rotary
 VARIANTS = dict(
-    position="rope",
-    norm="rmsnorm1p",
-    norm_placement="sandwich",
-    mlp="geglu",
-    bias=False,
-    qk_norm=True,
+    **GEMMA3_BLOCK,
     head_size=12,
     n_layer=3,
     n_head=4,

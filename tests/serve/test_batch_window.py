@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model, tiny_tokenizer
+from helpers import GEMMA3_BLOCK, tiny_model, tiny_tokenizer
 
 from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import make_prompt
@@ -22,12 +22,7 @@ pytest.importorskip("starlette")
 
 W = 5
 GEMMA_LIKE = dict(
-    position="rope",
-    norm="rmsnorm1p",
-    norm_placement="sandwich",
-    mlp="geglu",
-    bias=False,
-    qk_norm=True,
+    **GEMMA3_BLOCK,
     n_head=4,
     n_kv_head=2,
     sliding_window=W,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model, tiny_tokenizer
+from helpers import GEMMA3_BLOCK, tiny_model, tiny_tokenizer
 
 from lmcli.config.commands import SampleConfig
 from lmcli.generate.decoding import make_prompt
@@ -40,12 +40,7 @@ ARCHITECTURES = {
     # Gemma-3-like, a window of 6 on every other layer: the batch keeps the window and a block in its
     # ring (turned as rows move), generate's cache the window alone; the texts must agree
     "gemma-window": dict(
-        position="rope",
-        norm="rmsnorm1p",
-        norm_placement="sandwich",
-        mlp="geglu",
-        bias=False,
-        qk_norm=True,
+        **GEMMA3_BLOCK,
         scale_embeddings=True,
         n_head=4,
         n_kv_head=2,
