@@ -108,6 +108,7 @@ def test_int4_logits_are_within_the_bound_of_the_dequantized_reference(group_siz
 def test_the_one_token_step_calls_the_quantized_products_and_equals_the_full_forward(
     mode: str, monkeypatch
 ) -> None:
+    monkeypatch.setenv("LMCLI_NATIVE_LAYER", "0")  # the per-operation step (one call: test_native_layer)
     model = quantize(tiny_model(**{**LLAMA, "d_ff": 128}), mode, 32)
     calls = []
     for cls in (Int8Linear, Int4Linear, BlockLinear):

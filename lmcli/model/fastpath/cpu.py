@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmcli.model.fastpath.native_step import NativeHead, native_block, native_head, native_step
 from lmcli.model.fastpath.packed import (
     IN_PLACE_MIN_BYTES,
     PACK_MIN_WEIGHT,
@@ -42,6 +43,7 @@ from lmcli.model.fastpath.packed import (
     packing_available,
 )
 from lmcli.model.lora import has_adapters
+from lmcli.model.native.layer import NativeLayer
 from lmcli.model.positions import Positions, Rotary, rotate_half
 from lmcli.model.quant import quantized_elements
 from lmcli.model.transformer import (
@@ -193,14 +195,32 @@ def rotary_turn(positions: Positions, pos: Tensor, dtype: torch.dtype, local: bo
     return lambda x: rotate_half(x, cos, sin)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A batch size's decoding step: each layer's ``LayerStep`` and its one-call native step
+    (``native_step``; None where the block does not qualify), the final norm and the head."""
+
+    layers: list[LayerStep]
+    natives: list[NativeLayer | None]
+    final_norm: Norm
+    head: LinearFn
+    native_head: NativeHead | None  # the head on the kernels' threads, for a native step
+
+
 class StepRunner:
     """``model.fast_step``: the logits (B, 1, V) of one new token per row, as ``forward`` gives."""
 
     def __init__(self, model: Transformer, packs: PackCache) -> None:
         self.model, self.packs = model, packs
-        self.plans: dict[int, tuple[list[LayerStep], Norm, LinearFn]] = {}  # by batch size
+        self.plans: dict[int, Plan] = {}  # by batch size
+        self.kernel_threads: int | None = None  # the native step's threads while torch's are 1
 
-    def _plan(self, rows: int) -> tuple[list[LayerStep], Norm, LinearFn]:
+    @functools.cached_property
+    def natives(self) -> list[NativeLayer | None]:
+        """Each block's one-call native step, or None where the block does not qualify."""
+        return [native_block(block) for block in self.model.h]
+
+    def _plan(self, rows: int) -> Plan:
         """Every layer's step for ``rows`` rows, the final norm and the head, large weights packed
         when that pays."""
 
@@ -230,7 +250,15 @@ class StepRunner:
                     attn.q_norm is None and attn.rotary,
                 )
             )
-        return layers, functional_norm(self.model.ln_f), linear(self.model.lm_head)
+        natives = self.natives
+        head = self.model.lm_head
+        return Plan(
+            layers,
+            natives,
+            functional_norm(self.model.ln_f),
+            linear(head),
+            native_head(head) if any(n is not None for n in natives) else None,
+        )
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         return _absent, ()  # a copied or pickled model leaves the scope's step behind
@@ -241,19 +269,30 @@ class StepRunner:
         plan = self.plans.get(B)
         if plan is None:
             plan = self.plans[B] = self._plan(B)
-        layers, final_norm, head = plan
         pos = cache.positions(1)  # (B or 1, 1)
         x = model.embed(idx, pos).view(B, -1)  # (B, 1, C) -> (B, C)
+        first = next((n for n in plan.natives if n is not None), None)
+        native = None if first is None else native_step(model, x, cache, first, self.kernel_threads)
         mask, _ = model.attention_mask(1, cache, None, x.dtype, idx.device)
         window = model.config.sliding_window
         masks: Masks = (mask, model.local_mask(mask, False, 1, cache, idx.device)[0] if window else mask)
-        rotate = model.positions.rotate
-        turn = rotary_turn(model.positions, pos, x.dtype)
-        turns: Turns = (turn, rotary_turn(model.positions, pos, x.dtype, local=True) if window else turn)
-        for layer in layers:
-            x = layer(x, pos, masks, rotate, cache, turns)
+        turns: Turns | None = None  # (made on the first layer that is not native)
+        for layer, block in zip(plan.layers, plan.natives, strict=True):
+            row = cache.index[layer.layer]
+            if native is not None and block is not None and row >= 0 and masks[layer.local] is None:
+                x = native.run(block, x, row, layer.local, layer.heads.rotary)
+                continue
+            if turns is None:
+                turn = rotary_turn(model.positions, pos, x.dtype)
+                turns = (turn, rotary_turn(model.positions, pos, x.dtype, local=True) if window else turn)
+            x = layer(x, pos, masks, model.positions.rotate, cache, turns)
         cache.advance(1)
-        return model.cap_logits(model.vocab_logits(head(final_norm(x)))).view(B, 1, -1)
+        h = plan.final_norm(x)
+        if native is not None and plan.native_head is not None:
+            logits = plan.native_head(h, native.threads)
+        else:
+            logits = plan.head(h)
+        return model.cap_logits(model.vocab_logits(logits)).view(B, 1, -1)
 
 
 def _absent() -> None:
@@ -355,20 +394,30 @@ def scoped(fn: Callable[..., T]) -> Callable[..., T]:
 
 @contextmanager
 def step_threads(model: Transformer, rows: int) -> Iterator[None]:
-    """Run decoding steps of a small model on one thread, then restore the thread count.
+    """Run decoding steps of a small model, or of one whose blocks step natively, on one torch
+    thread, then restore the thread count.
 
     A step of a small model is hundreds of operations of a few microseconds each; handing
     them to a second thread costs more than it saves, and much more when the other cores are
     busy (a worker that is not scheduled stalls every operation it takes part in). Large
-    models, or many rows at once, keep every thread.
+    models, or many rows at once, keep every thread. A native step (``native_step``) runs its
+    products on the kernels' own threads, as many as torch had: torch's, left on, would spin
+    beside them after each sampling operation (2 threads: 104 against 153 tokens/s a step
+    of the SmolLM2-135M shape in q8_0, bench_cpu_decode's model, 2026-11-26).
     """
     threads = torch.get_num_threads()
+    runner = model.fast_step
+    native = isinstance(runner, StepRunner) and any(n is not None for n in runner.natives)
     small = (model.num_parameters() + quantized_elements(model)) * rows <= ONE_THREAD_WORK
-    if threads == 1 or not small or next(model.parameters()).device.type != "cpu":
+    if threads == 1 or not (small or native) or next(model.parameters()).device.type != "cpu":
         yield
         return
     torch.set_num_threads(1)
+    if native:
+        runner.kernel_threads = threads
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+        if native:
+            runner.kernel_threads = None

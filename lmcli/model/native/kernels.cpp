@@ -667,3 +667,5 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
 }
 
 }  // extern "C"
+
+#include "layer.inc"

@@ -1,0 +1,205 @@
+"""Decoding steps of whole blocks in one native call each (``lmcli.model.native.layer``).
+
+A block qualifies when every product of it is GGUF blocks the native kernels run (``--quantize
+int8|int4``, a GGUF file as stored), its norms are RMSNorms in float32 placed before the sublayers
+(or sandwiched), its attention is plain (no soft-capping) and its MLP gated (SwiGLU, GeGLU). Its
+step is then one call instead of ~45 torch operations of a few microseconds each, which on a
+small model cost as much as the products themselves. Others take ``LayerStep`` (cpu.py), and so
+does a qualifying block in any step the call cannot serve (padded rows, a sliding window's mask or
+ring, a float16 residual stream): ``StepRunner`` decides per step and per block.
+``LMCLI_NATIVE_LAYER=0`` turns the one-call step off (the products stay native).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lmcli.model.kv_cache import KVCache
+from lmcli.model.native import layer as native_layer
+from lmcli.model.native import ops
+from lmcli.model.positions import Rotary
+from lmcli.model.quant import BlockLinear, StackedBlockLinear
+from lmcli.model.transformer import (
+    Block,
+    GeGLU,
+    PreNorm,
+    RMSNorm,
+    RMSNorm1p,
+    SandwichNorm,
+    SwiGLU,
+    Transformer,
+)
+
+ACTS = {SwiGLU: "silu", GeGLU: "gelu_tanh"}
+
+
+def _multiplier(norm: nn.Module) -> Tensor | None:
+    """The float32 vector an RMSNorm multiplies by (1 + w for Gemma's form), or None."""
+    if type(norm) is RMSNorm and norm.weight.dtype == torch.float32:
+        return norm.weight.detach().contiguous()
+    if type(norm) is RMSNorm1p:
+        return (1.0 + norm.weight.detach().float()).contiguous()
+    return None
+
+
+def _bias(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _product(module: nn.Module) -> native_layer.Product | None:
+    if type(module) is not BlockLinear:
+        return None
+    return native_layer.Product(module.blocks, module.fmt, module.in_features, _bias(module.bias))
+
+
+def _qkv(module: nn.Module) -> tuple[native_layer.Product, ...] | None:
+    """The query/key/value products: one block layer, or a stack of parts (a GGUF file's q, k, v),
+    the stack's bias cut into the parts' own."""
+    if type(module) is BlockLinear:
+        return (native_layer.Product(module.blocks, module.fmt, module.in_features, _bias(module.bias)),)
+    if type(module) is not StackedBlockLinear or any(type(p) is not BlockLinear for p in module.parts):
+        return None
+    bias, at, parts = _bias(module.bias), 0, []
+    for p in module.parts:
+        cut = None if bias is None else bias[at : at + p.out_features]
+        parts.append(native_layer.Product(p.blocks, p.fmt, p.in_features, cut))
+        at += p.out_features
+    return tuple(parts)
+
+
+def native_block(block: Block) -> native_layer.NativeLayer | None:
+    """``block``'s step as one native call, or None where the block does not qualify."""
+    attn, mlp = block.attn, block.mlp
+    if os.environ.get("LMCLI_NATIVE_LAYER", "1") == "0":  # (the per-operation step, for comparisons)
+        return None
+    if not ops.available() or block.placement not in (PreNorm, SandwichNorm) or type(mlp) not in ACTS:
+        return None
+    if attn.softcap or attn.n_head % attn.n_kv_head:
+        return None
+    norms = [_multiplier(block.ln_1), _multiplier(block.ln_2)]
+    post = [_multiplier(n) for n in block.post] if block.post is not None else []
+    qk = [_multiplier(attn.q_norm), _multiplier(attn.k_norm)] if attn.q_norm is not None else []
+    products = [_product(m) for m in (attn.c_proj, mlp.c_gate, mlp.c_fc, mlp.c_proj)]
+    qkv = _qkv(attn.c_attn)
+    if qkv is None or any(t is None for t in [*norms, *post, *qk, *products]):
+        return None
+    eps = {n.eps for n in (block.ln_1, block.ln_2, *(block.post or ()))}
+    if len(eps) != 1:
+        return None
+    D = attn.head_dim
+    weights = native_layer.LayerWeights(
+        heads=attn.n_head,
+        kv_heads=attn.n_kv_head,
+        head_dim=D,
+        act=ACTS[type(mlp)],
+        eps=eps.pop(),
+        scale=attn.scale if attn.scale is not None else D**-0.5,
+        norm_1=norms[0],
+        norm_2=norms[1],
+        qkv=qkv,
+        out=products[0],
+        gate=products[1],
+        up=products[2],
+        down=products[3],
+        post=(post[0], post[1]) if post else None,
+        qk_norm=(qk[0], qk[1]) if qk else None,
+        qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
+    )
+    return native_layer.NativeLayer(weights)
+
+
+class NativeHead:
+    """The vocabulary head's product (GGUF blocks) on a native step's threads."""
+
+    def __init__(self, head: BlockLinear) -> None:
+        f = ops.check_blocks(head.blocks, head.fmt, head.in_features)
+        self.product = ops.BoundProduct(head.blocks, f, head.in_features)
+        self.bias = _bias(head.bias)
+
+    def __call__(self, x: Tensor, threads: int) -> Tensor:
+        """x (B, C) -> logits (B, V) float32."""
+        y = self.product(x.to(torch.float32).contiguous(), threads)
+        return y if self.bias is None else y + self.bias
+
+
+def native_head(head: nn.Module) -> NativeHead | None:
+    """The head of a model whose blocks step natively, when it is GGUF blocks too."""
+    return NativeHead(head) if type(head) is BlockLinear and ops.available() else None
+
+
+@dataclass(frozen=True)
+class NativeStep:
+    """What one decoding step's native calls share, checked once for every layer: the rows, the
+    cache's buffers and new column, the rotary rows (global and sliding-window layers')."""
+
+    rows: int
+    k: int
+    v: int
+    layer_bytes: int  # from one layer's keys to the next's
+    cache_type: int
+    columns: int
+    column: int
+    rotary: tuple[tuple[int, int] | None, tuple[int, int] | None]
+    threads: int
+
+    def run(self, native: native_layer.NativeLayer, x: Tensor, row: int, local: int, rotary: bool) -> Tensor:
+        """x (B, C) through ``native``, the block whose keys and values are the cache's row ``row``."""
+        if not x.is_contiguous() or x.dtype != torch.float32 or x.size(0) != self.rows:
+            x = x.to(torch.float32).contiguous()
+        turn = self.rotary[local] if rotary else None
+        cos, sin = turn if turn is not None else (None, None)
+        at = row * self.layer_bytes
+        native.call(
+            x.data_ptr(), self.rows, cos, sin, self.k + at, self.v + at, self.cache_type, self.columns,
+            self.column, self.threads,
+        )  # fmt: skip
+        return x
+
+
+def _rotary_rows(model: Transformer, column: int, local: bool) -> tuple[int, int] | None:
+    """Addresses of the cos and sin rows (D,) float32 at position ``column``, or None."""
+    positions = model.positions
+    if not isinstance(positions, Rotary):
+        return None
+    cos, sin = positions.table(local)
+    D = model.config.head_dim
+    ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (t.size(0), D) for t in (cos, sin))
+    if not ok or column >= cos.size(0):
+        return None
+    return cos.data_ptr() + column * D * 4, sin.data_ptr() + column * D * 4
+
+
+def native_step(
+    model: Transformer, x: Tensor, cache: KVCache, first: native_layer.NativeLayer, threads: int | None = None
+) -> NativeStep | None:
+    """The step's shared arguments, or None where this step cannot be native (padded rows, rows
+    not float32, a cache in a dtype the library lacks). ``threads``: the products' (default:
+    torch's count)."""
+    if x.dtype != torch.float32 or cache.padding.has_padding or not x.is_contiguous():
+        return None
+    column = cache.length
+    if column + 1 > cache.max_len:
+        raise ValueError(f"KV cache overflow: {column + 1} > {cache.max_len} columns")
+    cache.reserve(column + 1)
+    k, v = cache.k, cache.v  # (layers, B, KV, columns, D)
+    if k.dim() != 5 or k.size(0) == 0 or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    first.check_cache(k[0], v[0], x.size(0))
+    rotary = (_rotary_rows(model, column, False), _rotary_rows(model, column, True))
+    if isinstance(model.positions, Rotary) and rotary[0] is None:
+        return None
+    return NativeStep(
+        x.size(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0) * k.element_size(),
+        native_layer.CACHE_TYPES[k.dtype],
+        k.size(3),
+        column,
+        rotary,
+        threads or torch.get_num_threads(),
+    )

@@ -1,0 +1,183 @@
+"""A block's decoding step in one native call (lmcli.model.native.layer, fastpath.native_step)
+against the per-operation step it replaces, for each block variant it serves; the blocks it
+leaves to that step; and the checks in front of the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcli.errors import LmcliError
+from lmcli.model import fastpath
+from lmcli.model.kv_cache import KVCache
+from lmcli.model.native import layer as native_layer
+from lmcli.model.native import ops
+from lmcli.model.quant import quantize
+from lmcli.model.transformer import Transformer
+from tests.helpers import tiny_model
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
+
+LLAMA = dict(
+    position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_head=4, n_kv_head=2, n_embd=64, d_ff=96
+)
+VARIANTS = {
+    "llama": {},
+    "qwen2 (q/k/v bias)": dict(qkv_bias=True),
+    "qwen3 (q/k norm)": dict(qk_norm=True),
+    "gemma3 norms, GeGLU, head size, scalar": dict(
+        norm="rmsnorm1p", mlp="geglu", head_size=32, attn_scalar=24.0, scale_embeddings=True
+    ),
+    "sandwich": dict(norm_placement="sandwich"),
+    "smollm3 (layers without rotary)": dict(rope_pattern="RN"),
+}
+STEPS = 12
+
+
+def spread(model: Transformer, seed: int = 0) -> Transformer:
+    """Weights far from their initial values (norm gains 0.5-1.5), so that every part shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return model
+
+
+def steps(model: Transformer, idx: torch.Tensor, native: bool, monkeypatch, **cache) -> torch.Tensor:
+    """Logits (B, T, V) of the one-token steps over idx (B, T), the native call on or off."""
+    monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1" if native else "0")
+    with torch.inference_mode(), fastpath.inference(model):
+        kv = KVCache.for_model(model, idx.size(0), **cache)
+        out = torch.cat([model.fast_step(idx[:, t : t + 1], kv) for t in range(idx.size(1))], 1)
+        natives = model.fast_step.natives
+    assert all(n is not None for n in natives) == native  # (each block took the path asked for)
+    return out
+
+
+def assert_close_steps(a: torch.Tensor, b: torch.Tensor, bound: float = 1e-4) -> None:
+    """Each step's logits (B, T, V) within ``bound`` of the largest, but for the rare step where
+    an activation lands within float rounding of an int8 rounding boundary and rounds the other way
+    in the two orders of additions (one quantum of one value: within 3% of the largest logit)."""
+    scale = b.abs().max()
+    per_step = (a - b).abs().amax(-1).flatten()  # (B * T,)
+    assert per_step.max() <= 3e-2 * scale, per_step
+    assert per_step.median() <= bound * scale, per_step
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_native_step_equals_the_per_operation_step(variant: str, mode: str, monkeypatch) -> None:
+    model = quantize(spread(tiny_model(vocab_size=80, n_layer=2, **{**LLAMA, **VARIANTS[variant]})), mode, 32)
+    idx = torch.randint(0, 80, (1, STEPS), generator=torch.Generator().manual_seed(1))
+    assert_close_steps(steps(model, idx, True, monkeypatch), steps(model, idx, False, monkeypatch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_is_written_and_read_as_the_per_operation_step_does(dtype, monkeypatch) -> None:
+    model = quantize(spread(tiny_model(vocab_size=80, n_layer=1, **LLAMA)), "int8")
+    idx = torch.randint(0, 80, (1, 8), generator=torch.Generator().manual_seed(2))
+    native = steps(model, idx, True, monkeypatch, dtype=dtype)
+    # bfloat16 keeps 8 bits: a key that rounds the other way moves a score by up to 2^-8
+    bound = 1e-4 if dtype == torch.float16 else 2e-2
+    assert_close_steps(native, steps(model, idx, False, monkeypatch, dtype=dtype), bound)
+
+
+def test_rows_of_a_batch_and_padded_rows(monkeypatch) -> None:
+    """Two rows step natively together; left-padded rows take the per-operation step (a mask)."""
+    model = quantize(spread(tiny_model(vocab_size=80, n_layer=2, **LLAMA)), "int8")
+    idx = torch.randint(0, 80, (2, 10), generator=torch.Generator().manual_seed(3))
+    assert_close_steps(steps(model, idx, True, monkeypatch), steps(model, idx, False, monkeypatch))
+    start = torch.tensor([0, 3])
+    monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1")
+    with torch.inference_mode(), fastpath.inference(model):
+        kv = KVCache.for_model(model, 2, start=start)
+        padded = torch.cat([model.fast_step(idx[:, t : t + 1], kv) for t in range(10)], 1)
+    assert_close_steps(padded, steps(model, idx, False, monkeypatch, start=start))
+
+
+def test_sliding_window_layers_keep_their_ring_and_the_others_go_native(monkeypatch) -> None:
+    window = dict(
+        sliding_window=4, layer_pattern="LG", norm="rmsnorm1p", mlp="geglu", norm_placement="sandwich"
+    )
+    model = quantize(spread(tiny_model(vocab_size=80, n_layer=2, **{**LLAMA, **window})), "int8")
+    idx = torch.randint(0, 80, (1, STEPS), generator=torch.Generator().manual_seed(4))
+    ringed = dict(window_slack=2)
+    assert_close_steps(
+        steps(model, idx, True, monkeypatch, **ringed), steps(model, idx, False, monkeypatch, **ringed)
+    )
+
+
+def test_blocks_the_call_does_not_serve_keep_the_per_operation_step(monkeypatch) -> None:
+    monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1")
+    for model in (
+        tiny_model(vocab_size=80, n_layer=1, **LLAMA),  # float weights
+        quantize(tiny_model(vocab_size=80, n_layer=1, **{**LLAMA, "attn_softcap": 20.0}), "int8"),
+        quantize(tiny_model(vocab_size=80, n_layer=1, n_head=4, n_embd=64), "int8"),  # GPT-2: LayerNorm, GELU
+    ):
+        with torch.inference_mode(), fastpath.inference(model):
+            assert model.fast_step.natives == [None]
+
+
+def test_greedy_text_is_the_same_with_the_native_step(monkeypatch) -> None:
+    from lmcli.config.commands import SampleConfig
+    from lmcli.generate.sampling import generate
+    from tests.helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = quantize(spread(tiny_model(tok.vocab_size, n_layer=2, **LLAMA)), "int4", 32)
+    cfg = SampleConfig(temperature=0, max_new_tokens=24, min_new_tokens=24)
+    texts = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("LMCLI_NATIVE_LAYER", flag)
+        texts.append(generate(model, tok, [tok.encode("To be")], cfg)[0].ids)
+    assert texts[0] == texts[1]
+
+
+def layer_of(model: Transformer) -> native_layer.NativeLayer:
+    from lmcli.model.fastpath.native_step import native_block
+
+    block = native_block(model.h[0])
+    assert block is not None
+    return block
+
+
+def test_sizes_are_checked_before_the_call() -> None:
+    model = quantize(spread(tiny_model(vocab_size=80, n_layer=1, **LLAMA)), "int8")
+    native = layer_of(model)
+    C, KV, D = 64, 2, 16
+    k = torch.zeros(1, KV, 8, D)
+    with pytest.raises(LmcliError, match="rows must be float32"):
+        native.step(torch.zeros(1, C + 1), None, k, k.clone(), 0)
+    with pytest.raises(LmcliError, match="rows must be float32"):
+        native.step(torch.zeros(1, C, dtype=torch.float64), None, k, k.clone(), 0)
+    with pytest.raises(LmcliError, match="outside the cache"):
+        native.step(torch.zeros(1, C), None, k, k.clone(), 8)
+    with pytest.raises(LmcliError, match="does not fit"):
+        native.step(torch.zeros(1, C), None, torch.zeros(1, KV, 8, D + 2), torch.zeros(1, KV, 8, D + 2), 0)
+    with pytest.raises(LmcliError, match="does not fit"):
+        native.step(torch.zeros(2, C), None, k, k.clone(), 0)  # a cache of 1 row for 2 rows
+    with pytest.raises(LmcliError, match="does not fit"):
+        native.step(torch.zeros(1, C), None, k.to(torch.int32), k.to(torch.int32), 0)
+    with pytest.raises(LmcliError, match="rotary table"):
+        native.step(torch.zeros(1, C), (torch.zeros(D - 2), torch.zeros(D - 2)), k, k.clone(), 0)
+    x = torch.randn(1, C)
+    native.step(x, (torch.ones(D), torch.zeros(D)), k, k.clone(), 3)  # (the call itself runs)
+    assert torch.isfinite(x).all()
+
+
+def test_weights_that_do_not_fit_each_other_are_refused() -> None:
+    import dataclasses
+
+    model = quantize(spread(tiny_model(vocab_size=80, n_layer=1, **LLAMA)), "int8")
+    w = layer_of(model).weights
+    with pytest.raises(LmcliError, match="norm 1 must be float32"):
+        native_layer.NativeLayer(dataclasses.replace(w, norm_1=w.norm_1[:-1]))
+    with pytest.raises(LmcliError, match="query/key/value products give"):
+        native_layer.NativeLayer(dataclasses.replace(w, heads=w.heads + 2))
+    with pytest.raises(LmcliError, match="MLP's down projection"):
+        native_layer.NativeLayer(dataclasses.replace(w, down=w.up))
+    with pytest.raises(LmcliError, match="unsupported"):
+        native_layer.NativeLayer(dataclasses.replace(w, act="relu"))
