@@ -181,3 +181,40 @@ def test_weights_that_do_not_fit_each_other_are_refused() -> None:
         native_layer.NativeLayer(dataclasses.replace(w, down=w.up))
     with pytest.raises(LmcliError, match="unsupported"):
         native_layer.NativeLayer(dataclasses.replace(w, act="relu"))
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", "Q4_K"), ("qwen2", "Q5_0")])
+def test_a_gguf_file_run_as_stored_steps_natively(tmp_path, arch: str, kind: str, monkeypatch) -> None:
+    """A file's q, k and v in their own formats (a stacked product), Qwen2's biases cut into them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
+    from gguf_files import write_gguf_model
+
+    from lmcli.formats.gguf.as_stored import load_as_stored
+    from lmcli.formats.gguf.load import read_gguf_header
+
+    model = load_as_stored(read_gguf_header(write_gguf_model(tmp_path / "m.gguf", arch, kind)), torch.float32)
+    idx = torch.randint(0, model.config.vocab_size, (1, STEPS), generator=torch.Generator().manual_seed(5))
+    assert_close_steps(steps(model, idx, True, monkeypatch), steps(model, idx, False, monkeypatch))
+
+
+def test_query_key_value_parts_in_their_own_formats_with_the_stack_bias(monkeypatch) -> None:
+    """A GGUF file's q, k, v as one stacked product of three formats (as Q4_K_M files hold them),
+    the bias on the stack: the call cuts it into the parts."""
+    from lmcli.model.native.blocks import quantize_blocks
+    from lmcli.model.quant import BlockLinear, StackedBlockLinear
+
+    model = spread(tiny_model(vocab_size=80, n_layer=2, **{**LLAMA, "qkv_bias": True}))
+    floats = [(b.attn.c_attn.weight.detach().clone(), b.attn.c_attn.bias.detach().clone()) for b in model.h]
+    model = quantize(model, "int8")
+    for block, (w, b) in zip(model.h, floats, strict=True):
+        cuts = (64, 32, 32)  # H * D, KV * D, KV * D
+        parts = [
+            BlockLinear(quantize_blocks(part, fmt), fmt, 64)
+            for part, fmt in zip(w.split(cuts), ("q8_0", "q4_0", "q8_0"), strict=True)
+        ]
+        block.attn.c_attn = StackedBlockLinear(parts, b)
+    idx = torch.randint(0, 80, (1, STEPS), generator=torch.Generator().manual_seed(6))
+    assert_close_steps(steps(model, idx, True, monkeypatch), steps(model, idx, False, monkeypatch))
