@@ -185,7 +185,7 @@ class Speculator:
         """Decode ``row`` (from ``prompt``, which must ``fit``) to its end; ``on_text(piece)``
         receives its text as it comes. A small model's steps run on one thread, as without a
         draft (``fastpath.step_threads``; switching between rounds would cost more)."""
-        with fastpath.step_threads(self.model, 1):
+        with fastpath.step_threads(self.model, 1, native=False):  # (the target checks k + 1 rows)
             return self._run(row, prompt, on_text)
 
     def _run(self, row: Row, prompt: list[int], on_text: Callable[[str], None] | None) -> DraftStats:

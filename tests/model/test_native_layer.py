@@ -218,3 +218,20 @@ def test_query_key_value_parts_in_their_own_formats_with_the_stack_bias(monkeypa
         block.attn.c_attn = StackedBlockLinear(parts, b)
     idx = torch.randint(0, 80, (1, STEPS), generator=torch.Generator().manual_seed(6))
     assert_close_steps(steps(model, idx, True, monkeypatch), steps(model, idx, False, monkeypatch))
+
+
+def test_one_row_decodes_on_the_kernels_threads_and_torch_on_one(monkeypatch) -> None:
+    monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1")
+    model = quantize(tiny_model(vocab_size=80, n_layer=1, **LLAMA), "int8")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode(), fastpath.inference(model):
+            runner = model.fast_step
+            with fastpath.step_threads(model, 1):
+                assert (torch.get_num_threads(), runner.kernel_threads) == (1, 2)
+            assert (torch.get_num_threads(), runner.kernel_threads) == (2, None)
+            with fastpath.step_threads(model, 1, native=False):  # (a scope that runs prompts too)
+                assert runner.kernel_threads is None
+    finally:
+        torch.set_num_threads(before)

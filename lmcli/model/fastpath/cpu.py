@@ -393,21 +393,24 @@ def scoped(fn: Callable[..., T]) -> Callable[..., T]:
 
 
 @contextmanager
-def step_threads(model: Transformer, rows: int) -> Iterator[None]:
-    """Run decoding steps of a small model, or of one whose blocks step natively, on one torch
-    thread, then restore the thread count.
+def step_threads(model: Transformer, rows: int, native: bool = True) -> Iterator[None]:
+    """Run decoding steps of a small model, or one row's steps of a model whose blocks step
+    natively, on one torch thread, then restore the thread count.
 
     A step of a small model is hundreds of operations of a few microseconds each; handing
     them to a second thread costs more than it saves, and much more when the other cores are
     busy (a worker that is not scheduled stalls every operation it takes part in). Large
-    models, or many rows at once, keep every thread. A native step (``native_step``) runs its
-    products on the kernels' own threads, as many as torch had: torch's, left on, would spin
-    beside them after each sampling operation (2 threads: 104 against 153 tokens/s a step
-    of the SmolLM2-135M shape in q8_0, bench_cpu_decode's model, 2026-11-26).
+    models, or many rows at once, keep every thread. A native step (``native_step``) of one
+    row runs its products on the kernels' own threads, as many as torch had: torch's, left on,
+    would spin beside them after each sampling operation (2 threads: 104 against 153 tokens/s
+    a step of the SmolLM2-135M shape in q8_0, bench_cpu_decode's model, 2026-11-26). Rows
+    that may be padded (a step the call leaves to torch), and ``native=False`` (a scope that
+    also runs prompts: speculative decoding's checks), keep torch's threads.
     """
     threads = torch.get_num_threads()
     runner = model.fast_step
-    native = isinstance(runner, StepRunner) and any(n is not None for n in runner.natives)
+    native = native and rows == 1 and isinstance(runner, StepRunner)
+    native = native and any(n is not None for n in runner.natives)
     small = (model.num_parameters() + quantized_elements(model)) * rows <= ONE_THREAD_WORK
     if threads == 1 or not (small or native) or next(model.parameters()).device.type != "cpu":
         yield
