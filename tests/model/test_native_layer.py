@@ -86,16 +86,19 @@ def test_a_16_bit_cache_is_written_and_read_as_the_per_operation_step_does(dtype
 
 
 def test_rows_of_a_batch_and_padded_rows(monkeypatch) -> None:
-    """Two rows step natively together; left-padded rows take the per-operation step (a mask)."""
+    """Two rows step natively together, left-padded ones too (serve's batch, prompts of two lengths):
+    each row attends from its first column and turns by its own position."""
     model = quantize(spread(tiny_model(vocab_size=80, n_layer=2, **LLAMA)), "int8")
     idx = torch.randint(0, 80, (2, 10), generator=torch.Generator().manual_seed(3))
     assert_close_steps(steps(model, idx, True, monkeypatch), steps(model, idx, False, monkeypatch))
     start = torch.tensor([0, 3])
-    monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1")
-    with torch.inference_mode(), fastpath.inference(model):
-        kv = KVCache.for_model(model, 2, start=start)
-        padded = torch.cat([model.fast_step(idx[:, t : t + 1], kv) for t in range(10)], 1)
-    assert_close_steps(padded, steps(model, idx, False, monkeypatch, start=start))
+    calls = []
+    call = native_layer.NativeLayer.call
+    monkeypatch.setattr(native_layer.NativeLayer, "call", lambda *a: calls.append(1) or call(*a))
+    native = steps(model, idx, True, monkeypatch, start=start)
+    # every layer of every step once each row has a column of its own (from column 3 on)
+    assert len(calls) == 2 * (10 - 3)
+    assert_close_steps(native, steps(model, idx, False, monkeypatch, start=start))
 
 
 def test_sliding_window_layers_keep_their_ring_and_the_others_go_native(monkeypatch) -> None:
@@ -162,10 +165,16 @@ def test_sizes_are_checked_before_the_call() -> None:
     with pytest.raises(LmcliError, match="does not fit"):
         native.step(torch.zeros(1, C), None, k.to(torch.int32), k.to(torch.int32), 0)
     with pytest.raises(LmcliError, match="rotary table"):
-        native.step(torch.zeros(1, C), (torch.zeros(D - 2), torch.zeros(D - 2)), k, k.clone(), 0)
+        native.step(torch.zeros(1, C), (torch.zeros(1, D - 2), torch.zeros(1, D - 2)), k, k.clone(), 0)
+    with pytest.raises(LmcliError, match="start must be int64"):
+        native.step(torch.zeros(1, C), None, k, k.clone(), 3, start=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(LmcliError, match="a row starts outside"):
+        native.step(torch.zeros(1, C), None, k, k.clone(), 3, start=torch.tensor([4]))
+    with pytest.raises(LmcliError, match="a row starts outside"):
+        native.step(torch.zeros(1, C), None, k, k.clone(), 3, start=torch.tensor([-1]))
     x = torch.randn(1, C)
-    native.step(x, (torch.ones(D), torch.zeros(D)), k, k.clone(), 3)  # (the call itself runs)
-    assert torch.isfinite(x).all()
+    native.step(x, (torch.ones(1, D), torch.zeros(1, D)), k, k.clone(), 3, start=torch.tensor([2]))
+    assert torch.isfinite(x).all()  # (the call itself runs)
 
 
 def test_weights_that_do_not_fit_each_other_are_refused() -> None:

@@ -279,7 +279,9 @@ class StepRunner:
         turns: Turns | None = None  # (made on the first layer that is not native)
         for layer, block in zip(plan.layers, plan.natives, strict=True):
             row = cache.index[layer.layer]
-            if native is not None and block is not None and row >= 0 and masks[layer.local] is None:
+            # (a global layer's mask is no more than the rows' padding, which the call skips; a
+            # sliding-window layer's must be the same: no window yet)
+            if native is not None and block is not None and row >= 0 and masks[layer.local] is masks[0]:
                 x = native.run(block, x, row, layer.local, layer.heads.rotary)
                 continue
             if turns is None:

@@ -133,73 +133,87 @@ def native_head(head: nn.Module) -> NativeHead | None:
 
 @dataclass(frozen=True)
 class NativeStep:
-    """What one decoding step's native calls share, checked once for every layer: the rows, the
-    cache's buffers and new column, the rotary rows (global and sliding-window layers')."""
+    """What one decoding step's native calls share, checked once for every layer: the rows, their
+    left padding, the cache's buffers and new column, each row's rotary rows (global and
+    sliding-window layers')."""
 
     rows: int
+    start: Tensor | None  # (B,) int64: each row's first column (left padding), or None
     k: int
     v: int
     layer_bytes: int  # from one layer's keys to the next's
     cache_type: int
     columns: int
     column: int
-    rotary: tuple[tuple[int, int] | None, tuple[int, int] | None]
+    turns: tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]  # (B,) addresses of cos, sin
     threads: int
 
     def run(self, native: native_layer.NativeLayer, x: Tensor, row: int, local: int, rotary: bool) -> Tensor:
         """x (B, C) through ``native``, the block whose keys and values are the cache's row ``row``."""
         if not x.is_contiguous() or x.dtype != torch.float32 or x.size(0) != self.rows:
             x = x.to(torch.float32).contiguous()
-        turn = self.rotary[local] if rotary else None
-        cos, sin = turn if turn is not None else (None, None)
         at = row * self.layer_bytes
         native.call(
-            x.data_ptr(), self.rows, cos, sin, self.k + at, self.v + at, self.cache_type, self.columns,
-            self.column, self.threads,
-        )  # fmt: skip
+            x.data_ptr(),
+            self.rows,
+            self.turns[local] if rotary else None,
+            None if self.start is None else self.start.data_ptr(),
+            (self.k + at, self.v + at, self.cache_type, self.columns),
+            self.column,
+            self.threads,
+        )
         return x
 
 
-def _rotary_rows(model: Transformer, column: int, local: bool) -> tuple[int, int] | None:
-    """Addresses of the cos and sin rows (D,) float32 at position ``column``, or None."""
-    positions = model.positions
-    if not isinstance(positions, Rotary):
+def _turns(model: Transformer, positions: Tensor, local: bool) -> tuple[Tensor, Tensor] | None:
+    """The addresses (B,) int64 of each row's cos and sin rows (D,) float32 at ``positions`` (B,),
+    or None (no rotary table, or one too short)."""
+    rotary = model.positions
+    if not isinstance(rotary, Rotary):
         return None
-    cos, sin = positions.table(local)
+    cos, sin = rotary.table(local)
     D = model.config.head_dim
     ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (t.size(0), D) for t in (cos, sin))
-    if not ok or column >= cos.size(0):
+    if not ok or int(positions.max()) >= cos.size(0):
         return None
-    return cos.data_ptr() + column * D * 4, sin.data_ptr() + column * D * 4
+    offsets = positions * (D * 4)
+    return offsets + cos.data_ptr(), offsets + sin.data_ptr()
 
 
 def native_step(
     model: Transformer, x: Tensor, cache: KVCache, first: native_layer.NativeLayer, threads: int | None = None
 ) -> NativeStep | None:
-    """The step's shared arguments, or None where this step cannot be native (padded rows, rows
-    not float32, a cache in a dtype the library lacks). ``threads``: the products' (default:
-    torch's count)."""
-    if x.dtype != torch.float32 or cache.padding.has_padding or not x.is_contiguous():
+    """The step's shared arguments, or None where this step cannot be native (ALiBi's scores, a
+    row all padding, rows not float32, a cache in a dtype the library lacks). ``threads``: the
+    products' (default: torch's count)."""
+    if x.dtype != torch.float32 or model.positions.biases_scores:
         return None
-    column = cache.length
+    B, column = x.size(0), cache.length
     if column + 1 > cache.max_len:
         raise ValueError(f"KV cache overflow: {column + 1} > {cache.max_len} columns")
+    start = None
+    if cache.padding.has_padding:
+        start = cache.padding.start.to(torch.int64).contiguous()  # (B,)
+        if start.shape != (B,) or int(start.max()) > column:  # (a row with no column of its own yet)
+            return None
     cache.reserve(column + 1)
     k, v = cache.k, cache.v  # (layers, B, KV, columns, D)
     if k.dim() != 5 or k.size(0) == 0 or not (k.is_contiguous() and v.is_contiguous()):
         return None
-    first.check_cache(k[0], v[0], x.size(0))
-    rotary = (_rotary_rows(model, column, False), _rotary_rows(model, column, True))
-    if isinstance(model.positions, Rotary) and rotary[0] is None:
+    first.check_cache(k[0], v[0], B)
+    positions = torch.full((B,), column, dtype=torch.int64) if start is None else column - start  # (B,)
+    turns = (_turns(model, positions, False), _turns(model, positions, True))
+    if isinstance(model.positions, Rotary) and (turns[0] is None or turns[1] is None):
         return None
     return NativeStep(
-        x.size(0),
+        B,
+        start,
         k.data_ptr(),
         v.data_ptr(),
         k.stride(0) * k.element_size(),
         native_layer.CACHE_TYPES[k.dtype],
         k.size(3),
         column,
-        rotary,
+        turns,
         threads or torch.get_num_threads(),
     )

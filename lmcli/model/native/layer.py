@@ -93,9 +93,9 @@ def _function() -> ctypes._CFuncPtr:
     if lib is None:
         raise LmcliError("native kernels are not available")
     fn = lib.lib.lmcli_native_layer_step
-    # (layer, x, rows, cos, sin, k, v, cache type, columns, column, threads, instruction set)
+    # (layer, x, rows, cos rows, sin rows, start, k, v, cache type, columns, column, threads, instruction set)
     c_int = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(LmLayer), ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
+    fn.argtypes = [ctypes.POINTER(LmLayer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
     fn.restype = ctypes.c_int
     return fn
 
@@ -149,37 +149,66 @@ class NativeLayer:
         v: Tensor,
         column: int,
         threads: int = 1,
+        start: Tensor | None = None,
     ) -> None:
         """x (B, C) float32 <- the block's output; the new key and value go to ``column`` of the
-        layer's cache k, v (B, KV, columns, D), attention reads columns 0..column; ``rotary``:
-        cos and sin (D,) float32 at the new position, or None. Everything is checked here."""
+        layer's cache k, v (B, KV, columns, D), and row b attends to columns start[b]..column
+        (``start`` (B,) int64: each row's left padding; None: none); ``rotary``: cos and sin
+        (B, D) float32, each row's turn at its new position, or None. Everything is checked here."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.size(1) != self.width or not x.is_contiguous():
             raise LmcliError(
                 f"native layer: rows must be float32 (B, {self.width}), not {x.dtype} {tuple(x.shape)}"
             )
-        cache = self.check_cache(k, v, x.size(0))
+        B = x.size(0)
+        cache = self.check_cache(k, v, B)
         if not 0 <= column < k.size(2):
             raise LmcliError(f"native layer: column {column} is outside the cache's {k.size(2)}")
-        cos = sin = None
+        if start is not None:
+            if (
+                start.dtype != torch.int64
+                or start.shape != (B,)
+                or not (start.is_contiguous() and start.is_cpu)
+            ):
+                raise LmcliError(
+                    f"native layer: start must be int64 ({B},), not {start.dtype} {tuple(start.shape)}"
+                )
+            if not 0 <= int(start.min()) <= int(start.max()) <= column:
+                raise LmcliError(f"native layer: a row starts outside columns 0..{column}")
+        turns = None
         if rotary is not None:
-            cos, sin = (_vector(t, self.head_dim, "the rotary table") for t in rotary)
-        rows, columns = x.size(0), k.size(2)
-        self.call(x.data_ptr(), rows, cos, sin, k.data_ptr(), v.data_ptr(), cache, columns, column, threads)
+            D = self.head_dim
+            if not all(t.shape == (B, D) and t.dtype == torch.float32 and t.is_contiguous() for t in rotary):
+                raise LmcliError(f"native layer: the rotary table must be float32 rows ({B}, {D})")
+            turns = (row_addresses(rotary[0]), row_addresses(rotary[1]))
+        self.call(
+            x.data_ptr(),
+            B,
+            turns,
+            None if start is None else start.data_ptr(),
+            (k.data_ptr(), v.data_ptr(), cache, k.size(2)),
+            column,
+            threads,
+        )
 
     def call(
         self,
         x: int,
         rows: int,
-        cos: int | None,
-        sin: int | None,
-        k: int,
-        v: int,
-        cache: int,
-        columns: int,
+        turns: tuple[Tensor, Tensor] | None,
+        start: int | None,
+        cache: tuple[int, int, int, int],
         column: int,
         threads: int,
     ) -> None:
-        """``step`` for addresses its caller checked (a decoding step checks its rows, rotary row and
-        cache once for every layer)."""
-        if self.fn(self.ref, x, rows, cos, sin, k, v, cache, columns, column, threads, self.isa) != 0:
+        """``step`` for addresses its caller checked (a decoding step checks its rows, rotary rows
+        and cache once for every layer): ``turns``, the addresses (B,) int64 of each row's cos
+        and sin; ``cache``: (keys, values, the library's dtype number, columns)."""
+        cos, sin = (None, None) if turns is None else (turns[0].data_ptr(), turns[1].data_ptr())
+        k, v, dtype, columns = cache
+        if self.fn(self.ref, x, rows, cos, sin, start, k, v, dtype, columns, column, threads, self.isa) != 0:
             raise LmcliError(f"native layer step refused its sizes (rows={rows}, column={column})")
+
+
+def row_addresses(t: Tensor) -> Tensor:
+    """(B,) int64: the address of each row of a contiguous (B, D) float32 tensor."""
+    return torch.arange(t.size(0), dtype=torch.int64) * (t.size(1) * 4) + t.data_ptr()
