@@ -52,7 +52,7 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
     cache's dtype (``--kv-dtype``)."""
     from lmcli.device import pick_device, set_threads
     from lmcli.formats.sources import DTYPES, load_model
-    from lmcli.model.quant import products_line, quantize
+    from lmcli.model.quant import default_kv_dtype, products_line, quantize
 
     cfg = build(DeviceConfig, options)
     set_threads(cfg.threads)
@@ -61,7 +61,8 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
         run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype), as_stored=cfg.quantize == "none"
     )
     quantize(ckpt.model, cfg.quantize, cfg.group_size)
-    ckpt.model.kv_dtype = DTYPES.get(cfg.kv_dtype)  # None (auto): the dtype it computes in
+    # auto: float16 for GGUF blocks on the native kernels, else None (the dtype it computes in)
+    ckpt.model.kv_dtype = DTYPES.get(cfg.kv_dtype) or default_kv_dtype(ckpt.model)
     if cfg.verbose:
         print(products_line(ckpt.model), file=sys.stderr)
     return ckpt

@@ -208,7 +208,8 @@ class DeviceConfig:
     group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
     kv_dtype: Dtype = option(
         "auto",
-        "Dtype of the KV cache's keys and values (auto: the dtype the model computes in). "
+        "Dtype of the KV cache's keys and values (auto: the dtype the model computes in; float16 "
+        "for GGUF blocks on lmcli's CPU kernels: a GGUF file, --quantize). "
         "bfloat16 or float16 halves its memory and the bytes attention reads; attention still "
         "computes in the model's dtype. docs/quantization.md.",
     )

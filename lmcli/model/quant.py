@@ -391,6 +391,15 @@ def products_line(model: nn.Module) -> str:
     return f"products: torch (float weights on {device}; no quantized layer)"
 
 
+def default_kv_dtype(model: nn.Module) -> torch.dtype | None:
+    """``--kv-dtype auto``'s dtype for ``model``: float16 where GGUF blocks run on the native
+    kernels (their one-call decoding step reads a half cache with F16C, +0-5% tokens/s at 256-384
+    columns, and halves its memory; llama.cpp's default), else None (the dtype it computes in)."""
+    blocks = any(isinstance(m, BlockLinear) for m in model.modules())
+    on_cpu = next(model.parameters(), torch.empty(0)).device.type == "cpu"
+    return torch.float16 if blocks and on_cpu and ops.available() else None
+
+
 def quantized_elements(model: nn.Module) -> int:
     """Weights held quantized (counted as parameters would be), 0 for a float model."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]

@@ -25,6 +25,7 @@ from lmcli.generate.sampling import generate
 from lmcli.generate.speculative import Draft
 from lmcli.model.fastpath import inference
 from lmcli.model.kv_cache import KVCache, check_fits, kv_bytes
+from lmcli.model.native import ops
 
 # the largest logit difference a 16-bit cache may make, relative to the largest logit
 # (bfloat16 keeps 8 significant bits: 2^-8 = 0.4% per value; float16 11: 0.05%)
@@ -102,6 +103,9 @@ def test_check_fits_counts_the_cache_in_its_dtype(monkeypatch) -> None:
 def test_the_option_reaches_the_model_and_the_commands(tmp_path, capsys) -> None:
     run = make_run(tmp_path / "run")
     assert load_source(run, {}).model.kv_dtype is None  # auto: the compute dtype
+    if ops.available():  # auto for GGUF blocks on the kernels: float16, as llama.cpp's cache
+        assert load_source(run, {"quantize": "int8"}).model.kv_dtype == torch.float16
+        assert load_source(run, {"quantize": "int8", "kv_dtype": "float32"}).model.kv_dtype == torch.float32
     model = load_source(run, {"kv_dtype": "bfloat16"}).model
     assert model.kv_dtype == torch.bfloat16 and KVCache.for_model(model, 1).k.dtype == torch.bfloat16
     outs = {}
