@@ -56,7 +56,7 @@ MODES = ("none", "int8", "int4")
 # crashes): narrower or odd layers take the dequantizing product instead
 INT8_KERNEL_K = 16
 INT8_KERNEL_MAX_ROWS = 48  # from 64 rows on, dequantizing to bfloat16 and a GEMM is faster
-CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
+CHUNK_VALUES = 1 << 20  # values of a weight quantized at a time, whole rows (the float32 temporaries')
 BLOCK = 32  # values of a q8_0/q4_0 block: the widths the native kernels take from --quantize
 # from this many rows on (a prompt) a block layer's weight is rather dequantized to bfloat16 for
 # one GEMM, as int8's is: 2-2.5x faster than the kernels' rows at 256 (docs/native-kernels.md)
@@ -68,14 +68,16 @@ BLOCK_GEMM_ROWS = 96
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     """(q (N, K) int8, s (N,) float32) with ``w ~ q * s[:, None]``, one scale per output row;
-    ``CHUNK_ROWS`` rows at a time, so the float32 temporaries stay small for a large table."""
+    about ``CHUNK_VALUES`` values (whole rows) at a time, so the float32 temporaries stay small
+    for a large table or a wide layer."""
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     s = torch.empty(w.size(0), dtype=torch.float32, device=w.device)
-    for i in range(0, w.size(0), CHUNK_ROWS):
-        rows = w[i : i + CHUNK_ROWS].detach().float()
+    n = max(1, CHUNK_VALUES // max(w.size(1), 1))  # rows a chunk
+    for i in range(0, w.size(0), n):
+        rows = w[i : i + n].detach().to(torch.float32, copy=True)  # (the weight itself untouched)
         scale = (rows.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        q[i : i + CHUNK_ROWS] = rows.div_(scale[:, None]).round_().clamp_(-127, 127)
-        s[i : i + CHUNK_ROWS] = scale
+        q[i : i + n] = rows.div_(scale[:, None]).round_().clamp_(-127, 127)
+        s[i : i + n] = scale
     return q, s
 
 
