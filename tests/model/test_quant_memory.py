@@ -1,6 +1,7 @@
-"""Memory of quantized weights: what quantizing allocates at once, whatever a layer's shape, and
-what a GGUF file run as stored allocates (its tied vocabulary table stays blocks: rows are
-looked up, the head multiplied as stored).
+"""Memory of quantized weights: what quantizing allocates at once, whatever a layer's shape; a
+Hugging Face folder quantized as it is read (one block's float weights at a time), the same
+layers as quantizing the loaded model; what a GGUF file run as stored allocates (its tied
+vocabulary table stays blocks: rows are looked up, the head multiplied as stored).
 
 Sizes are read from torch's profiler (``largest_allocation``: every CPU allocation torch makes,
 by operation), not from the process's RSS, so the checks hold on a shared, busy machine.
@@ -17,7 +18,10 @@ from helpers import tiny_model, tiny_tokenizer
 
 import lmcli.model.quant as quant
 from lmcli.config.commands import SampleConfig
+from lmcli.config.train import TrainConfig
+from lmcli.formats.checkpoint import save_checkpoint
 from lmcli.formats.export.gguf import write_gguf
+from lmcli.formats.export.hf import export_hf
 from lmcli.formats.sources import load_model
 from lmcli.generate.sampling import generate
 from lmcli.model import fastpath
@@ -87,3 +91,44 @@ def test_a_gguf_file_run_as_stored_never_holds_its_tied_table_in_floats(tmp_path
     assert len(held["out"].ids) == 8
     assert quant.weight_bytes(loaded) < 1.05 * path.stat().st_size  # the file's bytes, once (and norms)
     assert largest < 2 * table  # no float32 nor bfloat16 table
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_hugging_face_folder_quantized_as_it_is_read(tmp_path: Path, monkeypatch, mode: str) -> None:
+    """``load_model(folder, quantize=...)``: each block's float weights become quantized layers
+    before the next block is read, and the layers are those of quantizing the loaded model."""
+    tok = tiny_tokenizer(kind="byte")
+    llama = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_embd=64, n_head=4, n_kv_head=2)
+    model = tiny_model(vocab_size=tok.vocab_size, n_layer=3, **llama)
+    save_checkpoint(tmp_path / "run", model, TrainConfig(), tok, meta={"step": 0})
+    folder = export_hf(tmp_path / "run", tmp_path / "hf")
+    reference = quant.quantize(load_model(folder).model, mode, 32)
+    seen: dict = {"floats": []}  # float blocks held each time a block is quantized
+    vocabulary, block = quant.quantize_vocabulary, quant.quantize_block
+
+    def capture(m: torch.nn.Module, native: bool) -> None:  # the model being read (its head first)
+        seen["model"] = m
+        vocabulary(m, native)
+
+    def count(b: torch.nn.Module, *args) -> None:
+        floats = [
+            h
+            for h in seen["model"].h
+            if type(h.mlp.c_fc) is torch.nn.Linear and not h.mlp.c_fc.weight.is_meta
+        ]
+        seen["floats"].append(len(floats))
+        block(b, *args)
+
+    monkeypatch.setattr(quant, "quantize_vocabulary", capture)
+    monkeypatch.setattr(quant, "quantize_block", count)
+    read = load_model(folder, quantize=mode, group_size=32).model
+    assert seen["floats"] == [1, 1, 1]  # one block in floats at a time, never the float model
+    ours, theirs = dict(read.named_buffers()), dict(reference.named_buffers())
+    ours.update(read.named_parameters())
+    theirs.update(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(read(ids), reference(ids), rtol=0, atol=0)
