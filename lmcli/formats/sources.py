@@ -169,7 +169,7 @@ def load_hf_quantized(
             for i in sorted({int(m.group(1)) for k in state if (m := LAYER.search(k))}):
                 quant.quantize_block(model.h[i], mode, group_size, native)
             state.clear()  # these float weights go now, before the next block is read
-            release_freed_memory()  # and their pages, not left to the heap
+            release_freed_memory()  # and their pages, not left in the heap
     missing = ", ".join(sorted(expected.keys() - filled)[:3])
     if missing:
         raise LmcliError(f"weights in {path} do not fit the model config (missing: {missing})")
