@@ -52,15 +52,20 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
     cache's dtype (``--kv-dtype``)."""
     from lmcli.device import pick_device, set_threads
     from lmcli.formats.sources import DTYPES, load_model
-    from lmcli.model.quant import default_kv_dtype, products_line, quantize
+    from lmcli.model.quant import default_kv_dtype, products_line
 
     cfg = build(DeviceConfig, options)
     set_threads(cfg.threads)
-    # a GGUF file's quantized matrices run as stored unless --quantize asks for lmcli's own
+    # a GGUF file's quantized matrices run as stored unless --quantize asks for lmcli's own; a
+    # Hugging Face folder is quantized as it is read (never whole in floats)
     ckpt = load_model(
-        run_dir, pick_device(cfg.device), DTYPES.get(cfg.dtype), as_stored=cfg.quantize == "none"
+        run_dir,
+        pick_device(cfg.device),
+        DTYPES.get(cfg.dtype),
+        as_stored=cfg.quantize == "none",
+        quantize=cfg.quantize,
+        group_size=cfg.group_size,
     )
-    quantize(ckpt.model, cfg.quantize, cfg.group_size)
     # auto: float16 for GGUF blocks on the native kernels, else None (the dtype it computes in)
     ckpt.model.kv_dtype = DTYPES.get(cfg.kv_dtype) or default_kv_dtype(ckpt.model)
     if cfg.verbose:

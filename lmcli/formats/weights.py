@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,10 +223,12 @@ _READ_DTYPES = {
 }
 
 
-def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file (its header already checked by ``safe_open``), read
-    into memory of its own rather than memory-mapped; floating-point ones in ``dtype`` (None: as
-    stored), converted one at a time.
+def read_tensors(
+    path: Path, dtype: torch.dtype | None = None, names: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (its header already checked by ``safe_open``), or those
+    ``names`` names, read into memory of its own rather than memory-mapped; floating-point ones
+    in ``dtype`` (None: as stored), converted one at a time.
 
     Why not ``load_file``: its tensors share one mapping of the file, whose pages, once read,
     stay resident (and counted in the process's memory) until the last tensor is freed. A model
@@ -238,10 +241,11 @@ def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torc
         header = json.loads(f.read(size))
         base = 8 + size
         if any(v["dtype"] not in _READ_DTYPES for k, v in header.items() if k != "__metadata__"):
-            return {k: _as_dtype(v, dtype) for k, v in load_file(str(path)).items()}
+            every = load_file(str(path))
+            return {k: _as_dtype(v, dtype) for k, v in every.items() if names is None or k in names}
         out = {}
         for name, info in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or (names is not None and name not in names):
                 continue
             start, end = info["data_offsets"]
             t = torch.empty(info["shape"], dtype=_READ_DTYPES[info["dtype"]])

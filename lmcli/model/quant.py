@@ -56,7 +56,7 @@ MODES = ("none", "int8", "int4")
 # crashes): narrower or odd layers take the dequantizing product instead
 INT8_KERNEL_K = 16
 INT8_KERNEL_MAX_ROWS = 48  # from 64 rows on, dequantizing to bfloat16 and a GEMM is faster
-CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
+CHUNK_VALUES = 1 << 20  # values of a weight quantized at a time, whole rows (the float32 temporaries')
 BLOCK = 32  # values of a q8_0/q4_0 block: the widths the native kernels take from --quantize
 # from this many rows on (a prompt) a block layer's weight is rather dequantized to bfloat16 for
 # one GEMM, as int8's is: 2-2.5x faster than the kernels' rows at 256 (docs/native-kernels.md)
@@ -68,14 +68,16 @@ BLOCK_GEMM_ROWS = 96
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     """(q (N, K) int8, s (N,) float32) with ``w ~ q * s[:, None]``, one scale per output row;
-    ``CHUNK_ROWS`` rows at a time, so the float32 temporaries stay small for a large table."""
+    about ``CHUNK_VALUES`` values (whole rows) at a time, so the float32 temporaries stay small
+    for a large table or a wide layer."""
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     s = torch.empty(w.size(0), dtype=torch.float32, device=w.device)
-    for i in range(0, w.size(0), CHUNK_ROWS):
-        rows = w[i : i + CHUNK_ROWS].detach().float()
+    n = max(1, CHUNK_VALUES // max(w.size(1), 1))  # rows a chunk
+    for i in range(0, w.size(0), n):
+        rows = w[i : i + n].detach().to(torch.float32, copy=True)  # (the weight itself untouched)
         scale = (rows.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        q[i : i + CHUNK_ROWS] = rows.div_(scale[:, None]).round_().clamp_(-127, 127)
-        s[i : i + CHUNK_ROWS] = scale
+        q[i : i + n] = rows.div_(scale[:, None]).round_().clamp_(-127, 127)
+        s[i : i + n] = scale
     return q, s
 
 
@@ -323,27 +325,39 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
     the model). ``mode``: ``none`` (nothing), ``int8`` or ``int4`` (groups of ``group_size``)."""
     if mode == "none":
         return model
+    device = next(model.parameters()).device
+    check_mode(mode, group_size, device)
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise LmcliError("the model is quantized already")
+    native = device.type == "cpu" and ops.available()
+    with torch.no_grad():
+        for block in model.h:
+            quantize_block(block, mode, group_size, native)
+        release_freed_memory()  # the blocks' float weights, before the vocabulary's new table
+        quantize_vocabulary(model, native)
+    release_freed_memory()
+    return model
+
+
+def check_mode(mode: str, group_size: int, device: torch.device) -> None:
+    """One line unless ``mode`` (int8, int4) with ``group_size`` runs on ``device``."""
     if mode not in MODES:
         raise LmcliError(f"invalid quantization {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "int4" and group_size not in GROUP_SIZES:
         raise LmcliError(f"group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
-        raise LmcliError("the model is quantized already")
-    device = next(model.parameters()).device
     if mode == "int4" and device.type not in ("cpu", "cuda"):
         raise LmcliError(f"--quantize int4 runs on a CPU or CUDA, not on {device.type}: use int8")
     if mode == "int4" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         raise LmcliError("--quantize int4 on CUDA needs a GPU of compute capability 8.0 or later (Ampere)")
-    native = device.type == "cpu" and ops.available()
-    with torch.no_grad():
-        for block in model.h:
-            for parent in (block.attn, block.mlp):
-                for name, child in list(parent.named_children()):
-                    if type(child) is nn.Linear:
-                        setattr(parent, name, _quantized(child, mode, group_size, native))
-        _quantize_vocabulary(model, native)
-    release_freed_memory()
-    return model
+
+
+def quantize_block(block: nn.Module, mode: str, group_size: int, native: bool) -> None:
+    """A Transformer block's linear layers swapped for quantized ones (in place): each float
+    weight is dropped as its quantized layer takes its place."""
+    for parent in (block.attn, block.mlp):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, _quantized(child, mode, group_size, native))
 
 
 def _quantized(child: nn.Linear, mode: str, group_size: int, native: bool) -> QuantLinear:
@@ -355,7 +369,7 @@ def _quantized(child: nn.Linear, mode: str, group_size: int, native: bool) -> Qu
     return Int4Linear(child, group_size) if int4 else Int8Linear(child)
 
 
-def _quantize_vocabulary(model: nn.Module, native: bool) -> None:
+def quantize_vocabulary(model: nn.Module, native: bool) -> None:
     """The head and the token embedding as int8 (q8_0 blocks for the native kernels), one table
     when they are tied."""
     head, wte = model.lm_head, model.wte

@@ -13,7 +13,6 @@ Whether a text starts with ``<bos>``: the config's ``add_bos_token`` when it say
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -39,6 +38,7 @@ from lmcli.formats.hf.weights import (
     read_weights,
     weight_files,
 )
+from lmcli.formats.weights import read_tensors
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import read_json_object
 from lmcli.text.tokenizer import Tokenizer, read_config, read_flags
@@ -146,26 +146,35 @@ def open_hf_folder(path: str | Path) -> HFFolder:
 
 
 def read_blocks(folder: HFFolder, dtype: torch.dtype) -> Iterator[dict[str, Tensor]]:
-    """The folder's weights under lmcli's names (as on disk) in ``dtype``, one Transformer block
-    at a time, then the rest: a reader that keeps only a slice of each (a sharded model's rows)
-    never holds more than one block's whole tensors."""
+    """The folder's weights under lmcli's names (as on disk) in ``dtype``: those of no block
+    first (the embeddings, the final norm, an untied head), then one Transformer block at a
+    time: a reader that keeps only a slice of each (a sharded model's rows) never holds more
+    than one block's whole tensors. Each is read into memory of its own (``read_tensors``), not
+    through a map of the file, whose pages, once read, would stay resident (and counted) until
+    the last block: the whole file, at the end."""
     groups: dict[int | None, list[str]] = {}
     files = weight_files(folder.path) if not is_pytorch_bin(folder.path) else []
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for file in files:
-            try:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            except (SafetensorError, OSError) as exc:
-                raise LmcliError(f"cannot read weights {file}: {str(exc).splitlines()[0][:200]}") from None
-        where = {key: f for f in handles.values() for key in f.keys()}  # noqa: SIM118
-        whole = read_weights(folder.path, dtype) if not files else {}
-        for key in [*where, *whole]:
-            found = LAYER.search(key)
-            groups.setdefault(int(found.group(1)) if found else None, []).append(key)
-        for _, keys in sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0)):
-            state = {k: as_dtype(whole[k] if k in whole else where[k].get_tensor(k), dtype) for k in keys}
-            yield folder.family.from_hf(state, folder.config)
+    keys: dict[Path, set[str]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:  # checks the header and its offsets
+                keys[file] = set(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise LmcliError(f"cannot read weights {file}: {str(exc).splitlines()[0][:200]}") from None
+    whole = read_weights(folder.path, dtype) if not files else {}
+    for key in [*(k for names in keys.values() for k in names), *whole]:
+        found = LAYER.search(key)
+        groups.setdefault(int(found.group(1)) if found else None, []).append(key)
+    for _, names in sorted(groups.items(), key=lambda item: (item[0] is not None, item[0] or 0)):
+        state = {k: as_dtype(whole[k], dtype) for k in names if k in whole}
+        for file, held in keys.items():
+            if held.intersection(names):
+                try:
+                    state.update(read_tensors(file, dtype, held.intersection(names)))
+                except (OSError, ValueError) as exc:
+                    why = str(exc).splitlines()[0][:200]
+                    raise LmcliError(f"cannot read weights {file}: {why}") from None
+        yield folder.family.from_hf(state, folder.config)
 
 
 def load_hf_folder(

@@ -14,7 +14,10 @@ from torch import Tensor
 from lmcli.errors import LmcliError
 from lmcli.model.native import ops
 
-CHUNK_ROWS = 1024  # rows quantized at a time: the float32 temporaries stay small for a large table
+# values quantized at a time (whole rows, one at least): the float32 temporaries (a few copies
+# of the chunk) stay a few MB for any shape; 1024 rows of an MLP's 4864-wide down projection
+# took 108 MB at once (Qwen2.5-0.5B shape, --quantize int8)
+CHUNK_VALUES = 1 << 20
 QUANTIZABLE = ("q8_0", "q4_0")  # formats quantize_blocks writes; all of ops.FORMATS are read
 
 
@@ -54,8 +57,9 @@ def quantize_blocks(w: Tensor, fmt: str) -> Tensor:
         raise LmcliError(f"a {fmt} weight needs rows of a multiple of 32 values, not {tuple(w.shape)}")
     w = w.detach().cpu()
     out = torch.empty(w.size(0), ops.FORMATS[fmt].row_bytes(w.size(1)), dtype=torch.uint8)
-    for i in range(0, w.size(0), CHUNK_ROWS):
-        out[i : i + CHUNK_ROWS] = _quantize_rows(w[i : i + CHUNK_ROWS], fmt)
+    rows = max(1, CHUNK_VALUES // w.size(1))
+    for i in range(0, w.size(0), rows):
+        out[i : i + rows] = _quantize_rows(w[i : i + rows], fmt)
     return out
 
 
