@@ -343,22 +343,20 @@ constexpr int64_t block_bytes(int wtype) {
 // A prompt's product is the weight dequantized to bfloat16, a slice of rows at a time, times the
 // activations in one bfloat16 GEMM (torch's, ops.BoundProduct.gemm): the values are gguf's
 // dequantize_blocks, float32 operation for operation (no FMA: -ffp-contract is off under
-// -std=c++17), rounded to bfloat16 as torch rounds (nearest, ties to even; a NaN 0x7FC0). The
-// scalar path (and NEON's: aarch64's baseline vectorizes these loops) is dequant_any; the x86
-// paths (simd_body.inc) unpack the 32-value formats in registers and take the K-quants' values
-// from dequant_block, always inlined there, so the compiler vectorizes it for their target.
-#define LM_INLINE inline __attribute__((always_inline))
-
-LM_INLINE uint16_t bf16_bits(float f) {
+// -std=c++17), rounded to bfloat16 as torch rounds (nearest, ties to even; a NaN 0x7FC0). This is
+// the scalar path (and NEON's: aarch64's baseline vectorizes these loops); the x86 paths unpack
+// each format in registers (simd_body.inc: dequantize), with the same float operations.
+inline uint16_t bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)r;
 }
 
-// block `blk` of format T -> its values v (32, or 256 for the K-quants); `half` converts an fp16
-template <int T, class Half>
-LM_INLINE void dequant_block(const uint8_t* blk, float* v, Half half) {
+// block `blk` of format T -> its values v (32, or 256 for the K-quants)
+template <int T>
+void dequant_block(const uint8_t* blk, float* v) {
+  const auto half = [](const uint8_t* p) { return fp16_to_fp32(load_u16(p)); };
   if (T == Q8_0) {
     const float d = half(blk);
     for (int i = 0; i < QK; ++i) v[i] = (float)(int8_t)blk[2 + i] * d;
@@ -421,38 +419,29 @@ LM_INLINE void dequant_block(const uint8_t* blk, float* v, Half half) {
 }
 
 // `count` consecutive blocks of format T -> count * block bfloat16 values
-template <int T, class Half>
-LM_INLINE void dequant_blocks(const uint8_t* w, int64_t count, uint16_t* out, Half half) {
+template <int T>
+void dequant_blocks(const uint8_t* w, int64_t count, uint16_t* out) {
   constexpr int B = (T == Q4_K || T == Q5_K || T == Q6_K) ? QK_K : QK;
   constexpr int64_t bytes = block_bytes(T);
   alignas(64) float v[B];
   for (int64_t i = 0; i < count; ++i) {
-    dequant_block<T>(w + i * bytes, v, half);
+    dequant_block<T>(w + i * bytes, v);
     for (int l = 0; l < B; ++l) out[i * B + l] = bf16_bits(v[l]);
   }
 }
 
-template <class Half>
-LM_INLINE void dequant_any(int wtype, const uint8_t* w, int64_t count, uint16_t* out, Half half) {
+void dequantize_scalar(int wtype, const uint8_t* w, int64_t count, uint16_t* out) {
   switch (wtype) {
-    case Q8_0: return dequant_blocks<Q8_0>(w, count, out, half);
-    case Q4_0: return dequant_blocks<Q4_0>(w, count, out, half);
-    case Q4_1: return dequant_blocks<Q4_1>(w, count, out, half);
-    case Q5_0: return dequant_blocks<Q5_0>(w, count, out, half);
-    case Q5_1: return dequant_blocks<Q5_1>(w, count, out, half);
-    case Q4_K: return dequant_blocks<Q4_K>(w, count, out, half);
-    case Q5_K: return dequant_blocks<Q5_K>(w, count, out, half);
-    case Q6_K: return dequant_blocks<Q6_K>(w, count, out, half);
+    case Q8_0: return dequant_blocks<Q8_0>(w, count, out);
+    case Q4_0: return dequant_blocks<Q4_0>(w, count, out);
+    case Q4_1: return dequant_blocks<Q4_1>(w, count, out);
+    case Q5_0: return dequant_blocks<Q5_0>(w, count, out);
+    case Q5_1: return dequant_blocks<Q5_1>(w, count, out);
+    case Q4_K: return dequant_blocks<Q4_K>(w, count, out);
+    case Q5_K: return dequant_blocks<Q5_K>(w, count, out);
+    case Q6_K: return dequant_blocks<Q6_K>(w, count, out);
     default: return;
   }
-}
-
-struct ScalarHalf {
-  LM_INLINE float operator()(const uint8_t* p) const { return fp16_to_fp32(load_u16(p)); }
-};
-
-void dequantize_scalar(int wtype, const uint8_t* w, int64_t count, uint16_t* out) {
-  dequant_any(wtype, w, count, out, ScalarHalf());
 }
 
 // a product of R rows, `one` row at a time (the scalar and NEON versions)
