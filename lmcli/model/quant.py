@@ -59,9 +59,13 @@ INT8_KERNEL_MAX_ROWS = 48  # from 64 rows on, dequantizing to bfloat16 and a GEM
 CHUNK_ROWS = 4096  # rows of a weight quantized at a time (the float32 temporaries' size)
 BLOCK = 32  # values of a q8_0/q4_0 block: the widths the native kernels take from --quantize
 # from this many rows on (a prompt) a block layer's weight is rather dequantized to bfloat16 by the
-# kernels, a slice at a time, for torch's bfloat16 GEMM: at 32 rows 1.3-2x faster than the
-# kernels' integer rows, at 256 3-4x (bench_native_kernels, docs/native-kernels.md)
-BLOCK_GEMM_ROWS = 32
+# kernels, a slice at a time, for torch's bfloat16 GEMM: 2-4x faster than the kernels' integer
+# rows from 32 rows to 256 (faster from 24 on; docs/native-kernels.md). Not from 24: bfloat16
+# activations and outputs move a tiny model's logits more than the kernels' int8 activations do
+# (a 40-token forward against its one-token steps: 6.5% of the largest logit, against the 2% that
+# tests/formats/test_window_families.py allows), so prompts up to 47 tokens keep the integer rows,
+# as torch's int8 product kept its kernel below 48 rows.
+BLOCK_GEMM_ROWS = 48
 
 
 # ----------------------------------------------------------------------------- quantizing

@@ -177,6 +177,27 @@ def test_gemm_equals_bfloat16_product_in_slices(fmt: str) -> None:
     torch.testing.assert_close(whole.double(), exact, rtol=0.02, atol=0.02 * exact.abs().max().item())
 
 
+def test_gemm_inside_and_outside_inference_mode_and_under_autograd() -> None:
+    """The thread's bfloat16 buffer, first made under inference_mode, serves outside it; a product
+    autograd records keeps a weight of its own (a later product does not overwrite it)."""
+    k, n = 256, 30
+    blocks = torch.from_numpy(random_blocks("q8_0", n, k, seed=15))
+    bound = ops.BoundProduct(blocks, ops.FORMATS["q8_0"], k)
+    other = ops.BoundProduct(torch.from_numpy(random_blocks("q8_0", n, k, seed=16)), bound.f, k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(17))
+    with torch.inference_mode():
+        inside = bound.gemm(x, 1)
+    assert torch.equal(bound.gemm(x, 1), inside)
+    xg = x.clone().requires_grad_()
+    y = bound.gemm(xg, 1)
+    other.gemm(x, 1)  # the thread's buffer now holds the other weight
+    (y.float() * torch.arange(float(n))).sum().backward()
+    xr = x.clone().requires_grad_()
+    w = gguf_bfloat16(blocks.numpy(), "q8_0")
+    (F.linear(xr.bfloat16(), w).float() * torch.arange(float(n))).sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+
+
 def test_threads_are_distinct() -> None:
     lib = ops.library().lib
     assert [lib.lmcli_native_pool_threads(t) for t in (1, 3, 2, 5)] == [1, 3, 2, 5]

@@ -82,10 +82,12 @@ class Library:
 
     def gemm_buffer(self, rows: int, k: int) -> Tensor:
         """(rows, k) bfloat16 for a prompt's weight slice: one buffer a calling thread, grown as
-        needed and kept (a fresh 8 MB a product costs page faults: ~0.6 ms at 4864 x 896)."""
+        needed and kept (a fresh 8 MB a product costs page faults: ~0.6 ms at 4864 x 896); a
+        normal tensor even when made under ``torch.inference_mode`` (it is used outside it too)."""
         buf = getattr(self._scratch, "gemm", None)
         if buf is None or buf.numel() < rows * k:
-            buf = self._scratch.gemm = torch.empty(rows * k, dtype=torch.bfloat16)
+            with torch.inference_mode(False):
+                buf = self._scratch.gemm = torch.empty(rows * k, dtype=torch.bfloat16)
         return buf[: rows * k].view(rows, k)
 
 
@@ -284,6 +286,8 @@ class BoundProduct:
         slices = -(-self.n * self.k // max(chunk_values, self.k))
         rows = -(-self.n // slices)  # weight rows a slice, the slices of even size
         buf = self.lib.gemm_buffer(rows, self.k)  # (rows, k)
+        if torch.is_grad_enabled() and x.requires_grad:  # autograd keeps the weight for the backward
+            buf = torch.empty(rows, self.k, dtype=torch.bfloat16)  # so it gets a buffer of its own
         row_bytes = self.f.row_bytes(self.k)
         y = None if rows == self.n else torch.empty(x.size(0), self.n, dtype=torch.bfloat16)  # (m, n)
         for j in range(0, self.n, rows):
