@@ -11,7 +11,8 @@ slice at a time, one torch GEMM a slice: ``BoundProduct.gemm``, what ``BlockLine
 bfloat16, one GEMM: the path before the kernels dequantized).
 
 The weight is (n, k): every format's block that divides k. Indicative only on a shared machine
-(best of ``REPS`` timings a case).
+(best of ``REPS`` timings a case); on one thread the time is the thread's CPU time (everything
+runs on it: the load matters less), on more the wall clock.
 
     OMP_NUM_THREADS=1 python -m bench.bench_native_kernels          # 1 thread
     BENCH_THREADS=2 python -m bench.bench_native_kernels
@@ -41,20 +42,22 @@ FROM_MEMORY = "from memory"  # weights of 64-170 MB, far past the caches: the DR
 REPS = 7
 
 
-def best_time(fn: Callable[[], object], min_s: float = 0.2) -> float:
-    """The best over REPS of the mean time of a call, each rep at least ``min_s`` long."""
+def best_time(
+    fn: Callable[[], object], min_s: float = 0.2, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """The best over REPS of the mean time of a call, each rep at least ``min_s`` long by ``clock``."""
     fn()
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.05:
+    calls, t0 = 0, clock()
+    while clock() - t0 < 0.05:
         fn()
         calls += 1
     per = max(1, int(calls * min_s / 0.05))
     best = float("inf")
     for _ in range(REPS):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(per):
             fn()
-        best = min(best, (time.perf_counter() - t0) / per)
+        best = min(best, (clock() - t0) / per)
     return best
 
 
@@ -76,7 +79,12 @@ def main() -> None:
     all_rows = tuple(int(r) for r in os.environ.get("BENCH_ROWS", "1,16,64,256").split(","))
     formats = os.environ.get("BENCH_FORMATS", ",".join(ops.FORMATS)).split(",")
     torch.set_num_threads(threads)
-    print(ops.backend_line(), f"| threads {threads}")
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    print(ops.backend_line(), f"| threads {threads} | {clock.__name__}")
+
+    def timed(fn: Callable[[], object]) -> float:
+        return best_time(fn, clock=clock)
+
     for shape, (n, k) in SHAPES.items():
         for rows in (1,) if shape == FROM_MEMORY else all_rows:
             x = torch.randn(rows, k)
@@ -85,26 +93,26 @@ def main() -> None:
                 if k % ops.FORMATS[fmt].block:
                     continue
                 b = blocks_for(fmt, n, k)
-                t = best_time(lambda: ops.matmul(x, b, fmt, k, threads=threads))  # noqa: B023
+                t = timed(lambda: ops.matmul(x, b, fmt, k, threads=threads))  # noqa: B023
                 report(case, f"native {fmt}", b.numel() * rows, t)
                 if rows > 1:
                     bound = ops.BoundProduct(b, ops.FORMATS[fmt], k)
-                    t = best_time(lambda: bound.gemm(x, threads))  # noqa: B023
+                    t = timed(lambda: bound.gemm(x, threads))  # noqa: B023
                     report(case, f"deq+gemm {fmt}", b.numel() * rows, t)
                     xb = x.bfloat16()
-                    t = best_time(lambda: F.linear(xb, dequantize_blocks(b, fmt, k).bfloat16()))  # noqa: B023
+                    t = timed(lambda: F.linear(xb, dequantize_blocks(b, fmt, k).bfloat16()))  # noqa: B023
                     report(case, f"torch deq {fmt}", b.numel() * rows, t)
             if shape != FROM_MEMORY:  # (a float32 table of that shape is 0.5 GB)
                 w = torch.randn(n, k)
-                t = best_time(lambda: F.linear(x, w))  # noqa: B023
+                t = timed(lambda: F.linear(x, w))  # noqa: B023
                 report(case, "torch f32", w.numel() * 4 * rows, t)
                 if rows > 1:
                     wb, xb = w.bfloat16(), x.bfloat16()
-                    t = best_time(lambda: F.linear(xb, wb))  # noqa: B023
+                    t = timed(lambda: F.linear(xb, wb))  # noqa: B023
                     report(case, "torch bf16", wb.numel() * 2 * rows, t)
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
             s, xb = torch.rand(n, dtype=torch.bfloat16), x.bfloat16()
-            t = best_time(lambda: torch.ops.aten._weight_int8pack_mm(xb, q, s))  # noqa: B023
+            t = timed(lambda: torch.ops.aten._weight_int8pack_mm(xb, q, s))  # noqa: B023
             report(case, "torch int8", q.numel() * rows, t)
 
 
