@@ -219,7 +219,7 @@ def _check_threads(threads: int) -> None:
 
 def dequantize(blocks: Tensor, fmt: str, k: int, threads: int = 1, isa: str | None = None) -> Tensor:
     """(n, row bytes) blocks in ``fmt`` -> the (n, k) weight in bfloat16, by the kernels: bit for
-    bit ``blocks.dequantize_blocks(...).bfloat16()`` (a NaN may differ in its bits). Raises
+    bit ``native.blocks.dequantize_blocks(...).bfloat16()`` (a NaN may differ in its bits). Raises
     LmcliError on any bad size."""
     f = check_blocks(blocks, fmt, k)
     lib = library()
