@@ -262,6 +262,19 @@ def test_neon_dotprod_equals_scalar_under_qemu(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stdout
     assert out.stdout.count("neon_dotprod ok") == len(ops.FORMATS)
+    for fmt, f in ops.FORMATS.items():  # a prompt's dequantize there, against gguf's values here
+        n, k = 5, 2 * f.block
+        blocks = np.random.default_rng(18).integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8)
+        (tmp_path / "in").write_bytes(blocks.tobytes())
+        args = ["dequantize", str(f.ggml_type), str(n), str(k), str(tmp_path / "in"), str(tmp_path / "out")]
+        run = subprocess.run(
+            [CROSS[1], "-cpu", "max", str(exe), *args], capture_output=True, text=True, env=env
+        )
+        assert run.returncode == 0 and "isa 4" in run.stdout, (fmt, run.stdout)
+        got = torch.frombuffer(bytearray((tmp_path / "out").read_bytes()), dtype=torch.bfloat16).reshape(n, k)
+        ref = gguf_bfloat16(blocks, fmt)
+        assert torch.equal(got.isnan(), ref.isnan()), fmt
+        assert torch.equal(got[~ref.isnan()].view(torch.int16), ref[~ref.isnan()].view(torch.int16)), fmt
 
 
 def test_disabled_or_unbuildable_falls_back_to_torch(tmp_path, monkeypatch) -> None:

@@ -354,6 +354,9 @@ inline uint16_t bf16_bits(float f) {
 }
 
 // block `blk` of format T -> its values v (32, or 256 for the K-quants)
+// (A compiler may contract `d * q + m` into an FMA (GCC does on aarch64): no value changes, since
+// every product here is exact in float32: an fp16 scale (11 significant bits) times a sub-scale
+// (6 bits for q4_K/q5_K, 7 for q6_K) times a value (at most 6 bits) has at most 24 bits.)
 template <int T>
 void dequant_block(const uint8_t* blk, float* v) {
   const auto half = [](const uint8_t* p) { return fp16_to_fp32(load_u16(p)); };
