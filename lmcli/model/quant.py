@@ -58,9 +58,14 @@ INT8_KERNEL_K = 16
 INT8_KERNEL_MAX_ROWS = 48  # from 64 rows on, dequantizing to bfloat16 and a GEMM is faster
 CHUNK_VALUES = 1 << 20  # values of a weight quantized at a time, whole rows (the float32 temporaries')
 BLOCK = 32  # values of a q8_0/q4_0 block: the widths the native kernels take from --quantize
-# from this many rows on (a prompt) a block layer's weight is rather dequantized to bfloat16 for
-# one GEMM, as int8's is: 2-2.5x faster than the kernels' rows at 256 (docs/native-kernels.md)
-BLOCK_GEMM_ROWS = 96
+# from this many rows on (a prompt) a block layer's weight is rather dequantized to bfloat16 by the
+# kernels, a slice at a time, for torch's bfloat16 GEMM: 2-4x faster than the kernels' integer
+# rows from 32 rows to 256 (faster from 24 on; docs/native-kernels.md). Not from 24: bfloat16
+# activations and outputs move a tiny model's logits more than the kernels' int8 activations do
+# (a 40-token forward against its one-token steps: 6.5% of the largest logit, against the 2% that
+# tests/formats/test_window_families.py allows), so prompts up to 47 tokens keep the integer rows,
+# as torch's int8 product kept its kernel below 48 rows.
+BLOCK_GEMM_ROWS = 48
 
 
 # ----------------------------------------------------------------------------- quantizing
@@ -224,7 +229,7 @@ class BlockLinear(QuantLinear):
     """Weights as GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K;
     ``lmcli.model.native``), multiplied by the native kernels: activations rounded to int8 per
     block, integer dot products (a prompt of ``BLOCK_GEMM_ROWS`` rows or more: the weight
-    dequantized to bfloat16, one GEMM).
+    dequantized to bfloat16 by the kernels, a slice at a time, one torch GEMM a slice).
 
     ``blocks`` (out, row bytes) uint8 is the bytes a GGUF file stores (a view of a memory-mapped
     file, or ``quantize_blocks``'s output), so the layer takes the file's size. One row (decode)
@@ -259,11 +264,11 @@ class BlockLinear(QuantLinear):
             if self._float is None:
                 self._float = self.dequantized()
             return F.linear(x, self._float.to(x.dtype))
-        if x.size(0) >= BLOCK_GEMM_ROWS:  # a prompt: a transient bfloat16 weight and one GEMM
-            return F.linear(x.to(torch.bfloat16), self.dequantized().to(torch.bfloat16))
         if self._bound is None or self._bound.blocks is not self.blocks:  # new blocks: checked first
             self.format = ops.check_blocks(self.blocks, self.fmt, self.in_features)
             self._bound = ops.BoundProduct(self.blocks, self.format, self.in_features)
+        if x.size(0) >= BLOCK_GEMM_ROWS:  # a prompt: bfloat16 slices of the weight, a GEMM each
+            return self._bound.gemm(x, self.threads(x.size(0)))
         return self._bound(x, self.threads(x.size(0)))
 
     def threads(self, rows: int) -> int:

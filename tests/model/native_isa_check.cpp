@@ -5,12 +5,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 extern "C" int lmcli_native_supported(int isa);
 extern "C" int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
                                    float* y, int threads, int isa);
+extern "C" int lmcli_native_dequantize(int wtype, const uint8_t* w, int64_t n, int64_t k, uint16_t* out, int threads,
+                                       int isa);
 
 namespace {
 uint64_t state = 88172645463325252ull;
@@ -23,7 +26,29 @@ uint32_t next() {  // xorshift64
 float uniform() { return (float)(next() & 0xFFFFFF) / 16777216.0f; }
 }  // namespace
 
-int main() {
+// `isa_check dequantize TYPE N K IN OUT`: the N x K weight of GGML type TYPE in file IN (its
+// blocks) -> OUT, bfloat16 bits, by the best instruction set this CPU runs (the caller compares)
+int dequantize(char** argv) {
+  const int type = std::atoi(argv[2]);
+  const int64_t n = std::atoll(argv[3]), k = std::atoll(argv[4]);
+  FILE* in = std::fopen(argv[5], "rb");
+  if (in == nullptr) return 2;
+  std::vector<uint8_t> w;
+  for (int c; (c = std::fgetc(in)) != EOF;) w.push_back((uint8_t)c);
+  std::fclose(in);
+  int isa = 0;
+  for (int i = 1; i < 5; ++i) isa = lmcli_native_supported(i) ? i : isa;
+  std::vector<uint16_t> out((size_t)(n * k));
+  if (lmcli_native_dequantize(type, w.data(), n, k, out.data(), 2, isa) != 0) return 1;
+  FILE* o = std::fopen(argv[6], "wb");
+  if (o == nullptr || std::fwrite(out.data(), 2, out.size(), o) != out.size()) return 2;
+  std::fclose(o);
+  std::printf("dequantized by isa %d\n", isa);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc == 7 && std::strcmp(argv[1], "dequantize") == 0) return dequantize(argv);
   struct Fmt { const char* name; int type, block, bytes, d_at; };
   const Fmt fmts[] = {{"q4_0", 2, 32, 18, 0},     {"q4_1", 3, 32, 20, 0},     {"q5_0", 6, 32, 22, 0},
                       {"q5_1", 7, 32, 24, 0},     {"q8_0", 8, 32, 34, 0},     {"q4_K", 12, 256, 144, 0},

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lmcli.errors import LmcliError
 from lmcli.model.native import ops
@@ -103,6 +104,100 @@ def test_batched_and_threaded_equal_one_row_at_a_time(fmt: str) -> None:
     assert torch.equal(ops.matmul(x, blocks, fmt, k, threads=64), batched)  # more threads than rows
 
 
+# ----------------------------------------------------------------------------- a prompt's GEMM
+
+
+def gguf_bfloat16(blocks: np.ndarray, fmt: str) -> Tensor:
+    """gguf's float32 reading of ``blocks``, rounded to bfloat16 by torch (the reference)."""
+    with np.errstate(all="ignore"):  # random bytes: NaN and infinite scales too
+        w = gguf.quants.dequantize(blocks, QT[fmt.upper()]).astype(np.float32)
+    return torch.from_numpy(w).bfloat16()
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_equals_gguf_bit_for_bit(fmt: str) -> None:
+    """Every byte pattern (random blocks: subnormal, zero, infinite and NaN scales among them) reads
+    as gguf's float32 values rounded to bfloat16 as torch rounds, on every instruction set."""
+    f = ops.FORMATS[fmt]
+    n, k = 67, 3 * f.block
+    raw = np.random.default_rng(11).integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8)
+    good = random_blocks(fmt, n, k, seed=12)
+    for blocks in (raw, good):
+        ref = gguf_bfloat16(blocks, fmt)
+        nan = ref.isnan()  # (torch's own NaN bits differ between its loops: NaN is all that is asked)
+        for isa in ops.library().isas:
+            for threads in (1, 3):
+                got = ops.dequantize(torch.from_numpy(blocks), fmt, k, threads=threads, isa=isa)
+                assert got.dtype == torch.bfloat16 and got.shape == (n, k)
+                assert torch.equal(got.isnan(), nan), (isa, threads)
+                assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan]), (isa, threads)
+
+
+def test_dequantize_refuses_bad_sizes() -> None:
+    k = 64
+    blocks = torch.from_numpy(random_blocks("q8_0", 4, k))
+    bad = [
+        lambda: ops.dequantize(blocks, "q8_0", 48),  # k does not match the row bytes
+        lambda: ops.dequantize(blocks, "q8_0", 65),  # k not a multiple of the block
+        lambda: ops.dequantize(blocks[:, :-1], "q8_0", k),  # truncated rows
+        lambda: ops.dequantize(blocks.reshape(-1), "q8_0", k),  # not 2-D
+        lambda: ops.dequantize(torch.cat([blocks, blocks], 1)[:, ::2], "q8_0", k),  # not contiguous
+        lambda: ops.dequantize(blocks, "q4_K", k),  # a K-quant needs 256-value rows
+        lambda: ops.dequantize(blocks, "q8_0", k, threads=0),
+        lambda: ops.dequantize(blocks, "q8_0", k, isa="sse9"),
+    ]
+    bound = ops.BoundProduct(blocks, ops.FORMATS["q8_0"], k)
+    bad += [
+        lambda: bound.gemm(torch.randn(40, k + 32), 1),  # inputs of the wrong width
+        lambda: bound.gemm(torch.randn(40, k).long(), 1),  # integer inputs
+        lambda: bound.gemm(torch.randn(2, 20, k), 1),  # not (m, k)
+        lambda: bound.gemm(torch.randn(40, k), 0),
+    ]
+    for i, call in enumerate(bad):
+        with pytest.raises(LmcliError):
+            call()
+            pytest.fail(f"case {i} was not refused")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_0", "q4_K", "q6_K"])
+def test_gemm_equals_bfloat16_product_in_slices(fmt: str) -> None:
+    """A prompt's product: the bfloat16 weight times bfloat16 activations, whole or a few rows of
+    the weight at a time (a vocabulary head's slices), as torch multiplies them."""
+    n, k = 45, 512
+    blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=13))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(14))
+    ref = F.linear(x.bfloat16(), gguf_bfloat16(blocks.numpy(), fmt))  # (m, n)
+    bound = ops.BoundProduct(blocks, ops.FORMATS[fmt], k)
+    whole = bound.gemm(x, 1)
+    assert whole.dtype == torch.bfloat16 and whole.shape == (40, n)
+    assert torch.equal(whole, ref)
+    for chunk, threads in ((7 * k, 1), (16 * k, 2), (k, 3)):  # 7 rows a slice (the last 3), 16, 1
+        torch.testing.assert_close(bound.gemm(x, threads, chunk_values=chunk), ref, rtol=1e-2, atol=1e-3)
+    exact = F.linear(x.double(), torch.from_numpy(dequantized(blocks.numpy(), fmt)))
+    torch.testing.assert_close(whole.double(), exact, rtol=0.02, atol=0.02 * exact.abs().max().item())
+
+
+def test_gemm_inside_and_outside_inference_mode_and_under_autograd() -> None:
+    """The thread's bfloat16 buffer, first made under inference_mode, serves outside it; a product
+    autograd records keeps a weight of its own (a later product does not overwrite it)."""
+    k, n = 256, 30
+    blocks = torch.from_numpy(random_blocks("q8_0", n, k, seed=15))
+    bound = ops.BoundProduct(blocks, ops.FORMATS["q8_0"], k)
+    other = ops.BoundProduct(torch.from_numpy(random_blocks("q8_0", n, k, seed=16)), bound.f, k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(17))
+    with torch.inference_mode():
+        inside = bound.gemm(x, 1)
+    assert torch.equal(bound.gemm(x, 1), inside)
+    xg = x.clone().requires_grad_()
+    y = bound.gemm(xg, 1)
+    other.gemm(x, 1)  # the thread's buffer now holds the other weight
+    (y.float() * torch.arange(float(n))).sum().backward()
+    xr = x.clone().requires_grad_()
+    w = gguf_bfloat16(blocks.numpy(), "q8_0")
+    (F.linear(xr.bfloat16(), w).float() * torch.arange(float(n))).sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+
+
 def test_threads_are_distinct() -> None:
     lib = ops.library().lib
     assert [lib.lmcli_native_pool_threads(t) for t in (1, 3, 2, 5)] == [1, 3, 2, 5]
@@ -167,6 +262,19 @@ def test_neon_dotprod_equals_scalar_under_qemu(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stdout
     assert out.stdout.count("neon_dotprod ok") == len(ops.FORMATS)
+    for fmt, f in ops.FORMATS.items():  # a prompt's dequantize there, against gguf's values here
+        n, k = 5, 2 * f.block
+        blocks = np.random.default_rng(18).integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8)
+        (tmp_path / "in").write_bytes(blocks.tobytes())
+        args = ["dequantize", str(f.ggml_type), str(n), str(k), str(tmp_path / "in"), str(tmp_path / "out")]
+        run = subprocess.run(
+            [CROSS[1], "-cpu", "max", str(exe), *args], capture_output=True, text=True, env=env
+        )
+        assert run.returncode == 0 and "isa 4" in run.stdout, (fmt, run.stdout)
+        got = torch.frombuffer(bytearray((tmp_path / "out").read_bytes()), dtype=torch.bfloat16).reshape(n, k)
+        ref = gguf_bfloat16(blocks, fmt)
+        assert torch.equal(got.isnan(), ref.isnan()), fmt
+        assert torch.equal(got[~ref.isnan()].view(torch.int16), ref[~ref.isnan()].view(torch.int16)), fmt
 
 
 def test_disabled_or_unbuildable_falls_back_to_torch(tmp_path, monkeypatch) -> None:
@@ -230,7 +338,10 @@ def test_block_linear_prompt_rows_take_a_bfloat16_gemm() -> None:
     x = torch.randn(BLOCK_GEMM_ROWS + 3, 256)
     w = dequantize_blocks(layer.blocks, "q4_0", 256)
     ref = F.linear(x.double(), w.double(), lin.bias.double())
-    torch.testing.assert_close(layer(x).double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    y = layer(x)
+    torch.testing.assert_close(y.double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    # exactly torch's bfloat16 product of the bfloat16 weight (the kernels dequantize it)
+    assert torch.equal(y, F.linear(x.bfloat16(), w.bfloat16()).float() + lin.bias)
     rows = torch.cat([layer(r) for r in x.split(BLOCK_GEMM_ROWS - 1)])  # the kernels' rows
     torch.testing.assert_close(rows.double(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
 

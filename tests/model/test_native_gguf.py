@@ -14,6 +14,7 @@ from gguf_files import reference_logits, write_gguf_model  # noqa: E402
 
 from lmcli.formats.gguf.as_stored import load_as_stored  # noqa: E402
 from lmcli.formats.gguf.load import read_gguf_header  # noqa: E402
+from lmcli.model import quant  # noqa: E402
 from lmcli.model.native import ops  # noqa: E402
 from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks  # noqa: E402
 from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear  # noqa: E402
@@ -57,11 +58,16 @@ def test_logits_of_a_file_run_as_stored(tmp_path: Path, arch: str, kind: str, ti
         mp.setattr(
             BlockLinear, "product", lambda self, x: seen.append((self, x, product(self, x))) or seen[-1][2]
         )
+        mp.setattr(quant, "BLOCK_GEMM_ROWS", ids.numel() + 1)  # the kernels' integer rows, not the GEMM
         model(ids)
     assert len(seen) == len(linears) - (not tied)  # an untied table is only looked up
     for layer, x, y in seen:  # each product: the dequantized weight times the rounded activations
         ref_y = reference_product(layer, x, rounded=True)
         torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4 * ref_y.abs().max().item())
+        # a longer prompt's product: the weight in bfloat16 (the kernels dequantize it), one GEMM
+        ref_x = reference_product(layer, x, rounded=False)
+        got = layer._bound.gemm(x.reshape(-1, x.size(-1)), 1).to(ref_x.dtype).reshape(ref_x.shape)
+        torch.testing.assert_close(got, ref_x, rtol=0.02, atol=0.02 * ref_x.abs().max().item())
     # the layers as loaded, each product on its dequantized blocks: the file's model exactly
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(BlockLinear, "product", lambda self, x: reference_product(self, x, rounded=False))

@@ -324,6 +324,129 @@ float dot1_q6_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   return acc;
 }
 
+constexpr int64_t block_bytes(int wtype) {
+  switch (wtype) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+// ---------------------------------------------------------------- dequantizing (a prompt's GEMM)
+//
+// A prompt's product is the weight dequantized to bfloat16, a slice of rows at a time, times the
+// activations in one bfloat16 GEMM (torch's, ops.BoundProduct.gemm): the values are gguf's
+// dequantize_blocks, float32 operation for operation (no FMA: -ffp-contract is off under
+// -std=c++17), rounded to bfloat16 as torch rounds (nearest, ties to even; a NaN 0x7FC0). This is
+// the scalar path (and NEON's: aarch64's baseline vectorizes these loops); the x86 paths unpack
+// each format in registers (simd_body.inc: dequantize), with the same float operations.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)r;
+}
+
+// block `blk` of format T -> its values v (32, or 256 for the K-quants)
+// (A compiler may contract `d * q + m` into an FMA (GCC does on aarch64): no value changes, since
+// every product here is exact in float32: an fp16 scale (11 significant bits) times a sub-scale
+// (6 bits for q4_K/q5_K, 7 for q6_K) times a value (at most 6 bits) has at most 24 bits.)
+template <int T>
+void dequant_block(const uint8_t* blk, float* v) {
+  const auto half = [](const uint8_t* p) { return fp16_to_fp32(load_u16(p)); };
+  if (T == Q8_0) {
+    const float d = half(blk);
+    for (int i = 0; i < QK; ++i) v[i] = (float)(int8_t)blk[2 + i] * d;
+  } else if (T == Q4_0 || T == Q4_1) {
+    const uint8_t* qs = blk + (T == Q4_0 ? 2 : 4);
+    const float d = half(blk), m = T == Q4_1 ? half(blk + 2) : 0.0f;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = qs[i] & 0xF, hi = qs[i] >> 4;
+      if (T == Q4_0) {
+        v[i] = d * (float)(lo - 8), v[i + 16] = d * (float)(hi - 8);
+      } else {
+        v[i] = d * (float)lo + m, v[i + 16] = d * (float)hi + m;
+      }
+    }
+  } else if (T == Q5_0 || T == Q5_1) {
+    const uint8_t* qh4 = blk + (T == Q5_0 ? 2 : 4);
+    const uint8_t* qs = qh4 + 4;
+    const uint32_t qh = load_u32(qh4);
+    const float d = half(blk), m = T == Q5_1 ? half(blk + 2) : 0.0f;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (qs[i] & 0xF) | (int)(((qh >> i) & 1) << 4);
+      const int hi = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4);
+      if (T == Q5_0) {
+        v[i] = d * (float)(lo - 16), v[i + 16] = d * (float)(hi - 16);
+      } else {
+        v[i] = d * (float)lo + m, v[i + 16] = d * (float)hi + m;
+      }
+    }
+  } else if (T == Q4_K || T == Q5_K) {
+    const float d = half(blk), dmin = half(blk + 2);
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + (T == Q5_K ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(j, blk + 4, &sc, &mn);
+      const float ds = d * (float)sc, dm = dmin * (float)mn;
+      const uint8_t* q = qs + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      for (int l = 0; l < 32; ++l) {
+        int x = (q[l] >> shift) & 0xF;
+        if (T == Q5_K) x |= ((qh[l] >> j) & 1) << 4;
+        v[32 * j + l] = ds * (float)x - dm;
+      }
+    }
+  } else {  // Q6_K: element 128 h + 32 s + l from ql[64 h + 32 (s % 2) + l] and qh[32 h + l]
+    const int8_t* sc = (const int8_t*)(blk + 192);
+    const float d = half(blk + 208);
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 0; s < 4; ++s) {
+        const uint8_t* ql = blk + 64 * h + 32 * (s % 2);
+        const uint8_t* qh = blk + 128 + 32 * h;
+        const float ds0 = d * (float)sc[8 * h + 2 * s], ds1 = d * (float)sc[8 * h + 2 * s + 1];
+        for (int l = 0; l < 32; ++l) {
+          const int x = (((ql[l] >> (4 * (s / 2))) & 0xF) | (((qh[l] >> (2 * s)) & 3) << 4)) - 32;
+          v[128 * h + 32 * s + l] = (l < 16 ? ds0 : ds1) * (float)x;
+        }
+      }
+    }
+  }
+}
+
+// `count` consecutive blocks of format T -> count * block bfloat16 values
+template <int T>
+void dequant_blocks(const uint8_t* w, int64_t count, uint16_t* out) {
+  constexpr int B = (T == Q4_K || T == Q5_K || T == Q6_K) ? QK_K : QK;
+  constexpr int64_t bytes = block_bytes(T);
+  alignas(64) float v[B];
+  for (int64_t i = 0; i < count; ++i) {
+    dequant_block<T>(w + i * bytes, v);
+    for (int l = 0; l < B; ++l) out[i * B + l] = bf16_bits(v[l]);
+  }
+}
+
+void dequantize_scalar(int wtype, const uint8_t* w, int64_t count, uint16_t* out) {
+  switch (wtype) {
+    case Q8_0: return dequant_blocks<Q8_0>(w, count, out);
+    case Q4_0: return dequant_blocks<Q4_0>(w, count, out);
+    case Q4_1: return dequant_blocks<Q4_1>(w, count, out);
+    case Q5_0: return dequant_blocks<Q5_0>(w, count, out);
+    case Q5_1: return dequant_blocks<Q5_1>(w, count, out);
+    case Q4_K: return dequant_blocks<Q4_K>(w, count, out);
+    case Q5_K: return dequant_blocks<Q5_K>(w, count, out);
+    case Q6_K: return dequant_blocks<Q6_K>(w, count, out);
+    default: return;
+  }
+}
+
 // a product of R rows, `one` row at a time (the scalar and NEON versions)
 using Dot1 = float (*)(const uint8_t*, const ActRow&, int64_t);
 template <Dot1 one, int R>
@@ -451,6 +574,19 @@ Kernels pick(int wtype, int isa) {
   }
 }
 
+// blocks -> bfloat16 values: `count` consecutive blocks of `wtype`, block * count values
+using DequantFn = void (*)(int, const uint8_t*, int64_t, uint16_t*);
+
+DequantFn pick_dequantize(int isa) {
+#if defined(LM_X86)
+  if (isa == AVX2) return avx2::dequantize;
+  if (isa == AVX_VNNI) return avxvnni::dequantize;
+  if (isa == AVX512_VNNI) return avx512vnni::dequantize;
+#endif
+  (void)isa;
+  return dequantize_scalar;  // (and NEON's)
+}
+
 // ---------------------------------------------------------------- threads
 
 // A small pool: the caller's thread runs part 0, n - 1 workers the rest. Workers spin a moment
@@ -568,19 +704,6 @@ Scratch& thread_scratch() {
 
 bool k_quant(int wtype) { return wtype == Q4_K || wtype == Q5_K || wtype == Q6_K; }
 
-int64_t block_bytes(int wtype) {
-  switch (wtype) {
-    case Q8_0: return 34;
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-  }
-}
 
 }  // namespace
 
@@ -661,6 +784,28 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
   };
   if (threads == 1)
     part(0, 1);  // (no pool: pool() asks getpid, a system call, to tell a forked child)
+  else
+    pool().run(threads, part);
+  return 0;
+}
+
+// w (n, k) in GGUF block layout `wtype` -> out (n, k) bfloat16 (as uint16 bits), `threads`
+// parts of the rows. Returns 0, or -1 for an unknown type, instruction set or size.
+int lmcli_native_dequantize(int wtype, const uint8_t* w, int64_t n, int64_t k, uint16_t* out, int threads,
+                            int isa) {
+  const int block = k_quant(wtype) ? QK_K : QK;
+  const int64_t bb = block_bytes(wtype);
+  if (bb == 0 || !isa_supported(isa) || n < 0 || k <= 0 || k % block != 0) return -1;
+  const DequantFn fn = pick_dequantize(isa);
+  const int64_t nb = k / block;
+  if (threads < 1) threads = 1;
+  if (threads > n) threads = (int)std::max<int64_t>(1, n);
+  auto part = [&](int t, int parts) {
+    const int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
+    fn(wtype, w + lo * nb * bb, (hi - lo) * nb, out + lo * k);
+  };
+  if (threads == 1)
+    part(0, 1);
   else
     pool().run(threads, part);
   return 0;

@@ -12,14 +12,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lmcli.errors import LmcliError
 from lmcli.model.native import build
+
+# a prompt's product dequantizes the weight to bfloat16 this many values at a time (whole rows):
+# one buffer of 8 MB at most, so a vocabulary head's GEMM never holds its whole table in bfloat16
+GEMM_CHUNK_VALUES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,20 @@ class Library:
     def best_index(self) -> int:
         return ISAS.index(self.best)
 
+    @functools.cached_property
+    def _scratch(self) -> threading.local:
+        return threading.local()
+
+    def gemm_buffer(self, rows: int, k: int) -> Tensor:
+        """(rows, k) bfloat16 for a prompt's weight slice: one buffer a calling thread, grown as
+        needed and kept (a fresh 8 MB a product costs page faults: ~0.6 ms at 4864 x 896); a
+        normal tensor even when made under ``torch.inference_mode`` (it is used outside it too)."""
+        buf = getattr(self._scratch, "gemm", None)
+        if buf is None or buf.numel() < rows * k:
+            with torch.inference_mode(False):
+                buf = self._scratch.gemm = torch.empty(rows * k, dtype=torch.bfloat16)
+        return buf[: rows * k].view(rows, k)
+
 
 def _open(path: Path) -> Library:
     lib = ctypes.CDLL(str(path))
@@ -88,6 +108,8 @@ def _open(path: Path) -> Library:
         ctypes.c_int,
     ]
     lib.lmcli_native_matmul.restype = ctypes.c_int
+    lib.lmcli_native_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.lmcli_native_dequantize.restype = ctypes.c_int
     lib.lmcli_native_pool_threads.argtypes = [ctypes.c_int]
     lib.lmcli_native_pool_threads.restype = ctypes.c_int
     isas = tuple(name for n, name in enumerate(ISAS) if lib.lmcli_native_supported(n))
@@ -168,14 +190,8 @@ def product(
         raise LmcliError(
             f"{f.name} product: inputs must be float CPU (..., {k}), not {x.dtype} {tuple(x.shape)}"
         )
-    if type(threads) is not int or threads < 1:
-        raise LmcliError(f"threads must be a positive integer, not {threads!r}")
-    if isa is None:
-        isa_index = lib.best_index
-    elif isa in lib.isas:
-        isa_index = ISAS.index(isa)
-    else:
-        raise LmcliError(f"instruction set {isa!r} is not available (this CPU: {', '.join(lib.isas)})")
+    _check_threads(threads)
+    isa_index = _isa_index(lib, isa)
     n = blocks.size(0)
     x2 = x.reshape(-1, k)  # (m, k)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -188,6 +204,38 @@ def product(
     return y.reshape(*x.shape[:-1], n)
 
 
+def _isa_index(lib: Library, isa: str | None) -> int:
+    if isa is None:
+        return lib.best_index
+    if isa in lib.isas:
+        return ISAS.index(isa)
+    raise LmcliError(f"instruction set {isa!r} is not available (this CPU: {', '.join(lib.isas)})")
+
+
+def _check_threads(threads: int) -> None:
+    if type(threads) is not int or threads < 1:
+        raise LmcliError(f"threads must be a positive integer, not {threads!r}")
+
+
+def dequantize(blocks: Tensor, fmt: str, k: int, threads: int = 1, isa: str | None = None) -> Tensor:
+    """(n, row bytes) blocks in ``fmt`` -> the (n, k) weight in bfloat16, by the kernels: bit for
+    bit ``native.blocks.dequantize_blocks(...).bfloat16()`` (a NaN may differ in its bits). Raises
+    LmcliError on any bad size."""
+    f = check_blocks(blocks, fmt, k)
+    lib = library()
+    if lib is None:
+        raise LmcliError(f"native kernels are not available: {_load()[1]}")
+    _check_threads(threads)
+    isa_index = _isa_index(lib, isa)
+    out = torch.empty(blocks.size(0), k, dtype=torch.bfloat16)  # (n, k)
+    rc = lib.lib.lmcli_native_dequantize(
+        f.ggml_type, blocks.data_ptr(), blocks.size(0), k, out.data_ptr(), threads, isa_index
+    )
+    if rc != 0:
+        raise LmcliError(f"native {f.name} dequantize refused its sizes (n={blocks.size(0)}, k={k})")
+    return out
+
+
 class BoundProduct:
     """``product`` for one checked blocks tensor, what it can compute once computed once: a
     decode step calls ~7 products a layer, each a few microseconds of Python otherwise."""
@@ -197,7 +245,8 @@ class BoundProduct:
         if lib is None:
             raise LmcliError(f"native kernels are not available: {_load()[1]}")
         self.blocks, self.f, self.k, self.n = blocks, f, k, blocks.size(0)  # (blocks kept alive)
-        self.fn, self.isa = lib.lib.lmcli_native_matmul, lib.best_index
+        self.lib, self.fn, self.isa = lib, lib.lib.lmcli_native_matmul, lib.best_index
+        self.dequant = lib.lib.lmcli_native_dequantize
         self.ptr = blocks.data_ptr()
 
     def __call__(self, x: Tensor, threads: int) -> Tensor:
@@ -224,4 +273,31 @@ class BoundProduct:
         )
         if rc != 0:
             raise LmcliError(f"native {self.f.name} product refused its sizes (n={self.n}, k={self.k})")
+        return y
+
+    def gemm(self, x: Tensor, threads: int, chunk_values: int = GEMM_CHUNK_VALUES) -> Tensor:
+        """A prompt's product: (m, k) float CPU x -> (m, n) bfloat16, the weight dequantized to
+        bfloat16 by the kernels (``threads`` parts), ``chunk_values`` of it at a time into one
+        buffer, each slice of rows one GEMM (torch's, on its own threads)."""
+        if not x.is_floating_point() or x.dim() != 2 or x.size(1) != self.k or not x.is_cpu:
+            what = f"{x.dtype} {tuple(x.shape)}"
+            raise LmcliError(f"{self.f.name} product: inputs must be float CPU (m, {self.k}), not {what}")
+        _check_threads(threads)
+        xb = x.to(torch.bfloat16)
+        slices = -(-self.n * self.k // max(chunk_values, self.k))
+        rows = -(-self.n // slices)  # weight rows a slice, the slices of even size
+        buf = self.lib.gemm_buffer(rows, self.k)  # (rows, k)
+        if torch.is_grad_enabled() and x.requires_grad:  # autograd keeps the weight for the backward
+            buf = torch.empty(rows, self.k, dtype=torch.bfloat16)  # so it gets a buffer of its own
+        row_bytes = self.f.row_bytes(self.k)
+        y = None if rows == self.n else torch.empty(x.size(0), self.n, dtype=torch.bfloat16)  # (m, n)
+        for j in range(0, self.n, rows):
+            r = min(rows, self.n - j)
+            w = self.ptr + j * row_bytes
+            if self.dequant(self.f.ggml_type, w, r, self.k, buf.data_ptr(), threads, self.isa) != 0:
+                raise LmcliError(f"native {self.f.name} dequantize refused its sizes (n={r}, k={self.k})")
+            if y is None:
+                return F.linear(xb, buf)  # (m, n): the whole weight in one slice
+            y[:, j : j + r] = F.linear(xb, buf[:r])
+        assert y is not None
         return y
