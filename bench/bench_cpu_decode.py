@@ -190,6 +190,7 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     held = weight_bytes(model)
     return {
         "products": products_line(model),  # the kernels' line and the block formats held
+        "format_bytes": format_bytes(model),
         "prefill": speed["prefill_tokens_per_s"],
         "decode": speed["decode_tokens_per_s"],
         "new_tokens": len(out.ids),
@@ -199,6 +200,16 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
         "rss_before_load": before,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def format_bytes(model: Any) -> dict[str, int]:
+    """Bytes of the block matrices in each GGUF format (a Q4_K_M file's mix), once each."""
+    from lmcli.model.quant import BlockLinear
+
+    out: dict[str, int] = {}
+    for m in {id(m): m for m in model.modules() if isinstance(m, BlockLinear)}.values():
+        out[m.fmt] = out.get(m.fmt, 0) + m.blocks.numel()
+    return out
 
 
 def untied_embedding_bytes(model: Any) -> int:
@@ -361,6 +372,9 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
             if llama is not None:
                 theirs_runs.append(child(llama, "llama", files[gguf_type], str(threads), prompt))
         ours, theirs = best_of(ours_runs), best_of(theirs_runs) if theirs_runs else None
+        if ours["format_bytes"]:
+            mix = ", ".join(f"{f} {b / 1e6:.0f} MB" for f, b in sorted(ours["format_bytes"].items()))
+            log(f"{mode}: blocks {mix}")
         log(
             f"{mode}/{gguf_type}: lmcli {ours['decode']:.1f} tok/s decode, {ours['prefill']:.0f} prefill; "
             + (f"llama.cpp {theirs['decode']:.1f}, {theirs['prefill']:.0f}" if theirs else "llama.cpp absent")

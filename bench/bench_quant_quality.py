@@ -8,8 +8,9 @@ matrix (``MODEL``, a BPE of ``VOCAB`` tokens, ``TRAIN_STEPS`` steps: ~2.5 minute
 core; steps, not a time limit, so a busy machine trains the same model). Then:
 
 - lmcli writes it as f32, q8_0 and q4_0 GGUF files (``write_gguf``, as ``export --format gguf``);
-- llama.cpp's own quantizer (``llama_model_quantize``, in a llama.cpp child) makes Q8_0, Q4_0 and
-  Q4_K_M files from the f32 one (Q4_K_M: q4_K and q6_K matrices, as a user's download);
+- llama.cpp's own quantizer (``llama_model_quantize``, in a llama.cpp child) makes Q8_0, Q4_0,
+  Q4_1, Q5_0, Q5_1, Q4_K_M, Q5_K_M and Q6_K files from the f32 one (``LLAMA_FILES``: every block
+  format lmcli's kernels run; Q4_K_M's q4_K and q6_K matrices as in a user's download);
 - every path scores the same token ids of the held-out last 10%: ``WINDOWS`` windows of
   ``WINDOW`` tokens, each token after a window's first predicted from the ones before it in the
   window; perplexity = exp(mean NLL), the NLL computed in float64 from each side's logits.
@@ -59,7 +60,11 @@ TRAIN_ARGS = [
     *(a for k, v in MODEL.items() for a in (f"--{k.replace('_', '-')}", str(v))),
 ]
 LMCLI_FILES = ("f32", "q8_0", "q4_0")  # lmcli's writer
-LLAMA_FILES = {"llama.cpp Q8_0": "Q8_0", "llama.cpp Q4_0": "Q4_0", "llama.cpp Q4_K_M": "Q4_K_M"}
+# every block format lmcli's kernels run (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K), from
+# llama.cpp's own quantizer; Q4_K_M is the usual download (q4_K with some q6_K), Q5_K_M q5_K's
+LLAMA_FILES = {
+    f"llama.cpp {t}": t for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")
+}
 GOAL = 0.01  # within 1%
 # quantize()'s int8/int4 hold the blocks of lmcli's q8_0/q4_0 files (with the native kernels)
 SAME_BLOCKS = {"int8": ("lmcli q8_0", "blocks q8_0"), "int4": ("lmcli q4_0", "blocks q4_0")}
@@ -296,7 +301,13 @@ def markdown(results: dict[str, dict], llama: dict[str, dict], trained: dict[str
             f"{step / reference - 1:+.2%}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Products: " + "; ".join(f"{n}: {r['products']}" for n, r in results.items())]
+    kernels = {r["products"].split("; blocks ")[0] for r in results.values() if "; blocks " in r["products"]}
+    held = [
+        f"{n}: {r['products'].split('; blocks ')[1]}"
+        for n, r in results.items()
+        if "; blocks " in r["products"]
+    ]
+    lines += ["", "; ".join(sorted(kernels)) + "; blocks held: " + "; ".join(held)]
     return "\n".join(lines)
 
 
