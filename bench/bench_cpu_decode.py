@@ -15,7 +15,11 @@ names another Python that has it; without one the rows say "skipped: llama_cpp a
 
 On a CPU where lmcli's native kernels build (``lmcli.model.native``), lmcli's int8/int4 are
 GGUF's q8_0/q4_0 blocks multiplied by them; the "gguf q8_0"/"gguf q4_0" rows have lmcli run
-llama.cpp's own file, its matrices as stored (each row's JSON says which products ran).
+llama.cpp's own file, its matrices as stored (each row's JSON says which products ran). The
+"gguf q4_K_M" rows run a Q4_K_M file that llama.cpp's own quantizer (``llama_model_quantize``,
+in a llama.cpp child) makes from the f32 file, as a user's download is made: q4_K and q6_K
+matrices where the widths are multiples of 256, q5_0/q8_0 (llama.cpp's fallbacks) where not;
+lmcli and llama.cpp both run that one file (no llama.cpp: no file, no rows).
 
 Each decode figure is also given as a fraction of the bandwidth limit: the bytes of weights a
 token reads (every matrix once, the tied vocabulary table as the head) over the machine's
@@ -24,12 +28,17 @@ the same threads).
 
 The memory rows (lmcli alone): a fresh process loads the Qwen2.5-shaped model (the lmcli
 checkpoint, float32, for fp32; a Hugging Face folder of it in bfloat16, as the hub's are, for
-bf16 and int8; the q4_0 GGUF file as stored for gguf q4_0) and generates ``NEW`` tokens; peak
-RSS minus the RSS before loading, over the bytes of the weights as held (goal <= 1.3x).
+bf16 and int8; the q4_0 and Q4_K_M GGUF files as stored for gguf q4_0 and gguf q4_K_M) and
+generates ``NEW`` tokens; peak RSS minus the RSS before loading, over the bytes of the weights
+as held, and for a GGUF file over the file's size (issue 38's measure; goal <= 1.3x).
 
     python -m bench.bench_cpu_decode              # 1 thread
     BENCH_THREADS=1,2 python -m bench.bench_cpu_decode
     BENCH_SHAPES=smollm2 python -m bench.bench_cpu_decode
+    BENCH_PAIRS=gguf-q4_K_M,int8 python -m bench.bench_cpu_decode   # some pairs (and memory rows)
+
+``BENCH_PAIRS`` names lmcli's side of each pair, spaces as dashes (fp32, bf16, int8, int4,
+gguf-q8_0, gguf-q4_0, gguf-q4_K_M); the memory rows of the modes named run too.
 """
 
 from __future__ import annotations
@@ -51,8 +60,12 @@ MEMORY_GOAL = 1.3
 MEMORY_SHAPE = "qwen2.5"  # the memory rows' model (1 GB in bf16, as bench_load's)
 PAIRS = (("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
 # lmcli running llama.cpp's own file: its q8_0/q4_0 matrices as stored, by the native kernels
-GGUF_PAIRS = (("gguf q8_0", "q8_0"), ("gguf q4_0", "q4_0"))
-STORED = {"fp32": "float32", "gguf q4_0": "GGUF q4_0"}  # the memory rows' sources (else bfloat16)
+# llama.cpp's quantizer makes these files from the f32 one: (file type, llama_ftype name)
+LLAMA_QUANTIZED = {"q4_K_M": "Q4_K_M"}
+GGUF_PAIRS = (("gguf q8_0", "q8_0"), ("gguf q4_0", "q4_0"), ("gguf q4_K_M", "q4_K_M"))
+MEMORY_MODES = ("fp32", "bf16", "int8", "gguf q4_0", "gguf q4_K_M")
+# the memory rows' sources (else bfloat16)
+STORED = {"fp32": "float32", "gguf q4_0": "GGUF q4_0", "gguf q4_K_M": "GGUF Q4_K_M"}
 GROUP_SIZE = 64
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(
@@ -84,6 +97,12 @@ def llama_python() -> str | None:
         return None
     ok = subprocess.run([path, "-c", "import llama_cpp"], capture_output=True).returncode == 0
     return path if ok else None
+
+
+def selected(mode: str) -> bool:
+    """Whether ``BENCH_PAIRS`` (lmcli's side of each pair, spaces as dashes) includes ``mode``."""
+    names = os.environ.get("BENCH_PAIRS")
+    return names is None or mode.replace(" ", "-") in names.split(",")
 
 
 def prompt_ids(vocab: int) -> list[int]:
@@ -125,6 +144,19 @@ def write(folder: Path, shape: str) -> dict[str, Any]:
     return {"gguf": files}
 
 
+def llama_quantize(source: str, out: str, ftype: str) -> dict[str, Any]:
+    """In this fresh process (a Python with llama_cpp): llama.cpp's own quantizer makes ``out``
+    (``ftype``: a ``LLAMA_FTYPE_MOSTLY_*`` name, e.g. Q4_K_M) from the GGUF file ``source``."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(source.encode(), out.encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {ftype}")
+    return {"file": out, "file_bytes": os.path.getsize(out)}
+
+
 def resident() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -139,8 +171,7 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     from lmcli.formats.sources import load_model
     from lmcli.generate.sampling import generate
     from lmcli.model import fastpath
-    from lmcli.model.native import ops
-    from lmcli.model.quant import quantize, weight_bytes
+    from lmcli.model.quant import products_line, quantize, weight_bytes
 
     set_threads(threads)
     before = resident()
@@ -158,7 +189,8 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     speed = out.speed.report()
     held = weight_bytes(model)
     return {
-        "products": ops.backend_line(),
+        "products": products_line(model),  # the kernels' line and the block formats held
+        "format_bytes": format_bytes(model),
         "prefill": speed["prefill_tokens_per_s"],
         "decode": speed["decode_tokens_per_s"],
         "new_tokens": len(out.ids),
@@ -168,6 +200,16 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
         "rss_before_load": before,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def format_bytes(model: Any) -> dict[str, int]:
+    """Bytes of the block matrices in each GGUF format (a Q4_K_M file's mix), once each."""
+    from lmcli.model.quant import BlockLinear
+
+    out: dict[str, int] = {}
+    for m in {id(m): m for m in model.modules() if isinstance(m, BlockLinear)}.values():
+        out[m.fmt] = out.get(m.fmt, 0) + m.blocks.numel()
+    return out
 
 
 def untied_embedding_bytes(model: Any) -> int:
@@ -317,6 +359,8 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
     rows = []
     prompt = json.dumps(prompt_ids(SHAPES[shape]["vocab_size"]))
     for mode, gguf_type in PAIRS + GGUF_PAIRS:
+        if not selected(mode) or gguf_type not in files:
+            continue
         run = (
             files[gguf_type]
             if mode.startswith("gguf")
@@ -328,6 +372,9 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
             if llama is not None:
                 theirs_runs.append(child(llama, "llama", files[gguf_type], str(threads), prompt))
         ours, theirs = best_of(ours_runs), best_of(theirs_runs) if theirs_runs else None
+        if ours["format_bytes"]:
+            mix = ", ".join(f"{f} {b / 1e6:.0f} MB" for f, b in sorted(ours["format_bytes"].items()))
+            log(f"{mode}: blocks {mix}")
         log(
             f"{mode}/{gguf_type}: lmcli {ours['decode']:.1f} tok/s decode, {ours['prefill']:.0f} prefill; "
             + (f"llama.cpp {theirs['decode']:.1f}, {theirs['prefill']:.0f}" if theirs else "llama.cpp absent")
@@ -337,18 +384,27 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
 
 
 def memory_rows(folder: Path, shape: str, files: dict[str, str]) -> list:
-    """Peak RSS of load + ``NEW`` tokens over the weights as held, fp32, bf16 and int8, and a
-    q4_0 GGUF file run as stored (its weights as held: the file's bytes)."""
+    """Peak RSS of load + ``NEW`` tokens over the weights as held, fp32, bf16 and int8, and of
+    the q4_0 and Q4_K_M GGUF files run as stored over the file's size."""
     from bench.common import Row, log
 
     rows = []
-    for mode in ("fp32", "bf16", "int8", "gguf q4_0"):
+    for mode in MEMORY_MODES:
+        gguf_type = mode.split()[-1]
+        if not selected(mode) or (mode.startswith("gguf") and gguf_type not in files):
+            continue
         run = (
-            files["q4_0"] if mode.startswith("gguf") else str(folder / ("fp32" if mode == "fp32" else "bf16"))
+            files[gguf_type]
+            if mode.startswith("gguf")
+            else str(folder / ("fp32" if mode == "fp32" else "bf16"))
         )
         m = child(sys.executable, "lmcli", run, mode, "1")
-        x = (m["peak_rss"] - m["rss_before_load"]) / m["weight_bytes"]
-        log(f"memory {mode}: {x:.2f}x of {m['weight_bytes'] / 1e6:.0f} MB")
+        if mode.startswith("gguf"):
+            m["file_bytes"] = os.path.getsize(run)
+        size = m.get("file_bytes", m["weight_bytes"])
+        x = (m["peak_rss"] - m["rss_before_load"]) / size
+        what = "the file's" if "file_bytes" in m else "weights as held"
+        log(f"memory {mode}: {x:.2f}x of {size / 1e6:.0f} MB ({what})")
         rows.append(
             Row(
                 f"load+generate memory / weights, {SHAPES[shape]['label']}, {mode}",
@@ -359,8 +415,8 @@ def memory_rows(folder: Path, shape: str, files: dict[str, str]) -> list:
                 1.0,
                 lower_is_better=True,
                 valid=x <= MEMORY_GOAL,
-                note=f"peak RSS minus RSS before loading over {m['weight_bytes'] / 1e6:.0f} MB of weights "
-                f"as held (stored {STORED.get(mode, 'bfloat16')}): "
+                note=f"peak RSS minus RSS before loading over {size / 1e6:.0f} MB ({what}; weights held "
+                f"{m['weight_bytes'] / 1e6:.0f} MB, stored {STORED.get(mode, 'bfloat16')}, {m['products']}): "
                 f"{'met' if x <= MEMORY_GOAL else 'MISSED'}",
                 extra=m,
             )
@@ -380,6 +436,10 @@ def run() -> list:
         for shape in shapes:
             folder = Path(tmp) / shape
             files = child(sys.executable, "write", str(folder), shape)["gguf"]
+            for gguf_type, ftype in LLAMA_QUANTIZED.items():
+                if llama is not None and (selected(f"gguf {gguf_type}")):
+                    out = str(folder / f"{gguf_type}.gguf")
+                    files[gguf_type] = child(llama, "quantize", files["f32"], out, ftype)["file"]
             log(f"wrote {shape}: {', '.join(Path(f).name for f in files.values())}")
             if shape == MEMORY_SHAPE or len(shapes) == 1:
                 rows += memory_rows(folder, shape, files)
@@ -399,6 +459,8 @@ def main() -> None:
         print(json.dumps(lmcli_side(args[1], args[2], int(args[3]))))
     elif args[:1] == ["llama"]:
         print(json.dumps(llama_side(args[1], int(args[2]), json.loads(args[3]))))
+    elif args[:1] == ["quantize"]:
+        print(json.dumps(llama_quantize(args[1], args[2], args[3])))
     elif args[:1] == ["bandwidth"]:
         print(json.dumps({"bytes_per_s": copy_bandwidth(int(args[1]))}))
     else:
