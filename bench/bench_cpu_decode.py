@@ -171,14 +171,16 @@ def lmcli_side(run: str, mode: str, threads: int) -> dict[str, Any]:
     from lmcli.formats.sources import load_model
     from lmcli.generate.sampling import generate
     from lmcli.model import fastpath
-    from lmcli.model.quant import products_line, quantize, weight_bytes
+    from lmcli.model.quant import default_kv_dtype, products_line, weight_bytes
 
     set_threads(threads)
     before = resident()
     t0 = time.perf_counter()
-    # in the dtype stored: float32, or bfloat16 (the bf16 folder); a GGUF file's blocks as stored
-    ckpt = load_model(run, "cpu", as_stored=mode.startswith("gguf"))
-    quantize(ckpt.model, mode if mode in ("int8", "int4") else "none", GROUP_SIZE)
+    # as `lmcli sample` loads: in the dtype stored (float32, or the bf16 folder's bfloat16), a GGUF
+    # file's blocks as stored, a Hugging Face folder quantized as it is read, --kv-dtype auto
+    quantize = mode if mode in ("int8", "int4") else "none"
+    ckpt = load_model(run, "cpu", as_stored=mode.startswith("gguf"), quantize=quantize, group_size=GROUP_SIZE)
+    ckpt.model.kv_dtype = default_kv_dtype(ckpt.model)
     loaded = time.perf_counter() - t0
     model, tok = ckpt.model, ckpt.tokenizer
     prompt = prompt_ids(model.config.vocab_size)
