@@ -206,6 +206,16 @@ class Plan:
     head: LinearFn
     native_head: NativeHead | None  # the head on the kernels' threads, for a native step
 
+    @property
+    def first_native(self) -> NativeLayer | None:
+        return next((n for n in self.natives if n is not None), None)
+
+
+def step_turns(model: Transformer, pos: Tensor, dtype: torch.dtype) -> Turns:
+    """The rotary turns of one decoding step: a global layer's and a sliding-window layer's."""
+    turn = rotary_turn(model.positions, pos, dtype)
+    return turn, rotary_turn(model.positions, pos, dtype, local=True) if model.config.sliding_window else turn
+
 
 class StepRunner:
     """``model.fast_step``: the logits (B, 1, V) of one new token per row, as ``forward`` gives."""
@@ -271,26 +281,30 @@ class StepRunner:
             plan = self.plans[B] = self._plan(B)
         pos = cache.positions(1)  # (B or 1, 1)
         x = model.embed(idx, pos).view(B, -1)  # (B, 1, C) -> (B, C)
-        first = next((n for n in plan.natives if n is not None), None)
+        first = plan.first_native
         native = None if first is None else native_step(model, x, cache, first, self.kernel_threads)
         mask, _ = model.attention_mask(1, cache, None, x.dtype, idx.device)
         window = model.config.sliding_window
         masks: Masks = (mask, model.local_mask(mask, False, 1, cache, idx.device)[0] if window else mask)
+        if native is None:  # every layer its per-operation step
+            turns = step_turns(model, pos, x.dtype)
+            for layer in plan.layers:
+                x = layer(x, pos, masks, model.positions.rotate, cache, turns)
+            cache.advance(1)
+            return model.cap_logits(model.vocab_logits(plan.head(plan.final_norm(x)))).view(B, 1, -1)
         turns: Turns | None = None  # (made on the first layer that is not native)
         for layer, block in zip(plan.layers, plan.natives, strict=True):
             row = cache.index[layer.layer]
             # (a global layer's mask is no more than the rows' padding, which the call skips; a
             # sliding-window layer's must be the same: no window yet)
-            if native is not None and block is not None and row >= 0 and masks[layer.local] is masks[0]:
+            if block is not None and row >= 0 and masks[layer.local] is masks[0]:
                 x = native.run(block, x, row, layer.local, layer.heads.rotary)
                 continue
-            if turns is None:
-                turn = rotary_turn(model.positions, pos, x.dtype)
-                turns = (turn, rotary_turn(model.positions, pos, x.dtype, local=True) if window else turn)
+            turns = turns or step_turns(model, pos, x.dtype)
             x = layer(x, pos, masks, model.positions.rotate, cache, turns)
         cache.advance(1)
         h = plan.final_norm(x)
-        if native is not None and plan.native_head is not None:
+        if plan.native_head is not None:
             logits = plan.native_head(h, native.threads)
         else:
             logits = plan.head(h)
