@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import random
 import resource
 import socket
 import subprocess
@@ -324,6 +325,18 @@ def saved_step(run: Path) -> int:
         return json.loads((run / "last" / "meta.json").read_text())["step"]
     except (OSError, ValueError, KeyError):
         return -1
+
+
+def kill_after_checkpoint(process: Any, run: Path, step: int, within_s: float = 60.0) -> None:
+    """SIGKILL ``process`` (a multiprocessing Process training into ``run``) at a random moment
+    (0-0.1 s) after ``run/last`` reached ``step``, and reap it."""
+    deadline = time.time() + within_s
+    while saved_step(run) < step:
+        assert process.is_alive() and time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.1))
+    process.kill()
+    process.join(10)
 
 
 def temps(run: Path) -> list[str]:

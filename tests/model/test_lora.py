@@ -12,12 +12,18 @@ import multiprocessing
 import random
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_float32_close, assert_one_line_error, run_cli, train_config
+from helpers import (
+    assert_float32_close,
+    assert_one_line_error,
+    kill_after_checkpoint,
+    run_cli,
+    saved_step,
+    train_config,
+)
 from safetensors.torch import load_file
 
 from lmcli.cli.app import main
@@ -139,14 +145,6 @@ def test_merged_export_gives_the_logits_of_base_plus_adapters(
     assert code == 0 and out.startswith("the "), err
 
 
-def saved_step(run: Path) -> int:
-    """The step of ``run/last`` now (-1 if none yet)."""
-    try:
-        return json.loads((run / "last" / "meta.json").read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return -1
-
-
 @pytest.mark.slow
 def test_lora_resume_after_sigkill_is_bit_identical(base: Path, tmp_path: Path) -> None:
     # each run is `lmcli train` (lmcli.cli.app.main) forked from a server that imported torch once
@@ -163,13 +161,7 @@ def test_lora_resume_after_sigkill_is_bit_identical(base: Path, tmp_path: Path) 
     assert full.exitcode == 0
     killed = ctx.Process(target=main, args=(["train", *args, "--out", str(tmp_path / "killed")],))
     killed.start()
-    deadline = time.time() + 60
-    while saved_step(tmp_path / "killed") < 8:
-        assert killed.is_alive() and time.time() < deadline, "no checkpoint in time"
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.1))
-    killed.kill()
-    killed.join(10)
+    kill_after_checkpoint(killed, tmp_path / "killed", 8)
     assert killed.exitcode == -signal.SIGKILL
     assert 8 <= saved_step(tmp_path / "killed") < 40, "killed before the end"
     resumed = ctx.Process(target=main, args=(["train", "--resume", str(tmp_path / "killed"), "-q"],))

@@ -9,13 +9,20 @@ import json
 import multiprocessing
 import random
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_one_line_error, make_run, read_metrics, run_cli, saved_step, train_config
+from helpers import (
+    assert_one_line_error,
+    kill_after_checkpoint,
+    make_run,
+    read_metrics,
+    run_cli,
+    saved_step,
+    train_config,
+)
 from safetensors.torch import load_file
 
 from lmcli.cli.app import main
@@ -315,13 +322,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(setup: Path, tmp_path: 
     assert full.exitcode == 0
     killed_args = [tmp_path / "killed" if a == str(tmp_path / "full") else a for a in args]
     killed = run([str(a) for a in killed_args])
-    deadline = time.time() + 60
-    while saved_step(tmp_path / "killed") < 8:
-        assert killed.is_alive() and time.time() < deadline, "no checkpoint in time"
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.1))
-    killed.kill()
-    killed.join(10)
+    kill_after_checkpoint(killed, tmp_path / "killed", 8)
     assert killed.exitcode == -signal.SIGKILL and 8 <= saved_step(tmp_path / "killed") < 24
     resumed = run(["train", "--resume", str(tmp_path / "killed"), "--threads", "1", "-q"])
     resumed.join(120)

@@ -286,25 +286,19 @@ class StepRunner:
         mask, _ = model.attention_mask(1, cache, None, x.dtype, idx.device)
         window = model.config.sliding_window
         masks: Masks = (mask, model.local_mask(mask, False, 1, cache, idx.device)[0] if window else mask)
-        if native is None:  # every layer its per-operation step
-            turns = step_turns(model, pos, x.dtype)
-            for layer in plan.layers:
-                x = layer(x, pos, masks, model.positions.rotate, cache, turns)
-            cache.advance(1)
-            return model.cap_logits(model.vocab_logits(plan.head(plan.final_norm(x)))).view(B, 1, -1)
-        turns: Turns | None = None  # (made on the first layer that is not native)
+        turns: Turns | None = None  # (made once a step, for the first layer that is not native)
         for layer, block in zip(plan.layers, plan.natives, strict=True):
             row = cache.index[layer.layer]
             # (a global layer's mask is no more than the rows' padding, which the call skips; a
             # sliding-window layer's must be the same: no window yet)
-            if block is not None and row >= 0 and masks[layer.local] is masks[0]:
+            if native is not None and block is not None and row >= 0 and masks[layer.local] is masks[0]:
                 x = native.run(block, x, row, layer.local, layer.heads.rotary)
                 continue
             turns = turns or step_turns(model, pos, x.dtype)
             x = layer(x, pos, masks, model.positions.rotate, cache, turns)
         cache.advance(1)
         h = plan.final_norm(x)
-        if plan.native_head is not None:
+        if native is not None and plan.native_head is not None:
             logits = plan.native_head(h, native.threads)
         else:
             logits = plan.head(h)

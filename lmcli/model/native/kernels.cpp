@@ -244,36 +244,15 @@ float dot1_q5_1_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   return acc;
 }
 
-float dot1_q4_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+// q4_K and q5_K (`high`: each value's fifth bit in qh, 32 bytes before the nibbles)
+template <bool high>
+float dot1_k45_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
+  constexpr int bytes = high ? 176 : 144;
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 144;
-    const uint8_t* qs = blk + 16;
-    const int8_t* aq = a.q + b * QK_K;
-    const int32_t* bs = a.s + b * 16;
-    int32_t isum = 0, msum = 0;
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      scale_min_k4(j, blk + 4, &sc, &mn);
-      const uint8_t* q = qs + (j / 2) * 32;
-      const int shift = (j % 2) * 4;
-      int32_t s = 0;
-      for (int l = 0; l < 32; ++l) s += ((q[l] >> shift) & 0xF) * aq[j * 32 + l];
-      isum += sc * s;
-      msum += mn * (bs[2 * j] + bs[2 * j + 1]);
-    }
-    const float da = a.d[b];
-    acc += da * fp16_to_fp32(load_u16(blk)) * (float)isum - da * fp16_to_fp32(load_u16(blk + 2)) * (float)msum;
-  }
-  return acc;
-}
-
-float dot1_q5_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
-  float acc = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 176;
+    const uint8_t* blk = w + b * bytes;
     const uint8_t* qh = blk + 16;
-    const uint8_t* qs = blk + 48;
+    const uint8_t* qs = blk + (high ? 48 : 16);
     const int8_t* aq = a.q + b * QK_K;
     const int32_t* bs = a.s + b * 16;
     int32_t isum = 0, msum = 0;
@@ -284,7 +263,7 @@ float dot1_q5_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
       const int shift = (j % 2) * 4;
       int32_t s = 0;
       for (int l = 0; l < 32; ++l) {
-        const int v = ((q[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4);
+        const int v = ((q[l] >> shift) & 0xF) | (high ? ((qh[l] >> j) & 1) << 4 : 0);
         s += v * aq[j * 32 + l];
       }
       isum += sc * s;
@@ -295,6 +274,9 @@ float dot1_q5_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   }
   return acc;
 }
+
+float dot1_q4_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) { return dot1_k45_scalar<false>(w, a, nb); }
+float dot1_q5_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) { return dot1_k45_scalar<true>(w, a, nb); }
 
 float dot1_q6_K_scalar(const uint8_t* w, const ActRow& a, int64_t nb) {
   float acc = 0.0f;
