@@ -397,13 +397,9 @@ def test_sigkill_of_a_sharded_run_then_resume_in_one_process(tmp_path: Path) -> 
         deadline = time.time() + 600  # generous: a loaded machine may pause processes
         while saved_step(killed) < 12 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
-        workers = descendants(proc.pid)
-        for pid in [*workers, proc.pid]:  # the workers (their own sessions) and torchrun
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun first: it starts nothing more
         proc.wait(30)
-        while any(pid_alive(pid) for pid in workers) and time.time() < deadline:  # their locks go with them
-            time.sleep(0.02)
+        kill_all_naming(killed, deadline)
     step = saved_step(killed)
     assert 12 <= step < steps, "killed mid-run, after a validation and a few checkpoints"
     cli("train", "--resume", str(killed), "--batch-size", str(2 * B))
@@ -419,11 +415,41 @@ def test_sigkill_of_a_sharded_run_then_resume_in_one_process(tmp_path: Path) -> 
     )
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started, and theirs (Linux's /proc)."""
+def naming(text: str) -> list[int]:
+    """The live processes whose command line holds ``text`` (Linux's /proc)."""
     found = []
-    with contextlib.suppress(FileNotFoundError):  # one that ended meanwhile
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                found += [int(child), *descendants(int(child))]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):  # one that ended meanwhile, or another user's
+            command = (entry / "cmdline").read_bytes().decode(errors="replace")
+            if text in command and pid_alive(int(entry.name)):
+                found.append(int(entry.name))
     return found
+
+
+def kill_all_naming(run: Path, deadline: float) -> None:
+    """SIGKILL every process training into ``run`` (torchrun's workers, in their own sessions, and
+    anything they forked) until none runs and the folder's lock is free. A scan of the command
+    lines, not of /proc's ``children`` lists: those can miss a child of a running process."""
+    import fcntl
+
+    while time.time() < deadline:
+        alive = naming(str(run))
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if not alive:
+            try:
+                fd = os.open(run / ".lock", os.O_RDONLY)
+            except FileNotFoundError:  # released on the way out
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: the dead released it
+                return
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        time.sleep(0.02)
+    raise AssertionError(f"processes training into {run} outlived SIGKILL: {naming(str(run))}")
