@@ -51,6 +51,7 @@ from lmcli.formats.weights import DTYPES as STORED_DTYPES
 from lmcli.formats.weights import MODULE_NAMES, load_weights
 from lmcli.model import quant
 from lmcli.model.native import ops
+from lmcli.model.skeleton import skeleton
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import new_folder, write_error
 from lmcli.text.tokenizer import Tokenizer
@@ -145,8 +146,7 @@ def load_hf_quantized(
     folder = open_hf_folder(path)
     cfg = folder.config
     dtype = dtype or stored_dtype(path)
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = skeleton(cfg)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     if cfg.tie_embeddings:
         expected.pop("lm_head.weight")  # the embedding's, tied below

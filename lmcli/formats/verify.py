@@ -54,7 +54,7 @@ from lmcli.formats.hf.weights import check_weights, read_headers
 from lmcli.formats.lora_base import checked_base
 from lmcli.formats.weights import WeightsHeader, check_header, read_header
 from lmcli.model.lora import check_adapters
-from lmcli.model.transformer import Transformer
+from lmcli.model.skeleton import skeleton
 from lmcli.safe_io import checked_file, refuse_symlinks
 from lmcli.text.tokenizer import Tokenizer
 
@@ -156,8 +156,7 @@ def check_lora(
     """A LoRA checkpoint's adapters against its LoRA settings on its base (shapes only)."""
     if base_config(base) != model_config:
         raise LmcliError(f"the base model {base} does not fit LoRA run {ckpt}'s model config")
-    with torch.device("meta"):
-        model = Transformer(model_config)
+    model = skeleton(model_config)
     check_adapters(model, train_config, header.tensors, str(ckpt / ADAPTERS))
 
 

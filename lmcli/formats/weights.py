@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError, check_blocks, check_names, check_tensors
+from lmcli.model.skeleton import skeleton
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import checked_file
 
@@ -117,8 +118,7 @@ def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, 
     """The tensors a checkpoint of ``cfg`` holds, as on disk (name -> (dtype, shape)), and the
     bytes the model computes from the config alone: its position tables plus the attention
     mask of one full-context window. From a model built on the meta device (no allocation)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = skeleton(cfg)
     dtypes = {v: k for k, v in DTYPES.items()}
     expected = {
         DISK_NAMES.get(k, k): (dtypes[v.dtype], tuple(v.shape))
@@ -177,8 +177,7 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], where: st
     """A model of ``cfg`` whose parameters *are* the tensors of ``state`` (names as on disk):
     built on the meta device, so nothing is drawn at random and nothing is copied; the position
     tables are then computed on the state's device."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = skeleton(cfg)
     load_state(model, state, where, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.wte.weight  # assign made two parameters of one tensor

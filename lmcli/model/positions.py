@@ -34,10 +34,19 @@ class Positions(nn.Module):
         """The fixed tables this scheme computes from the config (never stored in a checkpoint)."""
         return {}
 
+    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The shape of each of ``tables`` (float32), for a model on the meta device."""
+        return {}
+
     def make_tables(self, cfg: ModelConfig) -> None:
         """(Re)compute the tables as non-persistent buffers, on the current default device: at
-        construction, and after a loader built the model on the meta device."""
-        for name, table in self.tables(cfg).items():
+        construction, and after a loader built the model on the meta device. On the meta device
+        they are their shapes alone (torch's meta arithmetic is Python that imports its compiler)."""
+        if torch.get_default_device().type == "meta":
+            tables = {name: torch.empty(shape) for name, shape in self.table_shapes(cfg).items()}
+        else:
+            tables = self.tables(cfg)
+        for name, table in tables.items():
             self.register_buffer(name, table, persistent=False)
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
@@ -76,6 +85,9 @@ class Sinusoidal(Positions):
 
     def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
         return {"table": sinusoidal_table(cfg.block_size, cfg.n_embd)}
+
+    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return {"table": (cfg.block_size, cfg.n_embd)}
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         return x + self.table[pos].to(x.dtype)
@@ -138,6 +150,10 @@ class Rotary(Positions):
         cos_local, sin_local = rotary_tables(cfg.block_size, inv, 1.0)
         return {"cos": cos, "sin": sin, "cos_local": cos_local, "sin_local": sin_local}
 
+    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        names = ("cos", "sin", "cos_local", "sin_local") if cfg.rope_local_base else ("cos", "sin")
+        return dict.fromkeys(names, (cfg.block_size, cfg.head_dim))
+
     def table(self, local: bool) -> tuple[Tensor, Tensor]:
         """cos and sin (n_pos, D) of a local or a global layer."""
         if local and hasattr(self, "cos_local"):
@@ -183,6 +199,9 @@ class ALiBi(Positions):
 
     def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
         return {"slopes": alibi_slopes(cfg.n_head)}
+
+    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return {"slopes": (cfg.n_head,)}
 
     def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
         """Float mask (B or 1, H, T, S) from a boolean one: -slope * |distance|, -inf where not allowed."""

@@ -25,6 +25,7 @@ from lmcli.formats.gguf.load import is_gguf_file, load_gguf
 from lmcli.formats.hf.load import is_hf_folder, load_hf_folder, open_hf_folder
 from lmcli.formats.sources import load_checkpoint
 from lmcli.formats.weights import with_context
+from lmcli.model.skeleton import skeleton
 from lmcli.model.transformer import Transformer
 from lmcli.train.parallel import Fill, fill_from_hf
 
@@ -60,8 +61,7 @@ def open_init(path: str, info: Callable[[str], None], block_size: int | None = N
         for note in folder.notices:
             info(f"warning: {folder.path}: {note}")
         _note_context(folder.config, path, info, block_size)
-        with torch.device("meta"):
-            model = Transformer(config)
+        model = skeleton(config)
         return model, lambda placed: fill_from_hf(placed, folder)
 
     return Init(config, folder.tokenizer, load)

@@ -10,6 +10,7 @@ import torch
 from lmcli.config.model import ModelConfig
 from lmcli.config.train import TrainConfig
 from lmcli.model import lora
+from lmcli.model import skeleton as skeletons
 from lmcli.model.transformer import Transformer
 from lmcli.tasks import make_task
 from lmcli.train.parallel import (
@@ -183,8 +184,7 @@ def preflight_rows(p: Preflight, device: str, extra: dict[str, str]) -> list[tup
 
 def skeleton(model_config: ModelConfig, cfg: TrainConfig) -> Transformer:
     """The run's model on the meta device (LoRA adapters included), for weights put in later."""
-    with torch.device("meta"):
-        model = Transformer(model_config)
+    model = skeletons.skeleton(model_config)
     return lora.add_adapters(model, cfg) if cfg.lora.lora_rank else model
 
 

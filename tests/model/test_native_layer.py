@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from lmcli.errors import LmcliError
 from lmcli.model import fastpath
@@ -14,7 +15,6 @@ from lmcli.model.native import layer as native_layer
 from lmcli.model.native import ops
 from lmcli.model.quant import quantize
 from lmcli.model.transformer import Transformer
-from tests.helpers import tiny_model
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
 
@@ -125,9 +125,10 @@ def test_blocks_the_call_does_not_serve_keep_the_per_operation_step(monkeypatch)
 
 
 def test_greedy_text_is_the_same_with_the_native_step(monkeypatch) -> None:
+    from helpers import tiny_tokenizer
+
     from lmcli.config.commands import SampleConfig
     from lmcli.generate.sampling import generate
-    from tests.helpers import tiny_tokenizer
 
     tok = tiny_tokenizer()
     model = quantize(spread(tiny_model(tok.vocab_size, n_layer=2, **LLAMA)), "int4", 32)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lmcli.device import release_freed_memory
 from lmcli.errors import check_names
 from lmcli.formats.gguf.load import (
     GgufHeader,
@@ -30,6 +31,7 @@ from lmcli.formats.gguf.load import (
 )
 from lmcli.model.native import ops
 from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear
+from lmcli.model.skeleton import skeleton
 from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
 
@@ -88,8 +90,7 @@ def load_as_stored(header: GgufHeader, dtype: torch.dtype) -> Transformer:
     state = {n: v if v.dtype == torch.int64 else v.to(dtype) for n, v in state.items()}
     cfg = header.config
     blocks = {name: state.pop(name) for name in [n for n, v in state.items() if v.dtype == torch.int64]}
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = skeleton(cfg)
     for name, ids in blocks.items():
         module = name.removesuffix(".weight")
         parts = _parts(ids, sources, starts, dtype)
@@ -126,4 +127,5 @@ def load_gguf_as_stored(
         model, tok, meta = load_gguf(path, dtype)
         return model, tok, {**meta, "products": ops.backend_line()}
     model = load_as_stored(header, dtype or default_dtype(header))
+    release_freed_memory()  # what building the tokenizer and the checks left in the heap
     return model, header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}

@@ -35,6 +35,7 @@ from lmcli.errors import LmcliError, check_blocks
 from lmcli.formats.families import FamilyAdapter, HFConfig, from_gguf_arch
 from lmcli.formats.families.hf_config import GgufSchema
 from lmcli.formats.weights import WeightsHeader, check_header
+from lmcli.model.skeleton import shapes_only
 from lmcli.safe_io import open_input
 
 MAGIC = b"GGUF"
@@ -229,7 +230,8 @@ def check_gguf(path: str | Path) -> tuple[GgufHeader, FamilyAdapter, ModelConfig
     check_blocks(header.tensors, _BLOCK, cfg.n_layer, f"{where} do not fit the metadata", labels)
     meta = {n: torch.empty(t.shape, device="meta") for n, t in header.tensors.items()}
     try:
-        ours = family.from_gguf(meta, cfg)  # split/joined on the meta device: shapes only
+        with shapes_only():
+            ours = family.from_gguf(meta, cfg)  # split/joined on the meta device: shapes only
     except RuntimeError as exc:
         raise LmcliError(f"{where} do not fit the metadata ({str(exc).splitlines()[0][:200]})") from None
     mapped = {k: ("F32", tuple(v.shape)) for k, v in ours.items()}  # dequantized to float when read

@@ -37,6 +37,7 @@ from lmcli.formats.weights import (
     read_header,
     read_tensors,
 )
+from lmcli.model.skeleton import shapes_only
 from lmcli.model.transformer import Transformer
 
 SINGLE = "model.safetensors"
@@ -156,7 +157,8 @@ def check_weights(family: FamilyAdapter, cfg: ModelConfig, header: WeightsHeader
             raise LmcliError(f"{where}: {name} has a dtype lmcli does not read ({dtype})")
         meta[name] = torch.empty(shape, dtype=kind, device="meta")
     try:
-        ours = family.from_hf(meta, cfg)  # split/joined on the meta device: shapes only
+        with shapes_only():
+            ours = family.from_hf(meta, cfg)  # split/joined on the meta device: shapes only
     except RuntimeError as exc:
         raise LmcliError(f"{where} do not fit the model config ({str(exc).splitlines()[0][:200]})") from None
     if cfg.tie_embeddings:
