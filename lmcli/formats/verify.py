@@ -5,12 +5,14 @@
   ``meta.json`` records a sha256 for each and each matches, ``config.json`` holds valid
   configs, the safetensors header fits the model config (names, shapes, dtypes, sizes;
   ``lmcli.formats.weights.check_header``), the tokenizer loads and fits the vocabulary, and
-  ``trainer_state.pt`` loads with ``weights_only`` (no code runs). A LoRA run's checkpoint:
+  ``trainer_state.pt`` loads with ``weights_only`` (no code runs), and every weight is finite
+  (read a chunk at a time, as for a GGUF file). A LoRA run's checkpoint:
   its base found unchanged, its weights' header against its config, and the adapters' header
   against the run's LoRA settings on that base (``lora.check_adapters``: the rank, every
   adapter's shape).
-- A Hugging Face folder: ``config.json`` (every value, ``HFConfig``), the tokenizer, and every
-  shard's header against the config (``hf.weights.check_weights``).
+- A Hugging Face folder: ``config.json`` (every value, ``HFConfig``), the tokenizer, every
+  shard's header against the config (``hf.weights.check_weights``), and every safetensors
+  weight finite.
 - A GGUF file: its header scanned with bounds and its tensors against its metadata
   (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
   checked against the vocabulary (``hf.gguf_load.read_gguf_header``), and every value of
@@ -50,7 +52,7 @@ from lmcli.formats.checkpoint import (
 )
 from lmcli.formats.gguf.load import GgufTensor, read_gguf_header
 from lmcli.formats.hf.load import is_hf_folder, read_hf_config, read_tokenizer
-from lmcli.formats.hf.weights import check_weights, read_headers
+from lmcli.formats.hf.weights import check_weights, is_pytorch_bin, read_headers, weight_files
 from lmcli.formats.lora_base import checked_base
 from lmcli.formats.weights import WeightsHeader, check_header, read_header
 from lmcli.model.lora import check_adapters
@@ -69,6 +71,7 @@ BLOCK_SCALES = {
     "Q5_K": (176, (0, 2)),  # d, dmin, 12 bytes of scales, 32 of high bits, 128 of low bits
     "Q6_K": (210, (208,)),  # 128 bytes low bits, 64 high bits, 16 int8 scales, then d
 }
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes scanned for NaN
 REQUIRED_LORA = (ADAPTERS, BASE, CONFIG, TOKENIZER)  # a LoRA run's checkpoint: adapters and a base
 
 
@@ -108,6 +111,7 @@ def verify_checkpoint(ckpt: Path) -> CheckpointReport:
     else:
         header = read_header(ckpt / WEIGHTS)
         check_header(model_config, header)
+    refuse_nonfinite(ckpt, nonfinite_safetensors([ckpt / (ADAPTERS if lora else WEIGHTS)]))
     tokenizer = Tokenizer.load(ckpt / TOKENIZER)
     if tokenizer.vocab_size != model_config.vocab_size:
         raise LmcliError(
@@ -168,6 +172,8 @@ def verify_hf(path: Path) -> CheckpointReport:
         raise LmcliError(f"tokenizer in {path} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
     header = read_headers(path)
     check_weights(family, cfg, header, path)
+    if not is_pytorch_bin(path):  # (a pytorch_model.bin is checked as far as its header goes)
+        refuse_nonfinite(path, nonfinite_safetensors(weight_files(path)))
     what = f"Hugging Face {family.name} folder, weights fit config.json, tokenizer of {tok.vocab_size} tokens"
     return CheckpointReport(path, None, header.n_params, 0, what)
 
@@ -195,12 +201,39 @@ def nonfinite_tensor(tensors: dict[str, GgufTensor], chunk: int = CHUNK_VALUES) 
     return None
 
 
+def nonfinite_safetensors(files: list[Path], chunk: int = CHUNK_VALUES) -> str | None:
+    """The name of the first floating-point tensor of these safetensors files (their headers
+    already checked) holding a NaN or an infinity, or None; read about ``chunk`` values at a
+    time through the file's map, so memory stays small however large the file."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                shape = piece.get_shape()
+                if piece.get_dtype() not in FLOAT_DTYPES:
+                    continue
+                if not shape:  # a scalar
+                    if not torch.isfinite(f.get_tensor(name)).all():
+                        return name
+                    continue
+                step = max(1, chunk // max(1, math.prod(shape[1:])))
+                for i in range(0, shape[0], step):
+                    if not torch.isfinite(piece[i : i + step]).all():
+                        return name
+    return None
+
+
+def refuse_nonfinite(path: Path, bad: str | None) -> None:
+    if bad is not None:
+        raise LmcliError(f"{path} holds NaN or infinite weights ({bad}): the model would compute nothing")
+
+
 def verify_gguf(path: Path) -> CheckpointReport:
     """A GGUF file: its header and its tensors against its metadata, and every value finite."""
     header = read_gguf_header(path)
-    bad = nonfinite_tensor(header.tensors)
-    if bad is not None:
-        raise LmcliError(f"{path} holds NaN or infinite weights ({bad}): the model would compute nothing")
+    refuse_nonfinite(path, nonfinite_tensor(header.tensors))
     params = sum(math.prod(t.shape) for t in header.tensors.values())
     kinds = ", ".join(sorted({t.kind for t in header.tensors.values()}))
     vocab = header.tokenizer.vocab_size

@@ -303,6 +303,8 @@ def resolve_configs(
     (``train.init_from.open_init`` cuts the model to a shorter one)."""
     model: dict[str, Any] = {}
     train: dict[str, Any] = {}
+    if resume is None and cli_options.get("allow_new_data"):
+        raise LmcliError("--allow-new-data is for --resume: a new run trains on the data it is given")
     if resume is not None:
         saved = read_json(last_checkpoint(resume) / "config.json", "run config")
         model = stored_fields(ModelConfig, dict(saved.get("model", {})))

@@ -16,7 +16,15 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from helpers import FAST_TRAIN_ARGS, TINY_TEXT, assert_one_line_error, make_run, run_cli, tiny_tokenizer
+from helpers import (
+    FAST_TRAIN_ARGS,
+    TINY_TEXT,
+    assert_one_line_error,
+    make_run,
+    rechecksum,
+    run_cli,
+    tiny_tokenizer,
+)
 
 import lmcli.train.mfu
 from lmcli.cli.app import main
@@ -124,6 +132,16 @@ def test_a_resume_keeps_its_data_unless_allowed(runs: dict[str, Path], capsys, t
     assert code == 0, err
     assert config_of(run)["corpus"] == [d]
     assert json.loads((run / "last" / "meta.json").read_text())["step"] == 4
+
+
+def test_allow_new_data_without_resume_is_refused(tmp_path: Path, capsys) -> None:
+    """The flag would be ignored by a new run: said, not silently dropped; nothing is written."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("to be or not to be\n" * 50)
+    argv = ["train", str(corpus), "--allow-new-data", "--out", str(tmp_path / "run"), "--max-steps", "1"]
+    code, _, err = run_cli([*argv, "-q"], capsys)
+    assert_one_line_error(code, err, "--allow-new-data is for --resume")
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- 7: tokenize retries
@@ -371,6 +389,35 @@ def test_a_gguf_with_nan_weights_fails_verify_and_eval(tmp_path: Path, capsys, d
     code, _, err = run_cli(["eval", str(path), str(tmp_path / "t.txt")], capsys)
     assert_one_line_error(code, err, f"{path} gives a loss of nan on 1 file(s)")
     assert f"lmcli verify {path} checks its weights" in err
+
+
+@pytest.mark.parametrize("source", ["run", "hf"])
+def test_a_checkpoint_or_hf_folder_with_nan_weights_fails_verify(tmp_path: Path, capsys, source: str) -> None:
+    """Row 404 for safetensors: an lmcli checkpoint (its checksum recomputed, as whoever edits it
+    can) or a Hugging Face folder with one NaN in a block's weight: verify names the tensor
+    (it said "ok"); the scan reads a few rows at a time."""
+    from safetensors.torch import load_file, save_file
+
+    from lmcli.formats import verify
+
+    run = make_run(tmp_path / "run", kind="byte", **LLAMA)
+    path = run / "last"
+    if source == "hf":
+        path = tmp_path / "hf"
+        code, _, err = run_cli(["export", str(run), str(path)], capsys)
+        assert code == 0, err
+    file = path / "model.safetensors"
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 0 and out.startswith("ok "), err
+    state = load_file(file)
+    name = next(k for k in state if ".1." in k and state[k].dim() == 2)
+    state[name][-1, -1] = float("nan")  # the last value: past the first chunk of rows below
+    save_file(state, file, metadata={"format": "pt"})
+    if source == "run":
+        rechecksum(file)
+    code, _, err = run_cli(["verify", str(path)], capsys)
+    assert_one_line_error(code, err, f"{path} holds NaN or infinite weights ({name})")
+    assert verify.nonfinite_safetensors([file], chunk=2 * state[name].shape[1]) == name
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
