@@ -131,9 +131,9 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
 
 
 def rotary_tables(n_pos: int, inv: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """cos and sin (n_pos, D) of every position's angles for the frequencies ``inv`` (D/2,)."""
+    """cos and sin (n_pos, D/2) of every position's angles for the frequencies ``inv`` (D/2,):
+    one angle for each pair of dimensions."""
     angles = torch.outer(torch.arange(n_pos, dtype=torch.float32), inv)  # (n_pos, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (n_pos, D)
     return angles.cos() * scale, angles.sin() * scale
 
 
@@ -152,10 +152,10 @@ class Rotary(Positions):
 
     def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         names = ("cos", "sin", "cos_local", "sin_local") if cfg.rope_local_base else ("cos", "sin")
-        return dict.fromkeys(names, (cfg.block_size, cfg.head_dim))
+        return dict.fromkeys(names, (cfg.block_size, cfg.head_dim // 2))
 
     def table(self, local: bool) -> tuple[Tensor, Tensor]:
-        """cos and sin (n_pos, D) of a local or a global layer."""
+        """cos and sin (n_pos, D/2) of a local or a global layer."""
         if local and hasattr(self, "cos_local"):
             return self.cos_local, self.sin_local
         return self.cos, self.sin
@@ -163,15 +163,16 @@ class Rotary(Positions):
     def rotate(self, q: Tensor, k: Tensor, pos: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
         """Rotate q and k (B, H, T, D) by positions pos (B or 1, T)."""
         cos, sin = self.table(local)
-        cos = cos[pos].unsqueeze(1).to(q.dtype)  # (B or 1, 1, T, D)
+        cos = cos[pos].unsqueeze(1).to(q.dtype)  # (B or 1, 1, T, D/2)
         sin = sin[pos].unsqueeze(1).to(q.dtype)
         return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
 
 def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (.., D) turned by angles with cos and sin (.., D): each dimension i < D/2 paired with i + D/2."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """x (.., D) turned by angles with cos and sin (.., D/2): each dimension i < D/2 paired with
+    i + D/2 (Llama's rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (.., D/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def alibi_slopes(n_head: int) -> Tensor:

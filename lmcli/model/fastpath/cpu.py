@@ -190,7 +190,7 @@ def rotary_turn(positions: Positions, pos: Tensor, dtype: torch.dtype, local: bo
     if not isinstance(positions, Rotary):
         return None
     cos, sin = positions.table(local)
-    cos = cos[pos].to(dtype)  # (B or 1, 1, D)
+    cos = cos[pos].to(dtype)  # (B or 1, 1, D/2)
     sin = sin[pos].to(dtype)
     return lambda x: rotate_half(x, cos, sin)
 

@@ -166,17 +166,17 @@ class NativeStep:
 
 
 def _turns(model: Transformer, positions: Tensor, local: bool) -> tuple[Tensor, Tensor] | None:
-    """The addresses (B,) int64 of each row's cos and sin rows (D,) float32 at ``positions`` (B,),
-    or None (no rotary table, or one too short)."""
+    """The addresses (B,) int64 of each row's cos and sin rows (D/2,) float32 at ``positions``
+    (B,), or None (no rotary table, or one too short)."""
     rotary = model.positions
     if not isinstance(rotary, Rotary):
         return None
     cos, sin = rotary.table(local)
-    D = model.config.head_dim
-    ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (t.size(0), D) for t in (cos, sin))
+    half = model.config.head_dim // 2
+    ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[1:] == (half,) for t in (cos, sin))
     if not ok or int(positions.max()) >= cos.size(0):
         return None
-    offsets = positions * (D * 4)
+    offsets = positions * (half * 4)
     return offsets + cos.data_ptr(), offsets + sin.data_ptr()
 
 
