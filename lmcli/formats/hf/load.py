@@ -168,9 +168,10 @@ def read_blocks(folder: HFFolder, dtype: torch.dtype) -> Iterator[dict[str, Tens
     for _, names in sorted(groups.items(), key=lambda item: (item[0] is not None, item[0] or 0)):
         state = {k: as_dtype(whole[k], dtype) for k in names if k in whole}
         for file, held in keys.items():
-            if held.intersection(names):
+            wanted = held.intersection(names)
+            if wanted:
                 try:
-                    state.update(read_tensors(file, dtype, held.intersection(names)))
+                    state.update(read_tensors(file, dtype, wanted))
                 except (OSError, ValueError) as exc:
                     why = str(exc).splitlines()[0][:200]
                     raise LmcliError(f"cannot read weights {file}: {why}") from None

@@ -59,8 +59,9 @@ def _product(module: nn.Module) -> native_layer.Product | None:
 def _qkv(module: nn.Module) -> tuple[native_layer.Product, ...] | None:
     """The query/key/value products: one block layer, or a stack of parts (a GGUF file's q, k, v),
     the stack's bias cut into the parts' own."""
-    if type(module) is BlockLinear:
-        return (native_layer.Product(module.blocks, module.fmt, module.in_features, _bias(module.bias)),)
+    single = _product(module)
+    if single is not None:
+        return (single,)
     if type(module) is not StackedBlockLinear or any(type(p) is not BlockLinear for p in module.parts):
         return None
     bias, at, parts = _bias(module.bias), 0, []
@@ -202,7 +203,8 @@ def native_step(
         return None
     first.check_cache(k[0], v[0], B)
     positions = torch.full((B,), column, dtype=torch.int64) if start is None else column - start  # (B,)
-    turns = (_turns(model, positions, False), _turns(model, positions, True))
+    turn = _turns(model, positions, False)
+    turns = (turn, _turns(model, positions, True) if model.config.sliding_window else turn)
     if isinstance(model.positions, Rotary) and (turns[0] is None or turns[1] is None):
         return None
     return NativeStep(

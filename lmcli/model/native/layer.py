@@ -154,7 +154,8 @@ class NativeLayer:
         """x (B, C) float32 <- the block's output; the new key and value go to ``column`` of the
         layer's cache k, v (B, KV, columns, D), and row b attends to columns start[b]..column
         (``start`` (B,) int64: each row's left padding; None: none); ``rotary``: cos and sin
-        (B, D) float32, each row's turn at its new position, or None. Everything is checked here."""
+        (B, D/2) float32, each row's turn at its new position (an angle a pair of dimensions), or
+        None. Everything is checked here."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.size(1) != self.width or not x.is_contiguous():
             raise LmcliError(
                 f"native layer: rows must be float32 (B, {self.width}), not {x.dtype} {tuple(x.shape)}"
@@ -176,9 +177,10 @@ class NativeLayer:
                 raise LmcliError(f"native layer: a row starts outside columns 0..{column}")
         turns = None
         if rotary is not None:
-            D = self.head_dim
-            if not all(t.shape == (B, D) and t.dtype == torch.float32 and t.is_contiguous() for t in rotary):
-                raise LmcliError(f"native layer: the rotary table must be float32 rows ({B}, {D})")
+            half = self.head_dim // 2
+            fits = [t.shape == (B, half) and t.dtype == torch.float32 and t.is_contiguous() for t in rotary]
+            if not all(fits):
+                raise LmcliError(f"native layer: the rotary table must be float32 rows ({B}, {half})")
             turns = (row_addresses(rotary[0]), row_addresses(rotary[1]))
         self.call(
             x.data_ptr(),
@@ -210,5 +212,5 @@ class NativeLayer:
 
 
 def row_addresses(t: Tensor) -> Tensor:
-    """(B,) int64: the address of each row of a contiguous (B, D) float32 tensor."""
+    """(B,) int64: the address of each row of a contiguous (B, n) float32 tensor."""
     return torch.arange(t.size(0), dtype=torch.int64) * (t.size(1) * 4) + t.data_ptr()
