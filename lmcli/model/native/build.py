@@ -17,7 +17,7 @@ from pathlib import Path
 from lmcli.errors import LmcliError
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("kernels.cpp", "simd_body.inc", "neon_body.inc", "layer.inc", "layer_math.inc")
+SOURCES = ("formats.h", "kernels.cpp", "simd_body.inc", "neon_body.inc", "layer.inc", "layer_math.inc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 SANITIZE_FLAGS = (
     "-O1",
