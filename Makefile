@@ -52,10 +52,19 @@ LLAMA_VENV ?= $(HOME)/.cache/lmcli/llama-venv
 LLAMA_CPP_PIN ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF  # the multimodal tools are not needed: half the compile
 
+# The build is smoke-tested (one token from a tiny GGUF file): a CPU that advertises AMX without
+# allowing it (some virtual machines) kills ggml's native build in its AMX product; it is then
+# rebuilt without -march=native, with the instruction sets the CPU lists and AMX off (no pip cache:
+# the cached wheel is the broken one).
+LLAMA_PEER := $(BIN)/python tests/formats/llama_peer.py
 llama-venv:
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp" 2>/dev/null || \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" nice -n 10 $(LLAMA_VENV)/bin/pip install --no-binary llama-cpp-python "$(LLAMA_CPP_PIN)"
+	$(LLAMA_PEER) --llama-python $(LLAMA_VENV)/bin/python || { \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $$($(LLAMA_PEER) --portable-flags)" nice -n 10 $(LLAMA_VENV)/bin/pip install \
+			--no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python "$(LLAMA_CPP_PIN)" && \
+		$(LLAMA_PEER) --llama-python $(LLAMA_VENV)/bin/python; }
 
 check-gguf: llama-venv
 	$(BIN)/python tests/formats/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
