@@ -11,7 +11,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_peer import portable_flags, smoke  # noqa: E402
 
 # a CPU that advertises AMX (as a virtual machine may without allowing it) and AVX512-VNNI
-AMX_CPU = "processor\t: 0\nflags\t\t: fpu sse avx avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512dq avx512cd avx512_vnni amx_tile amx_int8 amx_bf16\n"
+AMX_CPU = (
+    "processor\t: 0\nflags\t\t: fpu sse avx avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512dq "
+    "avx512cd avx512_vnni amx_tile amx_int8 amx_bf16\n"
+)
 
 
 def test_the_portable_rebuild_turns_amx_off_and_keeps_what_the_cpu_lists() -> None:
