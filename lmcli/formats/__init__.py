@@ -2,8 +2,9 @@
 
 - ``checkpoint.py``: run folders and checkpoints (written atomically, checksummed, read
   consistently); ``weights.py``: safetensors weights checked against a config and read;
-- ``families/``: one adapter per model family (gpt2, llama, qwen2, mistral): names, configs and
-  limits, shared by every import and export;
+- ``families/``: one adapter per model family (gpt2, llama, qwen2, mistral, qwen3, smollm3,
+  gemma3), each in its own module: names, configs, limits and when export writes it, shared by
+  every import and export;
 - ``hf/``: a Hugging Face folder in; ``gguf/``: a GGUF file in (header scan, tensors, vocabulary);
 - ``lora_base.py``: a LoRA run's base model; ``sources.py``: any model source (run folder,
   checkpoint, HF folder, GGUF file, LoRA run) as a model; ``verify.py``: ``lmcli verify``;
