@@ -11,12 +11,13 @@
   against the run's LoRA settings on that base (``lora.check_adapters``: the rank, every
   adapter's shape).
 - A Hugging Face folder: ``config.json`` (every value, ``HFConfig``), the tokenizer, every
-  shard's header against the config (``hf.weights.check_weights``), and every safetensors
-  weight finite.
+  shard's header against the config (``lmcli.formats.hf.weights.check_weights``), and every
+  safetensors weight finite.
 - A GGUF file: its header scanned with bounds and its tensors against its metadata
-  (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
-  checked against the vocabulary (``hf.gguf_load.read_gguf_header``), and every value of
-  every tensor finite (a float tensor read a chunk at a time; a quantized one by its scales).
+  (``lmcli.formats.gguf.check.check_gguf``), then read as loading reads it: its tokenizer rebuilt
+  and checked against the vocabulary (``lmcli.formats.gguf.load.read_gguf_header``), and every
+  value of every tensor finite (a float tensor read a chunk at a time; a quantized one by its
+  scales).
 
 The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
 the ones that were trained (a checksum recomputed by whoever edited a file matches again), and
