@@ -177,6 +177,10 @@ class Task:
         """Whether the validation at ``step`` also decodes validation examples for BLEU."""
         return False
 
+    def decodes_bleu(self) -> bool:
+        """Whether any validation decodes for BLEU (``wants_bleu`` at some step)."""
+        return False
+
 
 class LanguageModel(Task):
     """``--task lm``: next-token prediction on windows of a token stream."""
@@ -222,7 +226,10 @@ class Translation(Task):
 
     def wants_bleu(self, step: int) -> bool:
         val = self.cfg.validation
-        return bool(val.bleu_samples) and (not val.bleu_interval or step % val.bleu_interval == 0)
+        return self.decodes_bleu() and (not val.bleu_interval or step % val.bleu_interval == 0)
+
+    def decodes_bleu(self) -> bool:
+        return bool(self.cfg.validation.bleu_samples)
 
 
 class Supervised(Task):

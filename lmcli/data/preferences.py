@@ -309,8 +309,9 @@ class PromptData:
 # ----------------------------------------------------------------------------- a run's data
 
 
-def _rows_of(cfg: Any, task: str, validation: bool) -> str | None:
-    """The file (or dataset) of a run's pairs or prompts, or of its validation ones."""
+def _rows_of(cfg: Any, noun: str, validation: bool) -> str | None:
+    """The file (or dataset) of a run's ``noun`` (preference pairs, prompts), or of its validation
+    ones."""
     data = cfg.data
     if validation:
         return data.val
@@ -318,8 +319,7 @@ def _rows_of(cfg: Any, task: str, validation: bool) -> str | None:
         return data.dataset
     if len(data.corpus) == 1:
         return data.corpus[0]
-    noun = "preference pairs" if task == "dpo" else "prompts"
-    raise LmcliError(f"--task {task} needs one file of {noun} (JSONL, JSON or parquet) or --dataset")
+    raise LmcliError(f"--task {cfg.task} needs one file of {noun} (JSONL, JSON or parquet) or --dataset")
 
 
 def _split(items: list[Any], cfg: Any, noun: str) -> tuple[list[Any], list[Any]]:
@@ -333,11 +333,11 @@ def _split(items: list[Any], cfg: Any, noun: str) -> tuple[list[Any], list[Any]]
 def load_preference_data(cfg: Any, block_size: int, tok: Tokenizer) -> PreferenceData:
     """``--task dpo``: the pairs (and held-out pairs), rendered; a pair longer than the context
     is refused."""
-    spec = _rows_of(cfg, "dpo", False)
+    spec = _rows_of(cfg, "preference pairs", False)
     assert spec is not None
     rows = PreferenceRows(spec, cfg.data.split)
     pairs = rows.pairs(tok, block_size + 1)
-    val_spec = _rows_of(cfg, "dpo", True)
+    val_spec = _rows_of(cfg, "preference pairs", True)
     if val_spec is not None:
         train, val = pairs, PreferenceRows(val_spec).pairs(tok, block_size + 1)
     else:
@@ -349,11 +349,11 @@ def load_preference_data(cfg: Any, block_size: int, tok: Tokenizer) -> Preferenc
 def load_prompt_data(cfg: Any, block_size: int, tok: Tokenizer, check: Any) -> PromptData:
     """``--task grpo``: the prompts (and held-out prompts), rendered and checked by the rewards
     (``check(row, where)``); a prompt that leaves no room for a reply is refused."""
-    spec = _rows_of(cfg, "grpo", False)
+    spec = _rows_of(cfg, "prompts", False)
     assert spec is not None
     rows = PromptRows(spec, cfg.data.split)
     prompts = rows.prompts(tok, block_size, check)
-    val_spec = _rows_of(cfg, "grpo", True)
+    val_spec = _rows_of(cfg, "prompts", True)
     if val_spec is not None:
         train, val = prompts, PromptRows(val_spec).prompts(tok, block_size, check)
     else:

@@ -163,7 +163,7 @@ def save_checkpoint(
     base: dict[str, Any] | None = None,
 ) -> None:
     """Atomically write a checkpoint folder at ``dest``; for a model with LoRA adapters, the
-    adapters and ``base`` (``lora_run.base_reference``) instead of the weights."""
+    adapters and ``base`` (``lora_base.base_reference``) instead of the weights."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(dest)  # created exclusively: a planted link at any name is never followed

@@ -2,15 +2,15 @@
 
 A LoRA run's checkpoint (``lmcli.formats.checkpoint``) holds ``adapters.safetensors`` and ``base.json``:
 the folder of the ``--init-from`` base (an lmcli checkpoint or a Hugging Face folder; or a GGUF
-file; a relative path is read from the run folder) and the sha256 of its weight files. Loading
-such a checkpoint (``lmcli.formats.sources``) finds the base unchanged (``checked_base``), loads it and
-calls ``load_adapted``, which checks the adapters' header against the run's LoRA settings and the
-base before any adapter is allocated. The layers are ``lmcli.model.lora``.
+file; a relative path is read from the run folder) and the sha256 of its weight files
+(``ModelSource.digests``). Loading such a checkpoint (``lmcli.formats.sources``) finds the base
+unchanged (``checked_base``: its ``ModelSource``), loads it and calls ``load_adapted``, which checks
+the adapters' header against the run's LoRA settings and the base before any adapter is
+allocated. The layers are ``lmcli.model.lora``.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,69 +20,46 @@ from safetensors.torch import load_file
 from lmcli.config.model import ModelConfig
 from lmcli.config.train import TrainConfig
 from lmcli.errors import LmcliError
-from lmcli.formats.checkpoint import (
-    ADAPTERS,
-    BASE,
-    META,
-    OLD,
-    STEP,
-    WEIGHTS,
-    read_json,
-    resolve_checkpoint,
-    sha256_of,
-)
-from lmcli.formats.gguf.load import is_gguf_file
-from lmcli.formats.hf.load import is_hf_folder
+from lmcli.formats.checkpoint import ADAPTERS, BASE, OLD, STEP
+from lmcli.formats.model_source import ModelSource, model_source
 from lmcli.formats.weights import read_header, with_context
 from lmcli.model import lora
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import checked_file
 
 
-def base_digests(path: Path) -> dict[str, str]:
-    """The sha256 of each weight file of a base model folder: an lmcli checkpoint's
-    ``model.safetensors`` (as its meta.json records it, which loading verifies), or a Hugging
-    Face folder's ``*.safetensors`` and ``*.bin`` files; a GGUF file's own."""
-    if is_gguf_file(path):
-        return {path.name: sha256_of(checked_file(path))}
-    if (path / META).exists():
-        recorded = read_json(path / META, "checkpoint metadata").get("sha256", {})
-        digest = recorded.get(WEIGHTS) if isinstance(recorded, dict) else None
-        return {WEIGHTS: digest if isinstance(digest, str) else sha256_of(checked_file(path / WEIGHTS))}
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
-    return {p.name: sha256_of(checked_file(p)) for p in files}
-
-
-def base_reference(path: str | Path) -> dict[str, Any]:
+def base_reference(base: str | Path | ModelSource) -> dict[str, Any]:
     """What a LoRA run records of its ``--init-from`` base: the folder it reads (a run folder's
     checkpoint, a Hugging Face folder, a GGUF file) and the sha256 of its weight files."""
-    path = Path(path).resolve()
-    folder = path if is_hf_folder(path) or is_gguf_file(path) else resolve_checkpoint(path)
-    if os.path.lexists(folder / ADAPTERS):
+    source = model_source(base)
+    folder = source.folder.resolve()
+    if source.kind == "lora":
         raise LmcliError(
             f"{folder} is itself a LoRA run: fold its adapters first "
             f"(lmcli export --merge {folder} --format lmcli OUT), then adapt OUT"
         )
-    return {"path": str(folder), "sha256": base_digests(folder)}
+    return {"path": str(folder), "sha256": source.digests()}
 
 
-def checked_base(ckpt: Path, base: dict[str, Any]) -> Path:
-    """The base model folder a LoRA checkpoint's ``base.json`` names, once its weight files are
-    found to have the recorded sha256; one line if it is gone or changed."""
+def checked_base(ckpt: Path, base: dict[str, Any]) -> ModelSource:
+    """The base model a LoRA checkpoint's ``base.json`` names, once its weight files are found to
+    have the recorded sha256; one line if it is gone or changed."""
     where = ckpt / BASE
     if not isinstance(base.get("path"), str) or not isinstance(base.get("sha256"), dict):
         raise LmcliError(f"{where} has no base path and sha256")
     path = Path(base["path"])
     if not path.is_absolute():  # a run folder moved with its base beside it: read from the run folder
         path = run_folder_of(ckpt) / path
-    if not (path.is_dir() or is_gguf_file(path)):
-        raise LmcliError(f"the base model {path} of LoRA run {ckpt} is gone (see {where})")
-    if base_digests(path) != base["sha256"]:
+    try:
+        source = model_source(path)
+    except LmcliError:
+        raise LmcliError(f"the base model {path} of LoRA run {ckpt} is gone (see {where})") from None
+    if source.digests() != base["sha256"]:
         raise LmcliError(
             f"the base model {path} changed since LoRA run {ckpt} was trained (sha256 of its weights "
             f"differs): restore that base, or train the adapters again"
         )
-    return path
+    return source
 
 
 def run_folder_of(ckpt: Path) -> Path:
@@ -121,8 +98,8 @@ def load_adapted(
 
 
 def is_lora_run(path: str | Path) -> bool:
-    """Whether ``path`` (a run or checkpoint folder) holds LoRA adapters rather than weights."""
+    """Whether ``path`` is a LoRA run (or its checkpoint): adapters rather than weights."""
     try:
-        return os.path.lexists(resolve_checkpoint(path) / ADAPTERS)
+        return model_source(path).kind == "lora"
     except LmcliError:
         return False

@@ -1,9 +1,10 @@
-"""Model sources: what a command is given as its model, opened.
+"""Model sources opened: what a command is given as its model, loaded by its kind
+(``lmcli.formats.model_source`` says which kind, once):
 
 - an lmcli run folder (its ``best``, else ``last``) or checkpoint folder (``lmcli.formats.checkpoint``
   reads its files);
-- a LoRA run: its base (an lmcli checkpoint or a Hugging Face folder, found unchanged by
-  ``lmcli.formats.lora_base``) with the adapters put on, or merged into the weights;
+- a LoRA run: its base (an lmcli checkpoint, a Hugging Face folder or a GGUF file, found
+  unchanged by ``lmcli.formats.lora_base``) with the adapters put on, or merged into the weights;
 - a local Hugging Face folder (``lmcli.formats.hf.load``); with ``quantize`` on a CPU, quantized
   as it is read (``load_hf_quantized``: one block's float weights at a time, never the whole
   float model);
@@ -11,7 +12,7 @@
 - nothing: the newest run under ``checkpoints/``.
 
 ``read_model_config`` answers what model a source holds (its ``ModelConfig``) from its configs
-or header alone, without reading its weights.
+or header alone, without reading its weights (``ModelSource.config``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from lmcli.errors import LmcliError
 from lmcli.formats.checkpoint import (
     ADAPTERS,
     BASE,
-    META,
     WEIGHTS,
     Checkpoint,
     read_configs,
@@ -42,11 +42,11 @@ from lmcli.formats.checkpoint import (
     save_checkpoint,
 )
 from lmcli.formats.gguf.as_stored import load_gguf_as_stored
-from lmcli.formats.gguf.load import is_gguf_file, load_gguf, read_gguf_header
-from lmcli.formats.hf.load import is_hf_folder, load_hf_folder, open_hf_folder, read_blocks
-from lmcli.formats.hf.load import read_json as read_hf_json
+from lmcli.formats.gguf.load import load_gguf
+from lmcli.formats.hf.load import load_hf_folder, open_hf_folder, read_blocks
 from lmcli.formats.hf.weights import LAYER, read_headers
 from lmcli.formats.lora_base import checked_base, load_adapted
+from lmcli.formats.model_source import ModelSource, model_source
 from lmcli.formats.weights import DTYPES as STORED_DTYPES
 from lmcli.formats.weights import MODULE_NAMES, load_weights
 from lmcli.model import quant
@@ -76,8 +76,8 @@ def load_checkpoint(
     base = None
     if os.path.lexists(ckpt / ADAPTERS):
         base = read_json(ckpt / BASE, "LoRA base reference")
-        base_path = checked_base(ckpt, base)
-        model = load_adapted(ckpt, base_path, base_model(base_path), model_config, train_config, merge=merge)
+        source = checked_base(ckpt, base)
+        model = load_adapted(ckpt, source.path, base_model(source), model_config, train_config, merge=merge)
     else:
         model = load_weights(model_config, ckpt / WEIGHTS)
     model.to(device).eval()
@@ -85,34 +85,35 @@ def load_checkpoint(
     return Checkpoint(ckpt, model, model_config, train_config, tokenizer, meta, state, base)
 
 
-def base_model(path: Path) -> Transformer:
+def base_model(source: ModelSource) -> Transformer:
     """A LoRA run's base model: a Hugging Face folder or a GGUF file in float32 (as it was
     trained), or an lmcli checkpoint."""
-    if is_hf_folder(path):
-        return load_hf_folder(path, torch.float32, lambda msg: None)[0]
-    if is_gguf_file(path):
-        return load_gguf(path, torch.float32)[0]
-    return load_checkpoint(path).model
+    if source.kind == "hf":
+        return load_hf_folder(source.path, torch.float32, lambda msg: None)[0]
+    if source.kind == "gguf":
+        return load_gguf(source.path, torch.float32)[0]
+    return load_checkpoint(source.path).model
 
 
 def load_model(
-    path: str | Path | None,
+    path: str | Path | ModelSource | None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     as_stored: bool = False,
     quantize: str = "none",
     group_size: int = 64,
 ) -> Checkpoint:
-    """What a command is given: an lmcli run or checkpoint folder, a local Hugging Face folder,
-    a GGUF file, or (None) the newest run under ``checkpoints/``; in eval mode on ``device``,
-    weights in ``dtype`` (None: as stored). ``as_stored``: a GGUF file's q8_0/q4_0/K-quant
-    matrices stay in their blocks on a CPU, multiplied by the native kernels (inference only).
-    ``quantize`` (int8, int4: ``lmcli.model.quant``): the linear layers quantized, a Hugging
-    Face folder's on a CPU as they are read (``load_hf_quantized``), a GGUF file's from its
-    dequantized values (``as_stored`` does not apply)."""
-    path = Path(path) if path is not None else find_latest_run(Path("checkpoints"))
+    """What a command is given (``model_source``): an lmcli run or checkpoint folder, a local
+    Hugging Face folder, a GGUF file, or (None) the newest run under ``checkpoints/``; in eval
+    mode on ``device``, weights in ``dtype`` (None: as stored). ``as_stored``: a GGUF file's
+    q8_0/q4_0/K-quant matrices stay in their blocks on a CPU, multiplied by the native kernels
+    (inference only). ``quantize`` (int8, int4: ``lmcli.model.quant``): the linear layers
+    quantized, a Hugging Face folder's on a CPU as they are read (``load_hf_quantized``), a GGUF
+    file's from its dequantized values (``as_stored`` does not apply)."""
+    source = model_source(path)
     on_cpu = torch.device(device).type == "cpu"
-    if is_hf_folder(path):
+    path = source.path
+    if source.kind == "hf":
         if quantize != "none" and on_cpu:
             model, tok = load_hf_quantized(path, dtype, quantize, group_size)
         else:
@@ -121,7 +122,7 @@ def load_model(
             quant.quantize(model, quantize, group_size)
         meta = {"source": "huggingface", "name": path.resolve().name}
         return Checkpoint(path, model, model.config, TrainConfig(), tok, meta)
-    if is_gguf_file(path):
+    if source.kind == "gguf":
         blocks = as_stored and quantize == "none" and on_cpu
         model, tok, meta = (load_gguf_as_stored if blocks else load_gguf)(path, dtype)
         model.to(device).eval()
@@ -189,27 +190,10 @@ def stored_dtype(path: Path) -> torch.dtype:
     return STORED_DTYPES.get(kinds[0], torch.float32) if kinds else torch.float32
 
 
-def read_model_config(path: str | Path) -> ModelConfig:
+def read_model_config(path: str | Path | ModelSource) -> ModelConfig:
     """The ModelConfig of the model ``path`` names (as ``load_model`` would load it), from its
     configs or header alone: nothing is built and no weight is read."""
-    path = Path(path)
-    if is_hf_folder(path):
-        from lmcli.formats.families import HFConfig, from_hf_config
-
-        hf = HFConfig(read_hf_json(path / "config.json"), str(path / "config.json"))
-        return from_hf_config(hf).config_from_hf(hf)[0]
-    if is_gguf_file(path):
-        return read_gguf_header(path).config
-    return read_configs(resolve_checkpoint(path), verify=False)[1]
-
-
-def find_latest_run(root: str | Path = "checkpoints") -> Path:
-    """The most recently written run folder under ``root``."""
-    root = Path(root)
-    runs = [p for p in root.glob("*/last") if (p / META).exists()] if root.is_dir() else []
-    if not runs:
-        raise LmcliError(f"no run found under {root}/: give a run folder, or train one with `lmcli train`")
-    return max(runs, key=lambda p: (p / META).stat().st_mtime).parent
+    return model_source(path).config()
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:

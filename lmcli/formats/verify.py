@@ -11,12 +11,13 @@
   against the run's LoRA settings on that base (``lora.check_adapters``: the rank, every
   adapter's shape).
 - A Hugging Face folder: ``config.json`` (every value, ``HFConfig``), the tokenizer, every
-  shard's header against the config (``hf.weights.check_weights``), and every safetensors
-  weight finite.
+  shard's header against the config (``lmcli.formats.hf.weights.check_weights``), and every
+  safetensors weight finite.
 - A GGUF file: its header scanned with bounds and its tensors against its metadata
-  (``hf.gguf_check.check_gguf``), then read as loading reads it: its tokenizer rebuilt and
-  checked against the vocabulary (``hf.gguf_load.read_gguf_header``), and every value of
-  every tensor finite (a float tensor read a chunk at a time; a quantized one by its scales).
+  (``lmcli.formats.gguf.check.check_gguf``), then read as loading reads it: its tokenizer rebuilt
+  and checked against the vocabulary (``lmcli.formats.gguf.load.read_gguf_header``), and every
+  value of every tensor finite (a float tensor read a chunk at a time; a quantized one by its
+  scales).
 
 The first problem is an ``LmcliError`` naming it. What it cannot tell: whether the weights are
 the ones that were trained (a checksum recomputed by whoever edited a file matches again), and
@@ -47,13 +48,13 @@ from lmcli.formats.checkpoint import (
     TOKENIZER,
     WEIGHTS,
     read_json,
-    resolve_checkpoint,
     verify_checksums,
 )
 from lmcli.formats.gguf.load import GgufTensor, read_gguf_header
 from lmcli.formats.hf.load import is_hf_folder, read_hf_config, read_tokenizer
 from lmcli.formats.hf.weights import check_weights, is_pytorch_bin, read_headers, weight_files
 from lmcli.formats.lora_base import checked_base
+from lmcli.formats.model_source import ModelSource
 from lmcli.formats.weights import WeightsHeader, check_header, read_header
 from lmcli.model.lora import check_adapters
 from lmcli.model.skeleton import skeleton
@@ -142,24 +143,26 @@ def read_configs(path: Path) -> tuple[ModelConfig, TrainConfig]:
     return stored_model_config(cfg["model"], source=str(path)), train
 
 
-def base_config(base: Path) -> ModelConfig:
-    """The model config of a LoRA run's base, its weights' header checked against it."""
-    if is_hf_folder(base):
-        _, family, cfg, _ = read_hf_config(base)
-        check_weights(family, cfg, read_headers(base), base)
+def base_config(base: ModelSource) -> ModelConfig:
+    """The model config of a LoRA run's base, its weights' header checked against it (a GGUF
+    file's tensors are checked against its metadata as its header is read)."""
+    if base.kind == "hf":
+        _, family, cfg, _ = read_hf_config(base.path)
+        check_weights(family, cfg, read_headers(base.path), base.path)
         return cfg
-    ckpt = resolve_checkpoint(base)
-    cfg, _ = read_configs(ckpt / CONFIG)
-    check_header(cfg, read_header(checked_file(ckpt / WEIGHTS)))
+    if base.kind == "gguf":
+        return read_gguf_header(base.path).config
+    cfg, _ = read_configs(base.folder / CONFIG)
+    check_header(cfg, read_header(checked_file(base.folder / WEIGHTS)))
     return cfg
 
 
 def check_lora(
-    ckpt: Path, base: Path, model_config: ModelConfig, train_config: TrainConfig, header: WeightsHeader
+    ckpt: Path, base: ModelSource, model_config: ModelConfig, train_config: TrainConfig, header: WeightsHeader
 ) -> None:
     """A LoRA checkpoint's adapters against its LoRA settings on its base (shapes only)."""
     if base_config(base) != model_config:
-        raise LmcliError(f"the base model {base} does not fit LoRA run {ckpt}'s model config")
+        raise LmcliError(f"the base model {base.path} does not fit LoRA run {ckpt}'s model config")
     model = skeleton(model_config)
     check_adapters(model, train_config, header.tensors, str(ckpt / ADAPTERS))
 

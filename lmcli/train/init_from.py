@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from lmcli.config.model import ModelConfig
-from lmcli.formats.gguf.load import is_gguf_file, load_gguf
-from lmcli.formats.hf.load import is_hf_folder, load_hf_folder, open_hf_folder
+from lmcli.formats.gguf.load import load_gguf
+from lmcli.formats.hf.load import load_hf_folder, open_hf_folder
+from lmcli.formats.model_source import ModelSource, model_source
 from lmcli.formats.sources import load_checkpoint
 from lmcli.formats.weights import with_context
 from lmcli.model.skeleton import skeleton
@@ -43,14 +44,25 @@ class Init:
     load: Load
 
 
-def open_init(path: str, info: Callable[[str], None], block_size: int | None = None) -> Init:
-    """``path`` opened for training with a context of ``block_size`` (None: the model's own)."""
-    if is_gguf_file(path):
-        model, tok, _ = load_gguf(path, torch.float32)
-        return _whole(model, tok, path, info, block_size)
-    if not (is_hf_folder(path) or not Path(path).is_dir()):
-        ckpt = load_checkpoint(path)
-        return _whole(ckpt.model.float(), ckpt.tokenizer, path, info, block_size)
+def init_source(path: str | Path | ModelSource) -> ModelSource:
+    """What ``--init-from`` names (``model_source``; a path that does not exist is no Hugging Face
+    model folder, as the option has always said)."""
+    return model_source(path, missing="Hugging Face model folder")
+
+
+def open_init(
+    init: str | Path | ModelSource, info: Callable[[str], None], block_size: int | None = None
+) -> Init:
+    """``init`` (a source, or the path that names it) opened for training with a context of
+    ``block_size`` (None: the model's own)."""
+    source = init_source(init)
+    if source.kind == "gguf":
+        model, tok, _ = load_gguf(source.path, torch.float32)
+        return _whole(model, tok, source.path, info, block_size)
+    if source.kind != "hf":
+        ckpt = load_checkpoint(source.path)
+        return _whole(ckpt.model.float(), ckpt.tokenizer, source.path, info, block_size)
+    path = source.path
     folder = open_hf_folder(path)
     config = _fitted_config(folder.config, block_size)
 
@@ -68,7 +80,7 @@ def open_init(path: str, info: Callable[[str], None], block_size: int | None = N
 
 
 def _whole(
-    model: Transformer, tok: Any, path: str, info: Callable[[str], None], block_size: int | None
+    model: Transformer, tok: Any, path: Path, info: Callable[[str], None], block_size: int | None
 ) -> Init:
     model = _fitted(model, path, info, block_size)
     return Init(model.config, tok, lambda meta: (model, None))
@@ -80,14 +92,14 @@ def _fitted_config(cfg: ModelConfig, block_size: int | None) -> ModelConfig:
     )
 
 
-def _note_context(cfg: ModelConfig, path: str, info: Callable[[str], None], block_size: int | None) -> None:
+def _note_context(cfg: ModelConfig, path: Path, info: Callable[[str], None], block_size: int | None) -> None:
     if block_size is not None and block_size > cfg.block_size:
         context = cfg.block_size
         info(f"note: {path} has a context of {context} tokens: block size {context}, not {block_size}")
 
 
 def _fitted(
-    model: Transformer, path: str, info: Callable[[str], None], block_size: int | None
+    model: Transformer, path: Path, info: Callable[[str], None], block_size: int | None
 ) -> Transformer:
     """``model`` with the run's context: cut to ``block_size`` when that is shorter."""
     _note_context(model.config, path, info, block_size)

@@ -65,7 +65,7 @@ def choose_parallel(cfg: TrainConfig, dist_info: Dist, need: int, available: int
     if chosen == "auto":
         fits = available is None or need <= available
         chosen = "ddp" if fits or not dist_info.enabled else "fsdp"
-    if chosen == "fsdp" and cfg.task == "translation" and cfg.validation.bleu_samples:
+    if chosen == "fsdp" and make_task(cfg).decodes_bleu():
         raise LmcliError(
             "--parallel fsdp cannot decode BLEU samples during training (rank 0 decodes alone); "
             "give --bleu-samples 0 and score the checkpoints with lmcli eval"

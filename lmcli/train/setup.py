@@ -45,7 +45,7 @@ from lmcli.train.distributed import (
     in_turn,
     on_main,
 )
-from lmcli.train.init_from import open_init
+from lmcli.train.init_from import init_source, open_init
 from lmcli.train.losses import probe_step_seconds
 from lmcli.train.metrics import MetricsLog
 from lmcli.train.mfu import MfuBasis, flops_per_token, matmul_params
@@ -104,11 +104,10 @@ def open_run(
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
     eval_tasks = load_eval_tasks(cfg) if dist_info.is_main else []  # a bad file stops the run here
 
-    init = None
-    if cfg.init_from and not resumed:
-        init = open_init(cfg.init_from, info, model_config.block_size)
-        model_config = init.config
-    base = resumed.base if resumed else base_reference(cfg.init_from) if cfg.lora.lora_rank else None
+    source = init_source(cfg.init_from) if cfg.init_from and not resumed else None  # asked once
+    init = open_init(source, info, model_config.block_size) if source else None
+    model_config = init.config if init else model_config
+    base = resumed.base if resumed else base_reference(source) if cfg.lora.lora_rank and source else None
     tokenizer = resumed.tokenizer if resumed else init.tokenizer if init else None
     data = open_data(cfg, model_config, tokenizer, progress, dist_info, device, info)
     model_config = run_model_config(model_config, cfg, data, resumed, init, device)

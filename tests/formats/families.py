@@ -4,7 +4,7 @@ Each folder holds what a hub model holds: config.json, generation_config.json, m
 (or shards), tokenizer.json and tokenizer_config.json naming the special tokens. The tokenizers
 use their family's token names, so the roles must come from the files, not from lmcli's names.
 Every family registered in ``lmcli.formats.families`` needs a variant here (``test_family_adapters.py``
-checks): adding a family is its adapter module, its registry line and a variant.
+checks): adding a family is its adapter module and a variant.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def test_metadata_without_special_ids_or_flags_reads_as_llama_cpp_defaults(tmp_p
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
-    from lmcli.formats.families.hf_config import GgufSchema, HFConfig
+    from lmcli.formats.families.gguf_schema import GgufSchema
+    from lmcli.formats.families.hf_config import HFConfig
     from lmcli.formats.gguf.vocab import tokenizer_from_gguf
 
     reader = gguf.GGUFReader(path)

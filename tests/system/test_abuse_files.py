@@ -386,7 +386,7 @@ def test_average_refuses_other_tokenizers_nan_weights_and_linked_steps(tmp_path:
 
 @pytest.mark.slow
 def test_a_crafted_gguf_is_refused_before_anything_is_built(tmp_path: Path, capsys) -> None:
-    """Row 10 and the GGUF header-before-build check (``hf/gguf_check.py``), on files the
+    """Row 10 and the GGUF header-before-build check (``formats/gguf/check.py``), on files the
     ``gguf`` package wrote: metadata sizes the tensors do not hold, a truncated file, and an
     array of 2 million elements (``gguf.GGUFReader`` takes ~1.5 GB and 20 s to open it)."""
     gguf = pytest.importorskip("gguf")

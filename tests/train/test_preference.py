@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_tokenizer
+from helpers import tiny_tokenizer, train_config
 
-from lmcli.data.preferences import PreferenceRows, PromptRows, last_reply
+from lmcli.data.preferences import (
+    PreferenceRows,
+    PromptRows,
+    last_reply,
+    load_preference_data,
+    load_prompt_data,
+)
 from lmcli.errors import LmcliError
 from lmcli.text.chat_template import encode_conversation
 from lmcli.train.preference import preference_loss, row_sums, token_logprobs
@@ -204,3 +211,18 @@ def test_prompts_end_where_the_reply_begins(tmp_path: Path) -> None:
 
     with pytest.raises(LmcliError, match=rf"^{path}:2: answer must be text$"):
         PromptRows(str(path)).prompts(tok, 64, check)
+
+
+@pytest.mark.parametrize(
+    ("task", "noun"),
+    [(dict(task="dpo"), "preference pairs"), (dict(task="grpo", reward=("number",)), "prompts")],
+)
+def test_rows_from_two_files_are_refused_in_one_line(task: dict, noun: str) -> None:
+    cfg = train_config(corpus=("a.jsonl", "b.jsonl"), init_from="m", **task)
+    load = load_preference_data if task["task"] == "dpo" else partial(load_prompt_data, check=None)
+    with pytest.raises(LmcliError) as exc:
+        load(cfg, 64, tiny_tokenizer(TEXT))
+    assert (
+        str(exc.value)
+        == f"--task {task['task']} needs one file of {noun} (JSONL, JSON or parquet) or --dataset"
+    )

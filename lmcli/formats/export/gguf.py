@@ -16,7 +16,7 @@ Hugging Face's Llama does); llama.cpp's ``llama`` turns adjacent pairs. The Llam
 reorders the query and key rows of each head so that llama.cpp's pair (2i, 2i+1) holds lmcli's
 pair (i, i + D/2). Attention scores do not change: queries and keys move together.
 
-Tokenizer (``gguf_vocab.py``): a byte-level BPE is GGUF's ``gpt2`` tokenizer model, with the
+Tokenizer (``lmcli.formats.gguf.vocab``): a byte-level BPE is GGUF's ``gpt2`` tokenizer model, with the
 source's pre-tokenizer by its GGUF name (GPT-2's ``gpt-2`` for lmcli's own), ``add_bos_token`` as
 the tokenizer says and its chat template; a SentencePiece-style one (a BPE with byte fallback,
 spaces as ``▁``: Llama 2's, Gemma's) is GGUF's ``llama`` model, with scores and

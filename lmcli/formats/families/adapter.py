@@ -1,4 +1,5 @@
-"""What a family adapter is: tensor-name maps both ways, configs both ways, what it cannot express.
+"""What a family adapter is: tensor-name maps both ways, configs both ways, what it cannot express,
+when export writes a model as the family, and the sliding window as its ``config.json`` says it.
 
 lmcli's names are those of its checkpoint files (``wte.weight``, ``wpe.weight``,
 ``h.{i}.attn.c_attn.weight``, ...; the logical vocabulary; a tied head absent). A family's map
@@ -157,6 +158,31 @@ def variants(cfg: ModelConfig) -> dict[str, bool]:
     }
 
 
+LOCAL, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer types
+
+
+def layer_pattern(types: list[str], where: str) -> str:
+    """The shortest ``layer_pattern`` (L local, G global, repeated) of config.json's
+    ``layer_types``; "" when every layer is local."""
+    letters = []
+    for t in types:
+        if t not in (LOCAL, GLOBAL):
+            raise LmcliError(f"{where}: unsupported layer type {t!r} (lmcli reads {LOCAL}, {GLOBAL})")
+        letters.append("L" if t == LOCAL else "G")
+    return "" if all(x == "L" for x in letters) else shortest_period("".join(letters))
+
+
+def shortest_period(letters: str) -> str:
+    """The shortest prefix that, repeated, gives ``letters`` (a layer or rotary pattern)."""
+    n = next(n for n in range(1, len(letters) + 1) if all(c == letters[i % n] for i, c in enumerate(letters)))
+    return letters[:n]
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """config.json's ``layer_types`` of ``cfg``."""
+    return [LOCAL if cfg.is_local(i) else GLOBAL for i in range(cfg.n_layer)]
+
+
 @dataclass(frozen=True)
 class Field:
     """A ``config.json`` field holding a ModelConfig field: read on import, written on export."""
@@ -169,15 +195,21 @@ class Field:
 class FamilyAdapter:
     """One model family: what lmcli knows of it, used by every import and export.
 
-    A subclass sets the class attributes (the name tables, ``hf_fields``, the messages) and
-    writes ``config_from_hf``, ``hf_settings``, ``gguf_metadata``, ``gguf_settings`` and (for
-    what only it cannot express) ``own_problems``; the weight maps need no code.
+    A family is one subclass in a module of ``lmcli.formats.families``: the registry collects
+    every adapter class those modules define (writing the class registers it). A subclass sets
+    the class attributes (the name tables, ``hf_fields``, the messages, ``export_rank``) and
+    writes ``config_from_hf``, ``hf_settings``, ``gguf_metadata``, ``gguf_settings``, ``claims``
+    (which models export writes as it) and, for what only it cannot express, ``own_problems``;
+    the weight maps need no code. A family with a sliding window says how its ``config.json``
+    holds it (``window``, ``default_layer_types``, ``window_config``).
     """
 
     name: ClassVar[str]  # config.json's model_type
     architecture: ClassVar[str]  # config.json's architectures
     gguf_arch: ClassVar[str | None] = None  # GGUF's general.architecture
     reads_gguf: ClassVar[bool] = True  # whether GGUF files of ``gguf_arch`` are read through it
+    # export asks the families in rising rank whether they ``claim`` a model; None: import only
+    export_rank: ClassVar[int | None] = None
     position: ClassVar[str]  # what the family computes, as lmcli's options say it
     norm: ClassVar[str]
     mlp: ClassVar[str]
@@ -190,6 +222,47 @@ class FamilyAdapter:
     hf_fields: ClassVar[tuple[Field, ...]]  # config.json fields that hold ModelConfig fields
     hf_extra: ClassVar[dict[str, Any]] = {}  # config.json fields after the rest (constants)
     expresses: ClassVar[frozenset[str]] = frozenset()  # the ``variants`` the family can hold
+    # the ``variants`` its GGUF architecture holds (None: those of ``expresses``)
+    gguf_expresses: ClassVar[frozenset[str] | None] = None
+
+    # ------------------------------------------------------------------------- export's choice
+
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        """Whether export writes ``cfg`` as this family in ``fmt`` (asked in ``export_rank``
+        order, the first family that claims it writes it, or names what it cannot express):
+        ``cfg`` uses something this family is the one to write."""
+        return False
+
+    # ------------------------------------------------------------------------- the sliding window
+
+    def window(self, hf: HFConfig) -> int | None:
+        """The sliding window the family's transformers code applies (None: none)."""
+        return None
+
+    def default_layer_types(self, hf: HFConfig, n_layer: int, window: int) -> list[str]:
+        """The layer types transformers gives a config.json without ``layer_types``."""
+        return [LOCAL] * n_layer
+
+    def window_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
+        """``sliding_window`` and ``layer_pattern`` of the config (transformers 5's ``layer_types``
+        or the family's older keys)."""
+        window = self.window(hf)
+        if not window:
+            return {}
+        types = hf.get("layer_types") or self.default_layer_types(hf, n_layer, window)
+        if len(types) != n_layer:
+            raise LmcliError(f"{hf.where}: layer_types has {len(types)} entries for {n_layer} layers")
+        if LOCAL not in types:
+            return {}
+        return {"sliding_window": window, "layer_pattern": layer_pattern(types, hf.where)}
+
+    def window_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The config.json fields of ``cfg``'s sliding window (none for a family without one)."""
+        return {}
+
+    def own_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
+        """The ModelConfig fields only this family's config.json holds."""
+        return {}
 
     # ------------------------------------------------------------------------- configs
 
@@ -282,7 +355,7 @@ class FamilyAdapter:
 
     def expressed(self, fmt: Format) -> frozenset[str]:
         """The ``variants`` the family holds in ``fmt``."""
-        return self.expresses
+        return self.gguf_expresses if fmt == "gguf" and self.gguf_expresses is not None else self.expresses
 
     def gguf_context(self, cfg: ModelConfig) -> int:
         """The context length a GGUF file of ``cfg`` states."""

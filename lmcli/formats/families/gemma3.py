@@ -27,18 +27,19 @@ from torch import Tensor
 
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
-from lmcli.formats.families.adapter import GGUF_BLOCK, GGUF_HEAD, Format, Rename, SplitQKV
-from lmcli.formats.families.hf_config import HFConfig
-from lmcli.formats.families.llama import (
-    _HF,
+from lmcli.formats.families.adapter import (
+    GGUF_BLOCK,
+    GGUF_HEAD,
     GLOBAL,
     LOCAL,
-    Llama,
+    Format,
+    Rename,
+    SplitQKV,
     layer_types,
-    rope_scaling_dict,
-    rope_settings,
     shortest_period,
 )
+from lmcli.formats.families.hf_config import HFConfig
+from lmcli.formats.families.llama import HF_LAYER, Llama, rope_scaling_dict, rope_settings
 from lmcli.formats.families.qwen3 import GGUF_QK_NORMS, QK_NORMS
 
 DEFAULT_THETA = {GLOBAL: 1_000_000.0, LOCAL: 10_000.0}  # transformers' Gemma3TextConfig.default_theta
@@ -48,6 +49,7 @@ class Gemma3(Llama):
     name = "gemma3_text"
     architecture = "Gemma3ForCausalLM"
     gguf_arch = "gemma3"
+    export_rank = 20
     norm, mlp, placement = "rmsnorm1p", "geglu", "sandwich"
     activation = "gelu_pytorch_tanh"
     hf_extra = {"attention_bias": False, "use_bidirectional_attention": False}
@@ -55,16 +57,16 @@ class Gemma3(Llama):
         Rename("wte", "model.embed_tokens"),
         Rename("ln_f", "model.norm"),
         Rename("lm_head", "lm_head"),
-        Rename("h.{i}.ln_1", _HF + "input_layernorm"),
-        Rename("h.{i}.post.0", _HF + "post_attention_layernorm"),
-        Rename("h.{i}.ln_2", _HF + "pre_feedforward_layernorm"),
-        Rename("h.{i}.post.1", _HF + "post_feedforward_layernorm"),
-        SplitQKV("h.{i}.attn.c_attn", tuple(f"{_HF}self_attn.{x}_proj" for x in "qkv")),  # type: ignore[arg-type]
+        Rename("h.{i}.ln_1", HF_LAYER + "input_layernorm"),
+        Rename("h.{i}.post.0", HF_LAYER + "post_attention_layernorm"),
+        Rename("h.{i}.ln_2", HF_LAYER + "pre_feedforward_layernorm"),
+        Rename("h.{i}.post.1", HF_LAYER + "post_feedforward_layernorm"),
+        SplitQKV("h.{i}.attn.c_attn", tuple(f"{HF_LAYER}self_attn.{x}_proj" for x in "qkv")),  # type: ignore[arg-type]
         *QK_NORMS,
-        Rename("h.{i}.attn.c_proj", _HF + "self_attn.o_proj"),
-        Rename("h.{i}.mlp.c_gate", _HF + "mlp.gate_proj"),
-        Rename("h.{i}.mlp.c_fc", _HF + "mlp.up_proj"),
-        Rename("h.{i}.mlp.c_proj", _HF + "mlp.down_proj"),
+        Rename("h.{i}.attn.c_proj", HF_LAYER + "self_attn.o_proj"),
+        Rename("h.{i}.mlp.c_gate", HF_LAYER + "mlp.gate_proj"),
+        Rename("h.{i}.mlp.c_fc", HF_LAYER + "mlp.up_proj"),
+        Rename("h.{i}.mlp.c_proj", HF_LAYER + "mlp.down_proj"),
     )
     gguf_needs = (
         "Gemma 3's variants as llama.cpp fixes them: five local layers (rotary base 10000) then a "
@@ -95,9 +97,10 @@ class Gemma3(Llama):
             "logit soft-capping",
         }
     )
+    gguf_expresses = None  # GGUF's gemma3 holds the same (the window and the layer pattern its own way)
 
-    def expressed(self, fmt: Format) -> frozenset[str]:
-        return self.expresses  # (GGUF's gemma3 holds the window and the layer pattern in its own way)
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        return cfg.norm_placement == "sandwich" or cfg.norm == "rmsnorm1p" or cfg.mlp == "geglu"
 
     def gguf_context(self, cfg: ModelConfig) -> int:
         return cfg.block_size
@@ -267,10 +270,12 @@ class Gemma3Multimodal(Gemma3):
     """A multimodal Gemma 3 folder (``Gemma3ForConditionalGeneration``: gemma-3-4b and larger)
     read as its text tower, a ``Gemma3ForCausalLM``: the ``text_config`` (transformers' defaults
     for what it leaves out) and the tower's tensors; the vision tower and its projector are left
-    unread. Not registered for export: what it writes is the text model (``gemma3_text``)."""
+    unread. Import only: what export writes is the text model (``gemma3_text``)."""
 
     name = "gemma3"
     architecture = "Gemma3ForConditionalGeneration"
+    export_rank = None  # read only: export writes the text model (gemma3_text)
+    reads_gguf = False  # a GGUF file of gemma3 is the text model's
     hf_buffers = (r"(model\.)?vision_tower\..*", r"(model\.)?multi_modal_projector\..*")
 
     def config_from_hf(self, hf: HFConfig) -> tuple[ModelConfig, list[str]]:

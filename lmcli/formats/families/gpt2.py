@@ -26,6 +26,7 @@ class GPT2(FamilyAdapter):
     name = "gpt2"
     architecture = "GPT2LMHeadModel"
     gguf_arch = "gpt2"
+    export_rank = 10
     position, norm, mlp = "learned", "layernorm", "gelu"
     hf_names = (
         *(Rename(m, f"transformer.{m}") for m in ("wte", "wpe", "ln_f")),
@@ -53,6 +54,10 @@ class GPT2(FamilyAdapter):
         "pre-LayerNorm, a GELU MLP, tied embeddings and biases"
     )
     gguf_needs = "learned positions, pre-LayerNorm, a GELU MLP and biases"
+
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        # GGUF's gpt2 takes every model without rotary positions (and names what it cannot hold)
+        return cfg.position == "learned" if fmt == "hf" else cfg.position != "rope"
 
     def own_problems(self, cfg: ModelConfig, fmt: Format) -> list[str]:
         found = []

@@ -7,10 +7,10 @@ family cannot do without (one line naming it when absent), ``get`` for one with 
 before the value is used, so a config from anywhere (a string for a number, a zero head count, a
 context of 10^12) is one line naming the file, the field and what it must be. A field read
 without a rule is a bug (``KeyError``). GGUF metadata is read through the same rules, as the
-``config.json`` fields it stands for (``hf.gguf_check.config_from_gguf``).
+``config.json`` fields it stands for (``gguf_schema.GgufSchema``).
 
 The ranges bound what a config alone can make lmcli do; whether the weights agree with the
-config is checked after (``hf.weights.check_weights``), before anything is built.
+config is checked after (``lmcli.formats.hf.weights.check_weights``), before anything is built.
 """
 
 from __future__ import annotations
@@ -157,50 +157,6 @@ ROPE_SCHEMA: dict[str, Rule] = {
     "full_attention": Rule("table"),  # transformers 5: rope_parameters by layer type (Gemma 3)
     "sliding_attention": Rule("table"),
 }
-
-# GGUF metadata keys ("{arch}." + key) and the config.json field each stands for
-GGUF_FIELDS = {
-    "vocab_size": "vocab_size",
-    "context_length": "max_position_embeddings",
-    "embedding_length": "hidden_size",
-    "block_count": "num_hidden_layers",
-    "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.key_length": "head_dim",
-    "attention.value_length": "head_dim",
-    "rope.dimension_count": "head_dim",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "attention.layer_norm_epsilon": "layer_norm_epsilon",
-    "rope.freq_base": "rope_theta",
-    "attention.sliding_window": "sliding_window",
-    "attn_logit_softcapping": "attn_logit_softcapping",
-    "final_logit_softcapping": "final_logit_softcapping",
-}
-GGUF_ROPE = {"rope.scaling.type": "type", "rope.scaling.factor": "factor"}
-
-
-class GgufSchema(Mapping[str, Rule]):
-    """The rules of a GGUF file's metadata, read through ``HFConfig`` as ``config.json`` is: an
-    architecture's key (``llama.block_count``) has the rule of the field it stands for
-    (``GGUF_FIELDS``); ``general.*`` and ``tokenizer.*`` keys are checked by their readers (the
-    tokenizer's rebuild); any other key is a bug (``KeyError``)."""
-
-    def __getitem__(self, key: str) -> Rule:
-        group, _, rest = key.partition(".")
-        if group in ("general", "tokenizer"):
-            return Rule("any")
-        if rest in GGUF_FIELDS:
-            return SCHEMA[GGUF_FIELDS[rest]]
-        if rest in GGUF_ROPE:
-            return ROPE_SCHEMA[GGUF_ROPE[rest]]
-        raise KeyError(key)
-
-    def __iter__(self) -> Any:
-        return iter(())  # the keys depend on the architecture: looked up, never listed
-
-    def __len__(self) -> int:
-        return 0
 
 
 class HFConfig:

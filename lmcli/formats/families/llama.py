@@ -32,7 +32,7 @@ _ROPE_KEYS = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"},
 }
-_HF = "model.layers.{i}."
+HF_LAYER = "model.layers.{i}."  # Hugging Face's names of a block's modules start so
 
 
 def gguf_names(pairs: bool) -> tuple[Rename | SplitQKV, ...]:
@@ -48,51 +48,30 @@ def gguf_names(pairs: bool) -> tuple[Rename | SplitQKV, ...]:
     )
 
 
-LOCAL, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer types
-
-
-def layer_pattern(types: list[str], where: str) -> str:
-    """The shortest ``layer_pattern`` (L local, G global, repeated) of config.json's
-    ``layer_types``; "" when every layer is local."""
-    letters = []
-    for t in types:
-        if t not in (LOCAL, GLOBAL):
-            raise LmcliError(f"{where}: unsupported layer type {t!r} (lmcli reads {LOCAL}, {GLOBAL})")
-        letters.append("L" if t == LOCAL else "G")
-    return "" if all(x == "L" for x in letters) else shortest_period("".join(letters))
-
-
-def shortest_period(letters: str) -> str:
-    """The shortest prefix that, repeated, gives ``letters`` (a layer or rotary pattern)."""
-    n = next(n for n in range(1, len(letters) + 1) if all(c == letters[i % n] for i, c in enumerate(letters)))
-    return letters[:n]
-
-
-def layer_types(cfg: ModelConfig) -> list[str]:
-    """config.json's ``layer_types`` of ``cfg``."""
-    return [LOCAL if cfg.is_local(i) else GLOBAL for i in range(cfg.n_layer)]
-
-
 class Llama(FamilyAdapter):
     name = "llama"
     architecture = "LlamaForCausalLM"
     gguf_arch = "llama"
+    export_rank = 100  # asked last: it writes every model no other family claims
     position, norm, mlp = "rope", "rmsnorm", "swiglu"
     activation: ClassVar[str] = "silu"  # config.json's hidden_act of the MLP
     qkv_bias: ClassVar[bool] = False  # biases on the query/key/value projections (Qwen2)
     hf_extra: ClassVar[dict[str, Any]] = {"attention_bias": False, "mlp_bias": False}
     expresses = frozenset({"a head size apart from n-embd/n-head"})
+    # GGUF's llama has no window: a window over every layer is written as a context capped at it
+    # (exact for every sequence that fits in it)
+    gguf_expresses = frozenset({"a sliding window", "a head size apart from n-embd/n-head"})
     hf_names = (
         Rename("wte", "model.embed_tokens"),
         Rename("ln_f", "model.norm"),
         Rename("lm_head", "lm_head"),
-        Rename("h.{i}.ln_1", _HF + "input_layernorm"),
-        Rename("h.{i}.ln_2", _HF + "post_attention_layernorm"),
-        SplitQKV("h.{i}.attn.c_attn", tuple(f"{_HF}self_attn.{x}_proj" for x in "qkv")),  # type: ignore[arg-type]
-        Rename("h.{i}.attn.c_proj", _HF + "self_attn.o_proj"),
-        Rename("h.{i}.mlp.c_gate", _HF + "mlp.gate_proj"),
-        Rename("h.{i}.mlp.c_fc", _HF + "mlp.up_proj"),
-        Rename("h.{i}.mlp.c_proj", _HF + "mlp.down_proj"),
+        Rename("h.{i}.ln_1", HF_LAYER + "input_layernorm"),
+        Rename("h.{i}.ln_2", HF_LAYER + "post_attention_layernorm"),
+        SplitQKV("h.{i}.attn.c_attn", tuple(f"{HF_LAYER}self_attn.{x}_proj" for x in "qkv")),  # type: ignore[arg-type]
+        Rename("h.{i}.attn.c_proj", HF_LAYER + "self_attn.o_proj"),
+        Rename("h.{i}.mlp.c_gate", HF_LAYER + "mlp.gate_proj"),
+        Rename("h.{i}.mlp.c_fc", HF_LAYER + "mlp.up_proj"),
+        Rename("h.{i}.mlp.c_proj", HF_LAYER + "mlp.down_proj"),
     )
     hf_fields = (
         Field("max_position_embeddings", "block_size", 2048),
@@ -114,49 +93,18 @@ class Llama(FamilyAdapter):
     )
     gguf_needs = "rotary positions without scaling, pre-RMSNorm and a SwiGLU MLP"
 
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        return True  # (what it cannot express, ``problems`` names)
+
     def own_problems(self, cfg: ModelConfig, fmt: Format) -> list[str]:
         if fmt == "hf":
             return ["biases outside the query/key/value projection"] if cfg.bias else []
         return [f"rope scaling {cfg.rope_scaling!r}"] if cfg.rope_scaling != "none" else []
 
-    def expressed(self, fmt: Format) -> frozenset[str]:
-        # GGUF's llama has no window: a window over every layer is written as a context capped at
-        # it (exact for every sequence that fits in it)
-        return self.expresses if fmt == "hf" else self.gguf_expresses
-
-    gguf_expresses: ClassVar[frozenset[str]] = frozenset(
-        {"a sliding window", "a head size apart from n-embd/n-head"}
-    )
-
     def gguf_context(self, cfg: ModelConfig) -> int:
         if cfg.sliding_window and not cfg.layer_pattern:  # (a layer pattern is refused)
             return min(cfg.block_size, cfg.sliding_window)
         return cfg.block_size
-
-    def window(self, hf: HFConfig) -> int | None:
-        """The sliding window the family's transformers code applies (None: none)."""
-        return None
-
-    def default_layer_types(self, hf: HFConfig, n_layer: int, window: int) -> list[str]:
-        """The layer types transformers gives a config.json without ``layer_types``."""
-        return [LOCAL] * n_layer
-
-    def window_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
-        """``sliding_window`` and ``layer_pattern`` of the config (transformers 5's ``layer_types``
-        or the family's older keys)."""
-        window = self.window(hf)
-        if not window:
-            return {}
-        types = hf.get("layer_types") or self.default_layer_types(hf, n_layer, window)
-        if len(types) != n_layer:
-            raise LmcliError(f"{hf.where}: layer_types has {len(types)} entries for {n_layer} layers")
-        if LOCAL not in types:
-            return {}
-        return {"sliding_window": window, "layer_pattern": layer_pattern(types, hf.where)}
-
-    def own_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
-        """The ModelConfig fields only this family's config.json holds."""
-        return {}
 
     def config_from_hf(self, hf: HFConfig) -> tuple[ModelConfig, list[str]]:
         width, heads = hf.require("hidden_size"), hf.require("num_attention_heads")
@@ -204,10 +152,6 @@ class Llama(FamilyAdapter):
             "attention_dropout": 0.0,
             **self.window_config(cfg),
         }
-
-    def window_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        """The config.json fields of ``cfg``'s sliding window (none for Llama)."""
-        return {}
 
     gguf_head_lengths: ClassVar[bool] = False  # key_length/value_length always written (else when needed)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcli.config.model import ModelConfig
+from lmcli.formats.families.adapter import Format
 from lmcli.formats.families.hf_config import HFConfig
 from lmcli.formats.families.llama import Llama
 
@@ -15,8 +16,12 @@ from lmcli.formats.families.llama import Llama
 class Mistral(Llama):
     name = "mistral"
     architecture = "MistralForCausalLM"
+    export_rank = 60
     hf_extra = {}
     expresses = Llama.expresses | {"a sliding window"}
+
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        return fmt == "hf" and bool(cfg.sliding_window)  # (GGUF: llama, the context capped)
 
     def window(self, hf: HFConfig) -> int | None:
         return hf.get("sliding_window")

@@ -11,18 +11,23 @@ from __future__ import annotations
 from typing import Any
 
 from lmcli.config.model import ModelConfig
+from lmcli.formats.families.adapter import GLOBAL, LOCAL, Format, layer_types
 from lmcli.formats.families.hf_config import HFConfig
-from lmcli.formats.families.llama import GLOBAL, LOCAL, Llama, gguf_names, layer_types
+from lmcli.formats.families.llama import Llama, gguf_names
 
 
 class Qwen2(Llama):
     name = "qwen2"
     architecture = "Qwen2ForCausalLM"
     gguf_arch = "qwen2"
+    export_rank = 50
     qkv_bias = True
     hf_extra = {}
     gguf_names = gguf_names(pairs=False)
     expresses = Llama.expresses | {"a sliding window", "a layer pattern"}
+
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        return fmt == "hf" and bool(cfg.qkv_bias or cfg.layer_pattern)  # (GGUF: llama reads biases)
 
     def window(self, hf: HFConfig) -> int | None:
         return hf.get("sliding_window") if hf.get("use_sliding_window") else None

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from lmcli.config.model import ModelConfig
-from lmcli.formats.families.adapter import Rename
+from lmcli.formats.families.adapter import Format, Rename
 from lmcli.formats.families.hf_config import HFConfig
-from lmcli.formats.families.llama import _HF, Llama, gguf_names
+from lmcli.formats.families.llama import HF_LAYER, Llama, gguf_names
 from lmcli.formats.families.qwen2 import Qwen2
 
 QK_NORMS = (
-    Rename("h.{i}.attn.q_norm", _HF + "self_attn.q_norm"),
-    Rename("h.{i}.attn.k_norm", _HF + "self_attn.k_norm"),
+    Rename("h.{i}.attn.q_norm", HF_LAYER + "self_attn.q_norm"),
+    Rename("h.{i}.attn.k_norm", HF_LAYER + "self_attn.k_norm"),
 )
 GGUF_QK_NORMS = (
     Rename("h.{i}.attn.q_norm", "blk.{i}.attn_q_norm"),
@@ -34,6 +34,7 @@ class Qwen3(Qwen2):
     name = "qwen3"
     architecture = "Qwen3ForCausalLM"
     gguf_arch = "qwen3"
+    export_rank = 40
     qkv_bias = False
     hf_extra = {"attention_bias": False}
     hf_names = with_qk_norms(Llama.hf_names, QK_NORMS)
@@ -43,13 +44,16 @@ class Qwen3(Qwen2):
     gguf_head_lengths = True  # as llama.cpp's converter writes them
     gguf_needs = "rotary positions without scaling, pre-RMSNorm, a SwiGLU MLP and qk-norm"
 
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        return cfg.qk_norm
+
     def own_settings(self, hf: HFConfig, n_layer: int) -> dict[str, Any]:
         return {"qk_norm": True}
 
     def gguf_settings(self, meta: HFConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         return super().gguf_settings(meta, shapes) | {"qk_norm": True}
 
-    def own_problems(self, cfg: ModelConfig, fmt: str) -> list[str]:
+    def own_problems(self, cfg: ModelConfig, fmt: Format) -> list[str]:
         found = super().own_problems(cfg, fmt)
         found += ["query/key/value biases"] if cfg.qkv_bias else []
         return found + ([] if cfg.qk_norm else ["no qk-norm"])

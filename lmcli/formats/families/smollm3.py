@@ -11,9 +11,9 @@ from typing import Any
 
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
-from lmcli.formats.families.adapter import Format
+from lmcli.formats.families.adapter import GLOBAL, LOCAL, Format, layer_types, shortest_period
 from lmcli.formats.families.hf_config import HFConfig
-from lmcli.formats.families.llama import GLOBAL, LOCAL, Llama, layer_types, shortest_period
+from lmcli.formats.families.llama import Llama
 
 
 def rotary_flags(hf: HFConfig, n_layer: int) -> list[int]:
@@ -41,12 +41,16 @@ class SmolLM3(Llama):
     name = "smollm3"
     architecture = "SmolLM3ForCausalLM"
     gguf_arch = "smollm3"
+    export_rank = 30
     hf_extra = {"attention_bias": False, "mlp_bias": False}
     expresses = Llama.expresses | {"layers without rotary", "a sliding window", "a layer pattern"}
     gguf_expresses = Llama.gguf_expresses | {"layers without rotary"}
     gguf_needs = (
         "rotary positions without scaling on every layer but each fourth, pre-RMSNorm and a SwiGLU MLP"
     )
+
+    def claims(self, cfg: ModelConfig, fmt: Format) -> bool:
+        return bool(cfg.rope_pattern)
 
     def own_problems(self, cfg: ModelConfig, fmt: Format) -> list[str]:
         found = super().own_problems(cfg, fmt)

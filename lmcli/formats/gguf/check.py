@@ -33,7 +33,7 @@ import torch
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError, check_blocks
 from lmcli.formats.families import FamilyAdapter, HFConfig, from_gguf_arch
-from lmcli.formats.families.hf_config import GgufSchema
+from lmcli.formats.families.gguf_schema import GgufSchema
 from lmcli.formats.weights import WeightsHeader, check_header
 from lmcli.model.skeleton import shapes_only
 from lmcli.safe_io import open_input

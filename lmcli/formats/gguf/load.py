@@ -11,7 +11,7 @@ header is checked against its config:
   would build Python objects for every element: a 2 MB file with a million-element array took
   a GB); each tensor's data is a view of one memory map of the file at its checked offset; a
   tensor type lmcli does not read (``TYPES``) is one line;
-- the tokenizer is rebuilt from the metadata (``gguf_vocab.tokenizer_from_gguf``) and must fit
+- the tokenizer is rebuilt from the metadata (``vocab.tokenizer_from_gguf``) and must fit
   the vocabulary.
 
 ``load_gguf`` then converts each tensor (``GgufTensor.dequantized``: F32, F16 and BF16 values
@@ -43,7 +43,7 @@ from torch import Tensor
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.formats.families import FamilyAdapter, HFConfig
-from lmcli.formats.families.hf_config import GgufSchema
+from lmcli.formats.families.gguf_schema import GgufSchema
 from lmcli.formats.gguf.check import GgufHeader as Scanned
 from lmcli.formats.gguf.check import TensorInfo, check_gguf
 from lmcli.formats.gguf.vocab import tokenizer_from_gguf
