@@ -84,10 +84,12 @@ class CheckpointReport:
     params: int
     files: int  # files whose checksum matched
     what: str = ""  # what was checked, when not an lmcli checkpoint's checksums
+    notes: tuple[str, ...] = ()  # what loading reads past (a GGUF file's metadata that disagrees)
 
     def line(self) -> str:
         if self.what:
-            return f"ok  {self.path}: {self.what}, {self.params:,} parameters"
+            notes = "".join(f"\n    note: {n}" for n in self.notes)
+            return f"ok  {self.path}: {self.what}, {self.params:,} parameters{notes}"
         step = f"step {self.step}" if self.step is not None else "no step"
         return f"ok  {self.path}: {step}, {self.params:,} parameters, {self.files} checksums match"
 
@@ -241,7 +243,7 @@ def verify_gguf(path: Path) -> CheckpointReport:
         f"GGUF {header.family.gguf_arch} file ({kinds}), tensors fit its metadata, "
         f"tokenizer of {vocab} tokens"
     )
-    return CheckpointReport(path, None, params, 0, what)
+    return CheckpointReport(path, None, params, 0, what, tuple(header.notices))
 
 
 def checkpoints_of(path: Path) -> list[Path]:
