@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from lmcli.config.model import ModelConfig
 from lmcli.config.train import TrainConfig
@@ -33,7 +32,7 @@ from lmcli.formats.checkpoint import (
 )
 from lmcli.formats.gguf.load import is_gguf_file
 from lmcli.formats.hf.load import is_hf_folder
-from lmcli.formats.weights import read_header, with_context
+from lmcli.formats.weights import read_header, read_tensors, with_context
 from lmcli.model import lora
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import checked_file
@@ -112,7 +111,7 @@ def load_adapted(
     lora.check_adapters(model, train_config, header.tensors, str(ckpt / ADAPTERS))  # before allocating
     lora.add_adapters(model, train_config)
     try:
-        state = load_file(str(checked_file(ckpt / ADAPTERS)))
+        state = read_tensors(checked_file(ckpt / ADAPTERS))  # read, not mapped (a truncation: no SIGBUS)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         reason = str(exc).splitlines()[0][:200]
         raise LmcliError(f"cannot read adapters {ckpt / ADAPTERS}: {reason}") from None

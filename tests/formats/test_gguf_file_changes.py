@@ -93,3 +93,18 @@ def test_a_file_changed_between_its_scan_and_its_read_is_one_line(tmp_path: Path
     with pytest.raises(LmcliError, match="changed while it was read"):
         read_data(scanned)
     assert len(read_data(scan(path))) == len(scanned.tensors)
+
+
+def test_verify_reads_safetensors_so_a_truncation_is_one_line(tmp_path: Path) -> None:
+    """verify's NaN scan read a folder's safetensors through a map of the file (a truncation
+    during the scan: SIGBUS); it reads them, and a file cut short meanwhile is one line."""
+    from safetensors.torch import save_file
+
+    from lmcli.formats.verify import nonfinite_safetensors
+
+    file = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(64, 64), "b": torch.tensor([1.0, float("nan")])}, str(file))
+    assert nonfinite_safetensors([file], chunk=256) == "b"
+    os.truncate(file, file.stat().st_size - 8)
+    with pytest.raises(LmcliError, match=f"^{file} changed while it was read$"):
+        nonfinite_safetensors([file], chunk=256)
