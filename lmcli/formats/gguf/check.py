@@ -193,6 +193,7 @@ def scan(path: str | Path) -> GgufHeader:
             infos = [_tensor_info(cur, gguf) for _ in range(n_tensors)]
     except OSError as exc:
         raise LmcliError(f"cannot read {where}: {exc.strerror or exc}") from None
+    del cur.raw[cur.pos :]  # the bytes read past the header's end (up to a MiB, or its size)
     header.raw = cur.raw
     align = header.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align < 1 or align & (align - 1) or align > 1 << 16:
