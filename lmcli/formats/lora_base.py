@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from lmcli.config.model import ModelConfig
 from lmcli.config.train import TrainConfig
 from lmcli.errors import LmcliError
 from lmcli.formats.checkpoint import ADAPTERS, BASE, OLD, STEP
 from lmcli.formats.model_source import ModelSource, model_source
-from lmcli.formats.weights import read_header, with_context
+from lmcli.formats.weights import read_header, read_tensors, with_context
 from lmcli.model import lora
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import checked_file
@@ -89,7 +88,7 @@ def load_adapted(
     lora.check_adapters(model, train_config, header.tensors, str(ckpt / ADAPTERS))  # before allocating
     lora.add_adapters(model, train_config)
     try:
-        state = load_file(str(checked_file(ckpt / ADAPTERS)))
+        state = read_tensors(checked_file(ckpt / ADAPTERS))  # read, not mapped (a truncation: no SIGBUS)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         reason = str(exc).splitlines()[0][:200]
         raise LmcliError(f"cannot read adapters {ckpt / ADAPTERS}: {reason}") from None

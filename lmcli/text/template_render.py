@@ -2,12 +2,16 @@
 
 A chat template is code from the model folder. ``Renderer`` renders it in worker processes
 (``lmcli.text.template_worker``: the sandboxed environment ``transformers`` uses, in a process with
-an empty environment, its memory capped) and waits for each render at most
-``RenderLimits.seconds``: a template that loops for hours, builds a string of gigabytes or
-writes more than ``chars`` characters is refused in one line naming the folder it came from,
-and the worker is replaced. The wait is a ``select`` on a pipe, so Ctrl-C and SIGTERM stop the
-caller at once (the worker, in a session of its own, is killed with it), and a server's event
-loop never waits on a template: its requests render in threads, each on a worker of its own.
+an empty environment, its memory capped) and lets each render take at most
+``RenderLimits.seconds`` of the worker's CPU time: a template that loops for hours, builds a
+string of gigabytes or writes more than ``chars`` characters is refused in one line naming the
+folder it came from, and the worker is replaced. The limit counts CPU time, not the wall clock,
+so a machine loaded by other work (which gives the worker a share of a core) refuses no template
+it would render when idle; ``RenderLimits.wall_seconds``, much larger, bounds a worker that gets
+no CPU at all (and every render where the system does not say a process's CPU time). The wait
+is a ``select`` on a pipe, so Ctrl-C and SIGTERM stop the caller at once (the worker, in a
+session of its own, is killed with it), and a server's event loop never waits on a template: its
+requests render in threads, each on a worker of its own.
 
 ``lmcli serve``, ``lmcli chat`` and ``train --task sft`` (``chat_template.encode`` and
 ``encode_conversation``) all render through one ``Renderer`` they own; the context may carry
@@ -49,7 +53,8 @@ class Template:
 class RenderLimits:
     """The bounds of one render."""
 
-    seconds: float = 2.0  # a render that takes longer is refused (a real one takes milliseconds)
+    seconds: float = 2.0  # CPU time: a render that takes longer is refused (a real one: milliseconds)
+    wall_seconds: float = 30.0  # the wall clock's backstop (a worker that gets no CPU time)
     chars: int = 8 << 20  # characters it may write
     memory: int = 512 << 20  # bytes of memory the worker may take beyond its start
 
@@ -99,18 +104,25 @@ class _Worker:
                 raise LmcliError("cannot start the chat template renderer (is jinja2 installed?)")
         return self.proc
 
-    def line(self, seconds: float) -> dict[str, Any] | None:
-        """The worker's next answer, or None when it does not come within ``seconds`` (or the
+    def line(self, seconds: float, wall_seconds: float | None = None) -> dict[str, Any] | None:
+        """The worker's next answer, or None when it does not come within ``seconds`` of the
+        worker's CPU time or ``wall_seconds`` (default: ``seconds``) of the wall clock (or the
         worker ended). A signal handler that raises (Ctrl-C) interrupts the wait."""
         assert self.proc is not None and self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + seconds
+        fd, pid = self.proc.stdout.fileno(), self.proc.pid
+        start, cpu_start = time.monotonic(), cpu_seconds(pid)
+        wall = seconds if wall_seconds is None else wall_seconds
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
             while b"\n" not in self.buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
+                elapsed = time.monotonic() - start
+                cpu = cpu_seconds(pid)
+                used = cpu - cpu_start if cpu is not None and cpu_start is not None else elapsed
+                if elapsed >= wall or used >= seconds:
                     return None
+                # the CPU time grows no faster than the clock: look again when it could be spent
+                if not sel.select(min(max(seconds - used, 0.05), wall - elapsed)):
+                    continue
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     return None
@@ -132,6 +144,17 @@ class _Worker:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user and system) process ``pid`` has used, from ``/proc``; None where the
+    system does not say (then the wall clock stands in)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()  # after the name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -222,7 +245,7 @@ class Renderer:
         worker.known.add(key)
         texts = []
         for _ in contexts:
-            answer = worker.line(self.limits.seconds)
+            answer = worker.line(self.limits.seconds, self.limits.wall_seconds)
             if answer is None:
                 worker.kill()  # still rendering, or dead: a fresh one next time
                 raise self._stopped(template)
@@ -236,8 +259,9 @@ class Renderer:
         if self.closed:
             return RendererClosed("chat templates are no longer rendered: shutting down")
         return LmcliError(
-            f"the chat template of {template.where} did not render within {self.limits.seconds:g} s: "
-            "refused (a template that loops without end?)"
+            f"the chat template of {template.where} did not render within {self.limits.seconds:g} s "
+            f"of CPU time (or {self.limits.wall_seconds:g} s in all): refused (a template that loops "
+            "without end?)"
         )
 
     def _failure(self, template: Template, answer: dict[str, Any], chars: int) -> LmcliError:

@@ -182,6 +182,22 @@ def test_sample_and_verify_read_the_file_as_the_folder(tmp_path: Path, capsys, n
     assert got[0] == got[1]
     code, out, err = run_cli(["verify", str(path)], capsys)
     assert code == 0, err
+    assert "note:" not in out
+
+
+def test_a_gemma3_file_without_its_window_is_read_as_llama_cpp_reads_it_and_verify_says_so(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp reads a ``gemma3`` file without ``attention.sliding_window`` as attending to the
+    whole context on every layer (its logits on such a file equal lmcli's); verify names the key."""
+    monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window", lambda self, value: None)
+    _, path = converted(tmp_path, "gemma3-gguf")
+    capsys.readouterr()
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 0, err
+    assert "\n    note: gemma3.attention.sliding_window is missing: read as llama.cpp reads it" in out
+    cfg = load_model(path).model.config
+    assert not cfg.sliding_window and not cfg.layer_pattern
 
 
 @pytest.mark.parametrize("name", list(GGUF_VARIANTS))

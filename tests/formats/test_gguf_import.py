@@ -225,6 +225,17 @@ def truncated(tmp: Path, keep: float) -> Path:
     return out
 
 
+def moved(tmp: Path, index: int, to: int, plus: int) -> Path:
+    """A file whose tensor number ``index`` has its data at tensor ``to``'s offset plus ``plus``
+    bytes (a crafted tensor table)."""
+    path = write_gguf_model(tmp / "moved.gguf", "llama", "Q4_0")
+    reader = gguf.GGUFReader(path, "r+")
+    offsets = [t.field.parts[-1] for t in reader.tensors]  # views of the file's map: written through
+    offsets[index][0] = offsets[to][0] + plus
+    del reader, offsets
+    return path
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -240,6 +251,8 @@ def truncated(tmp: Path, keep: float) -> Path:
             lambda t: write_gguf_model(t / "m.gguf", "llama", "F32", pre="tekken"),
             "unsupported GGUF pre-tokenizer",
         ),
+        (lambda t: moved(t, 1, 1, 16), "not a multiple of general.alignment (32)"),
+        (lambda t: moved(t, 1, 0, 0), "the data of tensors token_embd.weight and output_norm.weight overlap"),
     ],
     ids=[
         "architecture",
@@ -248,6 +261,8 @@ def truncated(tmp: Path, keep: float) -> Path:
         "truncated-header",
         "tokenizer-model",
         "pre-tokenizer",
+        "misaligned",
+        "overlapping",
     ],
 )
 def test_a_bad_gguf_file_is_one_line(tmp_path: Path, capsys, make, message: str) -> None:
@@ -255,6 +270,17 @@ def test_a_bad_gguf_file_is_one_line(tmp_path: Path, capsys, make, message: str)
     for command in (["sample", str(path), "--max-new-tokens", "1"], ["verify", str(path)]):
         code, _, err = run_cli(command, capsys)
         assert_one_line_error(code, err, message)
+
+
+def test_verify_notes_a_vocab_size_the_embedding_does_not_have(tmp_path: Path, capsys) -> None:
+    """llama.cpp sizes the vocabulary by its tokens (the embedding must have as many rows) and
+    reads ``llama.vocab_size`` only without a tokenizer: lmcli reads the rows; verify says so."""
+    path = write_gguf_model(tmp_path / "m.gguf", "llama", "Q8_0", extra=lambda w: w.add_vocab_size(100_000))
+    rows = gguf.GGUFReader(path).get_tensor(0).shape[-1]
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 0, err
+    assert f"note: llama.vocab_size says 100000 tokens, token_embd.weight has {rows:,} rows: the rows" in out
+    assert load_model(path).model.config.vocab_size == rows
 
 
 def test_a_pre_tokenizer_gguf_cannot_name_is_refused_on_export(tmp_path: Path, capsys) -> None:

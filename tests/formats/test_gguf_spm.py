@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from check_gguf import SPM_CASES, check_spm  # noqa: E402
 from gguf_files import SPM_STRESS as TEXTS  # noqa: E402
-from gguf_files import field, spm_source, write_gguf_model  # noqa: E402
-from helpers import run_cli  # noqa: E402
+from gguf_files import SpmSource, field, spm_source, write_gguf_model  # noqa: E402
+from helpers import MiB, assert_one_line_error, run_cli, run_measured  # noqa: E402
 from tokenizers import AddedToken, decoders, models, normalizers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from transformers.tokenization_utils_base import generate_merges  # noqa: E402
@@ -171,6 +171,78 @@ def test_sample_runs_on_a_gemma_style_file(tmp_path: Path, capsys) -> None:
     assert prompt[0] == ckpt.tokenizer.bos_id
     with torch.no_grad():
         assert record["tokens"][0] == int(ckpt.model(torch.tensor([prompt]))[0, -1].argmax())
+
+
+# ----------------------------------------------------------------------------- crafted vocabularies
+
+
+def every_split(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges by their definition: every cut of every token into two tokens, ranked by the
+    joined token's score, ties by id (the first id of a repeated text)."""
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        first.setdefault(t, i)
+    merges = [
+        (-scores[i], i, t[:cut], t[cut:])
+        for t, i in first.items()
+        for cut in range(1, len(t))
+        if t[:cut] in first and t[cut:] in first
+    ]
+    return [(a, b) for *_, a, b in sorted(merges, key=lambda m: (m[0], m[1]))]
+
+
+def test_merges_are_every_split_of_every_token_in_score_order() -> None:
+    """spm_merges looks up only the cuts whose two lengths are lengths of tokens: the merges are
+    still every split, in the same order, on vocabularies with long tokens and equal scores."""
+    from lmcli.formats.gguf.spm import spm_merges
+
+    for style in ("llama", "gemma"):
+        spm = spm_source(style)
+        assert spm_merges(spm.tokens, spm.scores) == every_split(spm.tokens, spm.scores)
+    tokens = ["a", "b", "ab", "ba", "aab", "abab", "b" * 40, "b" * 20, "ab" * 20, "a", "bab", "b" * 41]
+    scores = [-1.0, -1.0, -2.0, -2.0, -3.0, -2.0, -5.0, -4.0, -4.0, -9.0, 0.0, -5.0]
+    assert spm_merges(tokens, scores) == every_split(tokens, scores)
+
+
+def test_a_nan_score_is_one_line(tmp_path: Path, capsys) -> None:
+    """A NaN score has no rank among the others (Python's sort left the merges in an order that
+    depended on how it compared them): refused."""
+    spm = spm_source("llama")
+    spm.scores[300] = float("nan")
+    path = write_gguf_model(tmp_path / "nan.gguf", "llama", "F32", spm=spm)
+    code, _, err = run_cli(["verify", str(path)], capsys)
+    assert_one_line_error(code, err, f"{path}: the score of token 300 is NaN (scores rank the merges)")
+
+
+def chain(n: int) -> SpmSource:
+    """Llama 2's special and byte tokens, then "a", "aa", ..., "a" * n, scored -1, -2, ..."""
+    TT = gguf.TokenType
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [int(TT.UNKNOWN), int(TT.CONTROL), int(TT.CONTROL), *[int(TT.BYTE)] * 256]
+    tokens += ["a" * k for k in range(1, n + 1)]
+    types += [int(TT.NORMAL)] * n
+    scores = [0.0] * 259 + [-float(k) for k in range(1, n + 1)]
+    return SpmSource(tokens, scores, types, True, 1, 2, 0)
+
+
+def test_crafted_vocabularies_cost_what_a_real_one_does(tmp_path: Path) -> None:
+    """A chain "a" ... "a" * 1000 (its every split a merge: 500k merges of 330M characters; it
+    took 1.1 GB, "a" * 2000 a Rust abort) is refused in one line; one token of a million "b"s
+    (each of its cuts was looked up: two minutes) loads in the time of the vocabulary without it."""
+    spm = chain(1000)
+    crafted = write_gguf_model(tmp_path / "chain.gguf", "llama", "Q8_0", spm=spm)
+    spm = chain(58)  # 317 tokens
+    spm.tokens.append("b" * 1_000_000)
+    spm.types.append(int(gguf.TokenType.NORMAL))
+    spm.scores.append(-100.0)
+    long = write_gguf_model(tmp_path / "long.gguf", "llama", "Q8_0", spm=spm)
+    commands = [["verify", str(crafted)], ["sample", str(long), "-p", "Hi bbbb", "--max-new-tokens", "2"]]
+    refused, sampled = run_measured(commands, timeout=120)
+    assert refused["code"] == 2 and refused["err"].count("\n") == 1, refused["err"]
+    assert "too many ways to build its merges" in refused["err"] and "Traceback" not in refused["err"]
+    assert sampled["code"] == 0, sampled["err"]
+    for result in (refused, sampled):
+        assert result["seconds"] < 20 and result["peak"] < 100 * MiB, result
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp is not installed")

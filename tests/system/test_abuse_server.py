@@ -29,6 +29,7 @@ from lmcli.formats.checkpoint import Checkpoint  # noqa: E402
 from lmcli.formats.sources import load_model  # noqa: E402
 from lmcli.serve.scheduler import Done, Failed, Job, Scheduler  # noqa: E402
 from lmcli.serve.server import running  # noqa: E402
+from lmcli.text.template_render import RenderLimits  # noqa: E402
 
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 HI = {"messages": [{"role": "user", "content": "ab"}]}
@@ -180,7 +181,9 @@ def test_a_hostile_template_gets_400_in_its_budget_while_the_server_answers_othe
             took = time.perf_counter() - start
         message = r.json()["error"]["message"]
         assert r.status_code == 400 and "did not render within 2 s" in message and str(run) in message
-        assert took < 5, took
+        # 2 s of the render worker's CPU time, which a loaded machine spreads over more of the clock
+        # (its own check: test_abuse_chat.py); the clock's backstop is RenderLimits.wall_seconds
+        assert took < RenderLimits().wall_seconds, took
         flight = threading.Thread(target=chat, args=("loop",))
         flight.start()
         time.sleep(0.5)

@@ -1,12 +1,12 @@
 """A GGUF file's matrices kept as stored (``load_gguf_as_stored``, what a CPU decode loads): its
-q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the memory-mapped
-bytes (no dequantize, no requantize), so the model takes the file's size in memory; norms,
-biases and float matrices load as usual.
+q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the bytes
+read from the file (``load.read_data``; no dequantize, no requantize), so the model takes the
+file's size in memory; norms, biases and float matrices load as usual.
 
 The family adapter maps GGUF's tensors to lmcli's names by moving whole rows (the fused q/k/v
 projection, llama's rotary row order). Here it maps row numbers instead of values: each stored
 matrix stands in as ``arange`` of global row ids, and what comes out names, for each of lmcli's
-weights, the file rows it is made of. A run of rows in file order is a view of the file; a
+weights, the file rows it is made of. A run of rows in file order is a view of the bytes read; a
 reordered run (llama's q and k) is one copy of those rows; rows of different formats (q/k in
 q4_K, v in q6_K) become the parts of a ``StackedBlockLinear``.
 """
@@ -51,7 +51,7 @@ def _parts(ids: Tensor, sources: list[GgufTensor], starts: Tensor, dtype: torch.
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         src = sources[int(which[lo])]
         local = ids[lo:hi] - starts[which[lo]]
-        rows = src.rows()  # (rows, row bytes), a view of the file
+        rows = src.rows()  # (rows, row bytes), a view of the bytes read
         if torch.equal(local, torch.arange(int(local[0]), int(local[0]) + len(local))):
             rows = rows[int(local[0]) : int(local[0]) + len(local)]  # file order: still a view
         else:

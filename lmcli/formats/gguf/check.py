@@ -3,11 +3,17 @@ is built.
 
 ``gguf.GGUFReader`` makes several Python objects for every element of every metadata array
 (about 800 bytes and 10 µs each: a 7 MB file holding a million-element array takes a GB and
-12 s), and trusts the file's counts and offsets. ``scan`` reads the same header through a
-memory map with bounds instead: every count, length and offset must fit in the file, tensors
-have at most 4 dimensions of a known GGML type whose data lies inside the file's data section,
-at most ``ELEMENTS`` array elements in all; arrays are not decoded (``GgufHeader.array`` does
-it on demand). Its cost is one ``struct`` read per string in an array, nothing per number.
+12 s), and trusts the file's counts and offsets. ``scan`` reads the same header with bounds
+instead: every count, length and offset must fit in the file, tensors have at most 4
+dimensions of a known GGML type, and their data lies inside the file's data section, each at a
+multiple of ``general.alignment`` (as llama.cpp requires), no two overlapping; at most
+``ELEMENTS`` array elements in all; arrays are not decoded (``GgufHeader.array`` does it on
+demand). Its cost is one ``struct`` read per string in an array, nothing per number.
+
+The header's bytes are read (``GgufHeader.raw``), never memory-mapped: a file truncated while
+it is mapped kills the process with SIGBUS at the next read of a page past the new end. What
+the scan saw is stamped (``GgufHeader.stamp``: the file's device, inode, size and modification
+time), so the reader of the tensors can tell that the file it reads is the one scanned.
 
 ``check_gguf`` is the header-before-build check of GGUF files, as ``checkpoint.check_header``
 is of run folders: the family from ``general.architecture``, lmcli's ``ModelConfig`` from the
@@ -20,12 +26,12 @@ tables the config alone would make. A GGUF import builds its model only after it
 from __future__ import annotations
 
 import math
-import mmap
+import os
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -61,6 +67,11 @@ class TensorInfo:
     n_bytes: int
 
 
+def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one state of a file from another: device, inode, size, modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass
 class GgufHeader:
     """What a GGUF file's header holds, checked (``scan``)."""
@@ -72,46 +83,59 @@ class GgufHeader:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     data_offset: int = 0
     file_size: int = 0
+    raw: bytes | bytearray = b""  # the file's bytes from its start, at least to the end of the header
+    stamp: tuple[int, int, int, int] = (0, 0, 0, 0)  # the file's ``stamp`` when it was scanned
 
     def array(self, key: str) -> list[str] | np.ndarray:
-        """The array ``key`` decoded: a list of text, or a numpy array of numbers."""
+        """The array ``key`` decoded (from the bytes the scan read): a list of text, or a numpy
+        array of numbers."""
         kind, count, offset = self.arrays[key]
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            if kind in SCALARS:
-                return np.frombuffer(mm, dtype="<" + SCALARS[kind], count=count, offset=offset).copy()
-            out = []
-            for _ in range(count):
-                (n,) = struct.unpack_from("<Q", mm, offset)
-                out.append(mm[offset + 8 : offset + 8 + n].decode("utf-8", errors="replace"))
-                offset += 8 + n
-            return out
+        raw = self.raw
+        if kind in SCALARS:
+            return np.frombuffer(raw, dtype="<" + SCALARS[kind], count=count, offset=offset).copy()
+        out = []
+        for _ in range(count):
+            (n,) = struct.unpack_from("<Q", raw, offset)
+            out.append(raw[offset + 8 : offset + 8 + n].decode("utf-8", errors="replace"))
+            offset += 8 + n
+        return out
 
 
 class _Cursor:
-    """Bounded reads from a memory-mapped file: each one must fit in it."""
+    """Bounded reads from the start of a file: each one must fit in it (``size``); its bytes
+    are read as the reads reach them, a MiB or more at a time, into ``raw``."""
 
-    def __init__(self, mm: mmap.mmap, where: str) -> None:
-        self.mm, self.pos, self.where, self.elements = mm, 0, where, 0
+    def __init__(self, f: IO[bytes], size: int, where: str) -> None:
+        self.f, self.size, self.where = f, size, where
+        self.raw, self.pos, self.elements = bytearray(), 0, 0
 
     def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > len(self.mm):
+        """Check that ``n`` bytes from here fit in the file (nothing read)."""
+        if n < 0 or self.pos + n > self.size:
             raise LmcliError(f"{self.where}: {what} runs past the end of the file (truncated or damaged)")
 
+    def take(self, n: int, what: str) -> int:
+        """``n`` bytes from here read into ``raw`` (checked to fit); the position they start at."""
+        self.need(n, what)
+        end = self.pos + n
+        if end > len(self.raw):
+            more = max(end - len(self.raw), min(len(self.raw), 64 << 20), 1 << 20)
+            self.raw += self.f.read(min(more, self.size - len(self.raw)))
+            if end > len(self.raw):
+                raise LmcliError(f"{self.where} changed while it was read")
+        start, self.pos = self.pos, end
+        return start
+
     def unpack(self, fmt: str, what: str) -> Any:
-        size = struct.calcsize("<" + fmt)
-        self.need(size, what)
-        (value,) = struct.unpack_from("<" + fmt, self.mm, self.pos)
-        self.pos += size
-        return value
+        start = self.take(struct.calcsize("<" + fmt), what)
+        return struct.unpack_from("<" + fmt, self.raw, start)[0]
 
     def text(self, what: str, limit: int = TEXT_LIMIT) -> str:
         n = self.unpack("Q", what)
         if n > limit:
             raise LmcliError(f"{self.where}: {what} is {n:,} bytes long (at most {limit:,})")
-        self.need(n, what)
-        raw = self.mm[self.pos : self.pos + n]
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        start = self.take(n, what)
+        return self.raw[start : start + n].decode("utf-8", errors="replace")
 
     def value(self, kind: int, key: str) -> Any:
         if kind in SCALARS:
@@ -127,14 +151,11 @@ class _Cursor:
             raise LmcliError(f"{self.where}: the metadata holds more than {ELEMENTS:,} array elements")
         start = self.pos
         if kind in SCALARS:
-            self.need(count * struct.calcsize(SCALARS[kind]), key)
-            self.pos += count * struct.calcsize(SCALARS[kind])
+            self.take(count * struct.calcsize(SCALARS[kind]), key)
         elif kind == STRING:
             self.need(count * 8, key)  # every string has its 8-byte length at least
             for _ in range(count):
-                n = self.unpack("Q", key)
-                self.need(n, key)
-                self.pos += n
+                self.take(self.unpack("Q", key), key)
         else:
             raise LmcliError(f"{self.where}: {key} is an array of type {kind}, which lmcli does not read")
         return kind, count, start
@@ -148,18 +169,18 @@ def scan(path: str | Path) -> GgufHeader:
     path = Path(path)
     where = str(path)
     try:
-        with open_input(path, "GGUF file") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            cur = _Cursor(mm, where)
-            if len(mm) < 24 or mm[:4] != MAGIC:
+        with open_input(path, "GGUF file") as f:
+            st = os.fstat(f.fileno())
+            cur = _Cursor(f, st.st_size, where)
+            if st.st_size < 24 or cur.raw[cur.take(4, "the magic") : 4] != MAGIC:
                 raise LmcliError(f"{where} is not a GGUF file (no GGUF magic)")
-            cur.pos = 4
             version = cur.unpack("I", "the version")
             if version not in VERSIONS:
                 raise LmcliError(f"{where}: GGUF version {version} (lmcli reads 2 and 3, little-endian)")
             n_tensors, n_kv = cur.unpack("Q", "the tensor count"), cur.unpack("Q", "the key count")
-            if n_tensors > TENSORS or n_kv > len(mm) // 13:  # a key-value pair takes 13 bytes at least
+            if n_tensors > TENSORS or n_kv > st.st_size // 13:  # a key-value pair takes 13 bytes at least
                 raise LmcliError(f"{where}: {n_tensors:,} tensors and {n_kv:,} metadata keys cannot be right")
-            header = GgufHeader(path, version, {}, {}, file_size=len(mm))
+            header = GgufHeader(path, version, {}, {}, file_size=st.st_size, stamp=stamp(st))
             for _ in range(n_kv):
                 key = cur.text("a metadata key", 1 << 16)
                 if key in header.metadata or key in header.arrays:
@@ -170,25 +191,43 @@ def scan(path: str | Path) -> GgufHeader:
                 else:
                     header.metadata[key] = cur.value(kind, key)
             infos = [_tensor_info(cur, gguf) for _ in range(n_tensors)]
-            align = header.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
-            if not isinstance(align, int) or align < 1 or align & (align - 1) or align > 1 << 16:
-                raise LmcliError(f"{where}: general.alignment {align!r} is not a power of two")
-            header.data_offset = -(-cur.pos // align) * align
     except OSError as exc:
         raise LmcliError(f"cannot read {where}: {exc.strerror or exc}") from None
-    except ValueError as exc:  # mmap of an empty file
-        raise LmcliError(f"{where} is not a GGUF file ({exc})") from None
+    del cur.raw[cur.pos :]  # the bytes read past the header's end (up to a MiB, or its size)
+    header.raw = cur.raw
+    align = header.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align < 1 or align & (align - 1) or align > 1 << 16:
+        raise LmcliError(f"{where}: general.alignment {align!r} is not a power of two")
+    header.data_offset = -(-cur.pos // align) * align
+    _place(header, infos, align)
+    return header
+
+
+def _place(header: GgufHeader, infos: list[TensorInfo], align: int) -> None:
+    """The tensors of ``infos`` into ``header``, their offsets from the start of the file; one
+    line for a tensor named twice, one whose data is not at a multiple of ``align`` from the
+    start of the data section (llama.cpp refuses it too), runs past the end of the file, or
+    overlaps another's (a crafted file: one byte read as two tensors)."""
+    where = str(header.path)
     for info in infos:
-        info.offset += header.data_offset
         if info.name in header.tensors:
             raise LmcliError(f"{where}: tensor {info.name} appears twice")
+        if info.offset % align:
+            raise LmcliError(
+                f"{where}: the data of tensor {info.name} is at offset {info.offset:,} of the data "
+                f"section, not a multiple of general.alignment ({align})"
+            )
+        info.offset += header.data_offset
         if info.offset + info.n_bytes > header.file_size:
             raise LmcliError(
                 f"{where}: the data of tensor {info.name} runs past the end of the file "
                 "(truncated or damaged)"
             )
         header.tensors[info.name] = info
-    return header
+    ordered = sorted(infos, key=lambda t: t.offset)
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if a.offset + a.n_bytes > b.offset:
+            raise LmcliError(f"{where}: the data of tensors {a.name} and {b.name} overlap (a damaged file)")
 
 
 def _tensor_info(cur: _Cursor, gguf: Any) -> TensorInfo:
@@ -208,15 +247,36 @@ def _tensor_info(cur: _Cursor, gguf: Any) -> TensorInfo:
     return TensorInfo(name, kind, ggml.name, tuple(reversed(dims)), offset, n * type_size // block)
 
 
+# keys llama.cpp's converter writes for an architecture, read as another model when absent:
+# llama.cpp reads such a file all the same (as lmcli does), so their absence is a notice
+EXPECTED_KEYS = {
+    "gemma3": (
+        ("attention.sliding_window", "every layer attending to the whole context (Gemma 3's have a window)"),
+    ),
+}
+
+
 def config_from_gguf(header: GgufHeader) -> tuple[FamilyAdapter, ModelConfig, list[str]]:
     """The family and lmcli's ModelConfig of a scanned GGUF file: its metadata read by the family
     adapter (``FamilyAdapter.config_from_gguf``), each value by the rule of the ``config.json``
-    field it stands for (``HFConfig`` with ``GgufSchema``); and notices (none yet)."""
+    field it stands for (``HFConfig`` with ``GgufSchema``); and notices of what the file says
+    otherwise than its tensors, or leaves out (``EXPECTED_KEYS``), that loading reads past."""
     where = str(header.path)
     meta = HFConfig(header.metadata, where, GgufSchema())
     family = from_gguf_arch(str(meta.require("general.architecture")), where)
     shapes = {name: t.shape for name, t in header.tensors.items()}
-    return family, family.config_from_gguf(meta, shapes), []
+    cfg = family.config_from_gguf(meta, shapes)
+    arch, notices = family.gguf_arch, []
+    said = header.metadata.get(f"{arch}.vocab_size")
+    if said is not None and said != cfg.vocab_size:  # llama.cpp sizes the vocabulary by its tokens
+        notices.append(
+            f"{arch}.vocab_size says {said!r} tokens, token_embd.weight has {cfg.vocab_size:,} rows: "
+            "the rows are read (as llama.cpp does)"
+        )
+    for key, otherwise in EXPECTED_KEYS.get(arch, ()):
+        if f"{arch}.{key}" not in header.metadata:
+            notices.append(f"{arch}.{key} is missing: read as llama.cpp reads it, {otherwise}")
+    return family, cfg, notices
 
 
 def check_gguf(path: str | Path) -> tuple[GgufHeader, FamilyAdapter, ModelConfig, list[str]]:

@@ -9,13 +9,14 @@ header is checked against its config:
 - the metadata and the tensor table are those of that bounded scan: of the metadata arrays only
   the tokenizer's (``ARRAYS``) are decoded, any other is skipped unread (``gguf.GGUFReader``
   would build Python objects for every element: a 2 MB file with a million-element array took
-  a GB); each tensor's data is a view of one memory map of the file at its checked offset; a
-  tensor type lmcli does not read (``TYPES``) is one line;
+  a GB); each tensor's data is read at its checked offset into memory of the process's own
+  (``read_data``: never a map of the file, which a truncation or a rewrite under a running
+  command would change); a tensor type lmcli does not read (``TYPES``) is one line;
 - the tokenizer is rebuilt from the metadata (``vocab.tokenizer_from_gguf``) and must fit
   the vocabulary.
 
 ``load_gguf`` then converts each tensor (``GgufTensor.dequantized``: F32, F16 and BF16 values
-are views of the memory-mapped file until converted; the quantized types go through ``gguf``'s
+are views of the bytes read until converted; the quantized types go through ``gguf``'s
 own ``quants.dequantize``), maps the names with the adapter and assigns the tensors to a model
 built on the meta device. The weights' dtype is the caller's, or the embedding's as stored
 (F32, F16, BF16), float32 for a quantized embedding.
@@ -45,7 +46,7 @@ from lmcli.errors import LmcliError
 from lmcli.formats.families import FamilyAdapter, HFConfig
 from lmcli.formats.families.gguf_schema import GgufSchema
 from lmcli.formats.gguf.check import GgufHeader as Scanned
-from lmcli.formats.gguf.check import TensorInfo, check_gguf
+from lmcli.formats.gguf.check import TensorInfo, check_gguf, stamp
 from lmcli.formats.gguf.vocab import tokenizer_from_gguf
 from lmcli.formats.weights import model_from_state
 from lmcli.model.transformer import Transformer
@@ -74,7 +75,7 @@ def is_gguf_file(path: str | Path) -> bool:
 
 @dataclass
 class GgufTensor:
-    """One tensor as the file stores it (memory-mapped)."""
+    """One tensor as the file stores it (its bytes read, see ``read_data``)."""
 
     name: str
     kind: str  # GGML's type name: F32, F16, BF16, Q8_0, ...
@@ -86,7 +87,7 @@ class GgufTensor:
         return self.kind not in _FLOATS
 
     def rows(self) -> Tensor:
-        """The stored bytes, one row of bytes per row of the matrix (uint8, a view of the file)."""
+        """The stored bytes, one row of bytes per row of the matrix (uint8, a view of those read)."""
         return torch.from_numpy(self.data.view(np.uint8).reshape(self.shape[0], -1))
 
     def dequantized(self, dtype: torch.dtype | None = None) -> Tensor:
@@ -114,6 +115,7 @@ class GgufHeader:
     config: ModelConfig
     tokenizer: Tokenizer
     table: dict[str, TensorInfo]  # the bounded scan's: GGML type, shape, offset in the file, bytes
+    notices: list[str]  # what the metadata says otherwise than the tensors, or leaves out (check_gguf)
 
     @property
     def name(self) -> str:
@@ -134,8 +136,8 @@ def _metadata(scanned: Scanned) -> HFConfig:
 
 
 def _tensors(scanned: Scanned) -> dict[str, GgufTensor]:
-    """The tensor table of the bounded scan, each tensor's data a view of one copy-on-write
-    memory map of the file at its checked offset; one line naming a type lmcli does not read."""
+    """The tensor table of the bounded scan, each tensor's data read into memory of its own (see
+    ``read_data``); one line naming a type lmcli does not read."""
     where = str(scanned.path)
     for t in scanned.tensors.values():
         if t.type_name not in TYPES:
@@ -143,21 +145,46 @@ def _tensors(scanned: Scanned) -> dict[str, GgufTensor]:
             raise LmcliError(
                 f"{where}: tensor {t.name} is {t.type_name}, a type lmcli does not read (it reads {reads})"
             )
-    try:
-        with open_input(scanned.path, "GGUF file") as f:
-            mm = np.memmap(f, dtype=np.uint8, mode="c")  # the map outlives the file object
-    except (OSError, ValueError) as exc:
-        raise LmcliError(f"cannot read GGUF file {where}: {exc}") from None
-    if len(mm) != scanned.file_size:
-        raise LmcliError(f"{where} changed while it was read")
     out = {}
-    for name, info in scanned.tensors.items():
-        raw = mm[info.offset : info.offset + info.n_bytes]
+    for name, raw in read_data(scanned).items():
+        info = scanned.tensors[name]
         if info.type_name in ("F32", "F16"):
             data = raw.view(np.float32 if info.type_name == "F32" else np.float16).reshape(info.shape)
         else:  # BF16 and quantized blocks: one row of bytes per row
             data = raw.reshape(*info.shape[:-1], -1)
         out[name] = GgufTensor(name, info.type_name, info.shape, data)
+    return out
+
+
+def read_data(scanned: Scanned) -> dict[str, np.ndarray]:
+    """Each tensor's bytes, read from the scanned file into memory of the process's own (uint8,
+    one array a tensor, in the order of the file); one line when the file is no longer the one
+    scanned (its ``stamp`` changed) or changes while it is read.
+
+    Not memory-mapped: the bytes of a map are the file's, so a file truncated under a running
+    command killed it with SIGBUS at the next read of a page past the new end, and a file
+    rewritten in place changed the weights it was computing with. Read, they are the process's:
+    the file may then be truncated, rewritten or replaced without effect. The memory is what a
+    map whose pages were all read would hold, and a tensor converted on load (dequantized,
+    reordered) frees its bytes.
+    """
+    where = str(scanned.path)
+    changed = LmcliError(f"{where} changed while it was read (read it again when it is complete)")
+    out: dict[str, np.ndarray] = {}
+    try:
+        with open_input(scanned.path, "GGUF file") as f:
+            if stamp(os.fstat(f.fileno())) != scanned.stamp:
+                raise changed
+            for info in sorted(scanned.tensors.values(), key=lambda t: t.offset):
+                raw = np.empty(info.n_bytes, dtype=np.uint8)
+                f.seek(info.offset)
+                if f.readinto(raw) != info.n_bytes:
+                    raise changed
+                out[info.name] = raw
+            if stamp(os.fstat(f.fileno())) != scanned.stamp:
+                raise changed
+    except OSError as exc:
+        raise LmcliError(f"cannot read GGUF file {where}: {exc.strerror or exc}") from None
     return out
 
 
@@ -169,14 +196,14 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
         raise LmcliError(f"no such GGUF file: {path}")
     # the header scanned with bounds, its config read and every tensor's shape checked against
     # it first: gguf's reader trusts the file's counts
-    scanned, family, cfg, _ = check_gguf(path)
+    scanned, family, cfg, notices = check_gguf(path)
     where = str(path)
     meta = _metadata(scanned)
     tensors = _tensors(scanned)
     tok = tokenizer_from_gguf(meta)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
-    return GgufHeader(path, meta, tensors, family, cfg, tok, scanned.tensors)
+    return GgufHeader(path, meta, tensors, family, cfg, tok, scanned.tensors, notices)
 
 
 def gguf_state(

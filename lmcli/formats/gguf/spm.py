@@ -34,7 +34,9 @@ and is refused. A ``Metaspace`` pre-tokenizer (Hugging Face's newer Llama tokeni
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,20 +63,78 @@ def check_not_empty(tokens: list[str], types: list[int], where: str) -> None:
         )
 
 
-def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+# Bounds of what a vocabulary's merges may cost (see ``token_splits``). Real vocabularies (Llama 2,
+# Phi-3, Baichuan, Gemma) make about 2 merges a token, holding about 2 characters for each
+# character of their tokens, found by looking at 4 to 8 characters for each; a crafted chain
+# ("a", "aa", ..., "a" * K) makes K^2 / 2 merges of K^3 / 3 characters.
+MERGES_PER_TOKEN = 4
+CHARS_PER_CHAR = 4  # characters of the merges per character of the tokens
+LOOKS_PER_CHAR = 32  # characters looked up to find them per character of the tokens
+FLOOR = 1 << 16  # what a tiny vocabulary may take whatever its size
+
+
+def token_splits(ids: dict[str, int], order: Iterable[str], where: str) -> Iterator[tuple[str, str]]:
+    """Every cut of each token of ``order`` (texts of ``ids``) into two tokens of ``ids``, as
+    (left, right), token by token, cuts in ascending order; one line when they pass the bounds
+    of a real vocabulary (``MERGES_PER_TOKEN``, ``CHARS_PER_CHAR``, ``LOOKS_PER_CHAR``).
+
+    Only cuts whose two lengths are lengths of tokens are looked up, so a token longer than
+    twice the others costs as many steps as there are lengths, not its length squared."""
+    lengths = sorted({len(t) for t in ids})
+    have = set(lengths)
+    chars = sum(len(t) for t in ids)
+    bounds = (
+        MERGES_PER_TOKEN * len(ids) + FLOOR,
+        CHARS_PER_CHAR * chars + FLOOR,
+        LOOKS_PER_CHAR * chars + FLOOR,
+    )
+    merges = merge_chars = looked = 0
+    for token in order:
+        n = len(token)
+        for cut in lengths:
+            if cut >= n:
+                break
+            if n - cut not in have:
+                continue
+            looked += n
+            left = token[:cut]
+            if left in ids and (right := token[cut:]) in ids:
+                merges, merge_chars = merges + 1, merge_chars + n
+                yield left, right
+            if merges > bounds[0] or merge_chars > bounds[1] or looked > bounds[2]:
+                raise _too_many(where, len(ids), chars, (merges, merge_chars, looked), bounds)
+
+
+def _too_many(where: str, n: int, chars: int, counts: tuple[int, ...], bounds: tuple[int, ...]) -> LmcliError:
+    what = [
+        f"more than {bounds[0]:,} merges, {MERGES_PER_TOKEN} for each of its {n:,} tokens; "
+        "a real vocabulary makes about 2",
+        f"merges of more than {bounds[1]:,} characters, {CHARS_PER_CHAR} for each character of its "
+        "tokens; a real vocabulary's hold about 2",
+        f"more than {bounds[2]:,} characters looked up to find its merges, {LOOKS_PER_CHAR} for each "
+        "character of its tokens; a real vocabulary needs under 8",
+    ][next(i for i, (c, b) in enumerate(zip(counts, bounds, strict=True)) if c > b)]
+    return LmcliError(
+        f"{where}: its tokens split into two of its tokens in too many ways to build its merges "
+        f"({what}): refused"
+    )
+
+
+def spm_merges(
+    tokens: list[str], scores: list[float], where: str = "the vocabulary"
+) -> list[tuple[str, str]]:
     """Every split of every token into two tokens, ranked by the joined token's score (highest
-    first; ties by id): llama.cpp's order of merging (see the module doc)."""
+    first; ties by id): llama.cpp's order of merging (see the module doc); one line when a score
+    is NaN (it has no rank) or the merges pass ``token_splits``' bounds."""
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)
-    merges = [  # (-score, id, left, right): about a second for Gemma's 262,144 tokens
-        (-scores[i], i, token[:cut], token[cut:])
-        for token, i in ids.items()
-        for cut in range(1, len(token))
-        if token[:cut] in ids and token[cut:] in ids
-    ]
-    merges.sort(key=lambda m: (m[0], m[1]))
-    return [(left, right) for _, _, left, right in merges]
+    nan = next((i for i in ids.values() if math.isnan(scores[i])), None)
+    if nan is not None:
+        raise LmcliError(f"{where}: the score of token {nan} is NaN (scores rank the merges)")
+    # the tokens in the order their merges rank: the merges of one token are consecutive
+    order = sorted(ids, key=lambda t: (-scores[ids[t]], ids[t]))
+    return list(token_splits(ids, order, where))
 
 
 def _list(value: Any, what: str, where: str, kinds: tuple[type, ...]) -> list:
@@ -107,10 +167,9 @@ def spm_tokenizer(meta: HFConfig) -> Any:
         ids.setdefault(t, i)  # a repeated text keeps its first id
     unk = next((t for t, k in zip(tokens, types, strict=True) if k == UNKNOWN), None)
     space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
+    merges = spm_merges(tokens, scores, where)
     try:
-        model = models.BPE(
-            vocab=ids, merges=spm_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True
-        )
+        model = models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
         hf = HFTokenizer(model)
         replace = normalizers.Replace(" ", SPACE)
         hf.normalizer = (
@@ -190,14 +249,13 @@ def spm_vocab(tok: Tokenizer, spec: dict[str, Any], vocab_size: int) -> tuple[li
     pairs = {(left, right) for left, right in merges}
     added = tok.hf.get_added_tokens_decoder()
     specials = {a.content for a in added.values()}
-    for token in vocab.keys() - specials:
-        for cut in range(1, len(token)):
-            if token[:cut] in vocab and token[cut:] in vocab and (token[:cut], token[cut:]) not in pairs:
-                raise LmcliError(
-                    f"GGUF's SentencePiece vocabulary merges any two tokens that form a token, but this "
-                    f"tokenizer's merges never join {token[:cut]!r} and {token[cut:]!r} into {token!r}: "
-                    "llama.cpp would tokenize it differently"
-                )
+    for left, right in token_splits(vocab, vocab.keys() - specials, "the tokenizer"):
+        if (left, right) not in pairs:
+            raise LmcliError(
+                f"GGUF's SentencePiece vocabulary merges any two tokens that form a token, but this "
+                f"tokenizer's merges never join {left!r} and {right!r} into {left + right!r}: "
+                "llama.cpp would tokenize it differently"
+            )
     by_id = {i: t for t, i in tok.hf.get_vocab(with_added_tokens=True).items()}
     unk = model.get("unk_token") or (tok.token(tok.unk_id) if tok.unk_id is not None else None)
     tokens, types, scores = [], [], []

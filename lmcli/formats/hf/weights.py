@@ -167,9 +167,12 @@ def check_weights(family: FamilyAdapter, cfg: ModelConfig, header: WeightsHeader
     check_header(cfg, WeightsHeader(header.path, mapped, header.file_size), where=where, stored_dtypes=True)
 
 
-def _read_bin(path: Path) -> dict[str, Tensor]:
+def _read_bin(path: Path, mmap: bool = True) -> dict[str, Tensor]:
+    """The tensors of the folder's ``pytorch_model.bin``: memory-mapped (``mmap``: for their
+    names and shapes alone), else read into memory of the process's own (for the weights: a map's
+    pages are the file's, so a file truncated under a running command kills it with SIGBUS)."""
     try:
-        return torch.load(regular_weights(path, path / BIN), map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(regular_weights(path, path / BIN), map_location="cpu", weights_only=True, mmap=mmap)
     except (OSError, RuntimeError, ValueError, EOFError) as exc:
         raise LmcliError(f"cannot read weights {path / BIN}: {str(exc).splitlines()[0][:200]}") from None
 
@@ -178,7 +181,7 @@ def read_weights(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tens
     """Every tensor of the folder by its Hugging Face name, on the CPU; floating-point ones in
     ``dtype`` (None: as stored)."""
     if is_pytorch_bin(path):
-        return {k: as_dtype(v, dtype) for k, v in _read_bin(path).items()}
+        return {k: as_dtype(v, dtype) for k, v in _read_bin(path, mmap=False).items()}
     out: dict[str, Tensor] = {}
     for file in weight_files(path):
         try:
