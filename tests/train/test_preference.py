@@ -15,7 +15,7 @@ from helpers import tiny_tokenizer
 from lmcli.data.preferences import PreferenceRows, PromptRows, last_reply
 from lmcli.errors import LmcliError
 from lmcli.text.chat_template import encode_conversation
-from lmcli.train.preference import preference_loss, row_sums, token_logprobs
+from lmcli.train.post.preference import preference_loss, row_sums, token_logprobs
 
 # Summed reply log-probs of three pairs: policy and reference, chosen and rejected.
 PC, PR = [-4.0, -7.5, -3.0], [-6.0, -5.0, -3.0]

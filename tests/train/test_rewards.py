@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmcli.errors import LmcliError
-from lmcli.train.rewards import Rewards, canonical_schema, final_number, make_verifier, matches_schema
+from lmcli.train.post.rewards import Rewards, canonical_schema, final_number, make_verifier, matches_schema
 
 ROW = {"prompt": "q", "answer": "Natalia sold 48/2 = 24 clips in May.\n#### 72"}
 
