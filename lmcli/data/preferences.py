@@ -20,13 +20,14 @@ out of order, a pair longer than the context, a prompt that leaves no room for a
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from lmcli.config.train import TrainConfig
 from lmcli.data.conversations import ConversationRows, conversation
 from lmcli.data.examples import Encoded, ExampleSet, collate
 from lmcli.data.train_data import ExampleData
@@ -44,6 +45,8 @@ from lmcli.text.chat_template import (
 from lmcli.text.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")
+RowCheck = Callable[[dict[str, Any], str], None]  # a reward's check of a row (and where it is)
+T = TypeVar("T")
 
 
 @dataclass
@@ -210,7 +213,7 @@ class PromptRows:
         self.source = ConversationRows(spec, split)
         self.description = self.source.description
 
-    def prompts(self, tok: Tokenizer, max_len: int, check: Any = None) -> list[PromptRow]:
+    def prompts(self, tok: Tokenizer, max_len: int, check: RowCheck | None = None) -> list[PromptRow]:
         """Every prompt rendered; one that leaves no room for a reply within ``max_len`` tokens is
         refused; ``check(row, where)``: the rewards' own check of a row."""
         template, out = _template(tok), []
@@ -365,7 +368,7 @@ class PromptData:
 # ----------------------------------------------------------------------------- a run's data
 
 
-def _rows_of(cfg: Any, task: str, validation: bool) -> str | None:
+def _rows_of(cfg: TrainConfig, task: str, validation: bool) -> str | None:
     """The file (or dataset) of a run's pairs or prompts, or of its validation ones."""
     data = cfg.data
     if validation:
@@ -378,7 +381,7 @@ def _rows_of(cfg: Any, task: str, validation: bool) -> str | None:
     raise LmcliError(f"--task {task} needs one file of {noun} (JSONL, JSON or parquet) or --dataset")
 
 
-def _split(items: list[Any], cfg: Any, noun: str) -> tuple[list[Any], list[Any]]:
+def _split(items: list[T], cfg: TrainConfig, noun: str) -> tuple[list[T], list[T]]:
     """Training and validation parts: the last ``--val-fraction`` held out."""
     n_val = int(len(items) * cfg.data.val_fraction)
     if n_val < 1:
@@ -386,7 +389,7 @@ def _split(items: list[Any], cfg: Any, noun: str) -> tuple[list[Any], list[Any]]
     return items[: len(items) - n_val], items[len(items) - n_val :]
 
 
-def load_preference_data(cfg: Any, block_size: int, tok: Tokenizer) -> PreferenceData:
+def load_preference_data(cfg: TrainConfig, block_size: int, tok: Tokenizer) -> PreferenceData:
     """``--task dpo``: the pairs (and held-out pairs), rendered; a pair longer than the context
     is refused."""
     spec = _rows_of(cfg, "dpo", False)
@@ -402,7 +405,7 @@ def load_preference_data(cfg: Any, block_size: int, tok: Tokenizer) -> Preferenc
     return PreferenceData(tok, pair_set(train), pair_set(val), block_size, info)
 
 
-def load_prompt_data(cfg: Any, block_size: int, tok: Tokenizer, check: Any) -> PromptData:
+def load_prompt_data(cfg: TrainConfig, block_size: int, tok: Tokenizer, check: RowCheck | None) -> PromptData:
     """``--task grpo``: the prompts (and held-out prompts), rendered and checked by the rewards
     (``check(row, where)``); a prompt that leaves no room for a reply is refused."""
     spec = _rows_of(cfg, "grpo", False)

@@ -32,7 +32,7 @@ from lmcli.train.post.dpo import DPO
 from lmcli.train.post.grpo import GRPO
 from lmcli.train.run import Method
 
-Opener = Callable[[TrainConfig, Transformer, Checkpoint | None, Any], Method[Any]]
+Opener = Callable[[TrainConfig, Transformer, Checkpoint | None, TrainData | PromptData], Method[Any]]
 
 OPENERS: dict[type[Task], Opener] = {
     Preference: DPO.open,

@@ -18,7 +18,16 @@ import torch
 from torch import nn
 
 from lmcli.config.train import TrainConfig
-from lmcli.data.preferences import PairBatch, PreferenceData, PreferenceRows, collate_pairs, pair_set
+from lmcli.data.examples import ExampleSet
+from lmcli.data.preferences import (
+    PairBatch,
+    PreferenceData,
+    PreferenceRows,
+    PromptData,
+    collate_pairs,
+    pair_set,
+)
+from lmcli.data.train_data import TrainData
 from lmcli.data.windows import IGNORE
 from lmcli.device import autocast
 from lmcli.formats.checkpoint import Checkpoint
@@ -124,7 +133,9 @@ class DPO(PostMethod[PairBatch]):
         self.settings, self.data, self.cfg = settings, data, cfg
 
     @classmethod
-    def open(cls, cfg: TrainConfig, model: Transformer, resumed: Checkpoint | None, data: Any) -> DPO:
+    def open(
+        cls, cfg: TrainConfig, model: Transformer, resumed: Checkpoint | None, data: TrainData | PromptData
+    ) -> DPO:
         """The method of a run: its settings, its reference (a table, the LoRA base or a copy)."""
         assert isinstance(data, PreferenceData)
         post = cfg.post
@@ -185,7 +196,7 @@ class DPO(PostMethod[PairBatch]):
         return f"{s.loss.upper()}, beta {s.beta:g}; {self.reference_words()}"
 
 
-def pair_batches(data: PreferenceData, sequences: Any, size: int, run: Run) -> Iterator[PairBatch]:
+def pair_batches(data: PreferenceData, sequences: ExampleSet, size: int, run: Run) -> Iterator[PairBatch]:
     """Every pair of ``sequences`` in order, ``size`` pairs a batch, on the run's device."""
     n = len(sequences) // 2
     for i in range(0, n, size):

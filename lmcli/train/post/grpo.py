@@ -20,6 +20,7 @@ from torch import nn
 from lmcli.config.commands import SampleConfig
 from lmcli.config.train import TrainConfig
 from lmcli.data.preferences import PromptData, PromptRow
+from lmcli.data.train_data import TrainData
 from lmcli.device import autocast
 from lmcli.formats.checkpoint import Checkpoint
 from lmcli.model.kv_cache import cache_dtype, kv_bytes
@@ -110,7 +111,9 @@ class GRPO(PostMethod[Group]):
         self.passes = settings.steps
 
     @classmethod
-    def open(cls, cfg: TrainConfig, model: Transformer, resumed: Checkpoint | None, data: Any) -> GRPO:
+    def open(
+        cls, cfg: TrainConfig, model: Transformer, resumed: Checkpoint | None, data: TrainData | PromptData
+    ) -> GRPO:
         """The method of a run: its rewards (every row checked by them now), the sampling
         settings, the reference (kept only with a KL term)."""
         assert isinstance(data, PromptData)
