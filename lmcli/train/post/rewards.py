@@ -202,10 +202,13 @@ class RewardWorker:
             [sys.executable, reward_worker.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         self._stop = weakref.finalize(self, _stop_worker, self.process)
-        answer = self._ask((str(path), fn_name, list(sys.path)))
-        if answer[0] != "ok":
+        try:
+            kind, why = self._ask((str(path), fn_name, list(sys.path)))
+        except Refused:  # the file ended the process as it was imported
+            kind, why = "error", f"importing {path} ended its process (exit code {self.process.returncode})"
+        if kind != "ok":
             self.close()
-            raise LmcliError(f"--reward {spec}: {answer[1]}")
+            raise LmcliError(f"--reward {spec}: {why}")
 
     def call(self, prompt: str, reply: str, row: dict[str, Any]) -> float:
         kind, value = self._ask((prompt, reply, row))
@@ -220,11 +223,11 @@ class RewardWorker:
         try:
             reward_worker.send(stdin, request)
             answer = reward_worker.receive(stdout)
-        except (BrokenPipeError, OSError):
+        except (OSError, ValueError):  # its pipe broken, or closed already
             answer = None
         if answer is None:
-            code = self.process.wait()
             self.close()
+            code = self.process.returncode
             raise Refused(f"the function ended its process (exit code {code}) instead of returning a number")
         return answer
 
