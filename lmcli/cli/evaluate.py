@@ -117,7 +117,7 @@ def _eval_tasks(
 def _eval_preferences(run_dir: Path, cfg: EvalConfig, json_out: bool, options: dict[str, Any]) -> None:
     """``lmcli eval --preferences FILE [--reference REF]``: preference accuracy and mean margin."""
     from lmcli.formats.sources import load_model
-    from lmcli.train.posttrain import score_preferences
+    from lmcli.train.post.dpo import score_preferences
 
     assert cfg.preferences is not None
     with loaded_source(run_dir, options) as ckpt:

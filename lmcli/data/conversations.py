@@ -121,11 +121,8 @@ class ConversationRows:
             return
         assert self.path is not None
         text = read_text(self.path)
-        if text.lstrip().startswith("["):  # one JSON list of rows
-            try:
-                rows = json.loads(text)
-            except (ValueError, RecursionError) as exc:
-                raise LmcliError(f"{self.path}: not valid JSON: {str(exc)[:200]}") from None
+        rows = _json_list(text, self.path)
+        if rows is not None:  # one JSON list of rows
             for n, row in enumerate(rows):
                 yield f"{self.path} row {n}", row
             return
@@ -157,6 +154,23 @@ class ConversationRows:
             for messages in self.conversations():
                 ids, scored = encode_conversation(messages, template, tok, renderer=renderer)
                 yield truncate(ids, scored, max_len)
+
+
+def _json_list(text: str, path: Path) -> list[Any] | None:
+    """The rows of a file that is one JSON list; None for JSON lines (one row a line, the first
+    of which may itself be a list: its line is then named as a row that is no object)."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        rows = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        first = text.lstrip().split("\n", 1)[0]
+        try:
+            json.loads(first)
+        except (ValueError, RecursionError):
+            raise LmcliError(f"{path}: not valid JSON: {str(exc)[:200]}") from None
+        return None  # JSON lines, the first a list
+    return rows if isinstance(rows, list) else [rows]
 
 
 def read_text(path: Path) -> str:

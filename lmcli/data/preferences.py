@@ -19,13 +19,15 @@ out of order, a pair longer than the context, a prompt that leaves no room for a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from lmcli.config.train import TrainConfig
 from lmcli.data.conversations import ConversationRows, conversation
 from lmcli.data.examples import Encoded, ExampleSet, collate
 from lmcli.data.train_data import ExampleData
@@ -43,6 +45,8 @@ from lmcli.text.chat_template import (
 from lmcli.text.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")
+RowCheck = Callable[[dict[str, Any], str], None]  # a reward's check of a row (and where it is)
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,6 +72,8 @@ def prompt_messages(row: Any, where: str) -> list[Message]:
     """The conversation a row's reply answers: checked, ending with a user turn."""
     if not isinstance(row, dict):
         raise LmcliError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "messages" in row and "prompt" in row:
+        raise LmcliError(f'{where}: the row holds both "prompt" and "messages": give one')
     if "messages" in row or isinstance(row.get("prompt"), list):
         raw = row["messages"] if "messages" in row else row["prompt"]
         try:
@@ -120,6 +126,50 @@ def _template(tok: Tokenizer) -> Template | None:
     return Template(tok.chat_template, tok.origin or "the tokenizer") if tok.chat_template else None
 
 
+def chars_bound(tok: Tokenizer, max_len: int) -> int:
+    """Characters past which a text certainly holds more than ``max_len`` tokens: a token spells
+    at most ``Tokenizer.longest_token`` characters (times 4 for what a normalizer may join). A
+    row longer is refused before it is rendered or tokenized: a 40 MB reply costs nothing."""
+    return max_len * tok.longest_token * 4
+
+
+def _chars(messages: list[Message]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
+
+@dataclass
+class Rendering:
+    """How the rows of a file become ids: the tokenizer, its chat template, one renderer, and the
+    most tokens a sequence may have (``max_len``; ``bound``: its characters, ``chars_bound``)."""
+
+    tok: Tokenizer
+    template: Template | None
+    renderer: Renderer
+    max_len: int
+
+    def __post_init__(self) -> None:
+        self.bound = chars_bound(self.tok, self.max_len)
+
+    def reply(self, messages: list[Message], side: str, text: str, where: str) -> Encoded:
+        """The ``side`` reply after its prompt, rendered and tokenized, the loss on it; too long:
+        one line naming the row (refused before it is rendered when its characters say so)."""
+        chars = _chars(messages) + len(text)
+        if chars > self.bound:
+            raise LmcliError(
+                f'{where}: the prompt and its "{side}" reply are {chars:,} characters, more than the '
+                f"context allows ({self.max_len} tokens)"
+            )
+        full = conversation({"messages": [*messages, {"role": "assistant", "content": text}]}, where)
+        ids, scored = encode_conversation(full, self.template, self.tok, renderer=self.renderer)
+        if len(ids) > self.max_len:
+            raise LmcliError(
+                f'{where}: the prompt and its "{side}" reply are {len(ids)} tokens, more than '
+                f"the context allows ({self.max_len})"
+            )
+        scored = last_reply(scored)
+        return Encoded(ids, scored, scored.index(True))
+
+
 class PreferenceRows:
     """Preference pairs from a file or ``datasets`` name (``split`` for those)."""
 
@@ -128,26 +178,29 @@ class PreferenceRows:
         self.description = self.source.description
 
     def pairs(self, tok: Tokenizer, max_len: int) -> list[PreferencePair]:
-        """Every pair rendered; a pair whose prompt and reply pass ``max_len`` tokens is refused."""
-        template, out = _template(tok), []
+        """Every pair rendered; a pair whose prompt and reply pass ``max_len`` tokens is refused;
+        a pair whose two replies are the same text (it teaches nothing: the loss is log 2, the
+        gradient zero) is skipped, with one warning counting them."""
+        out, same = [], []
         with Renderer() as renderer:
+            rendering = Rendering(tok, _template(tok), renderer, max_len)
             for where, row in self.source.rows():
                 messages = prompt_messages(row, where)
-                sides = []
-                for side in SIDES:
-                    text = reply_text(row, side, where)
-                    full = conversation(
-                        {"messages": [*messages, {"role": "assistant", "content": text}]}, where
-                    )
-                    ids, scored = encode_conversation(full, template, tok, renderer=renderer)
-                    if len(ids) > max_len:
-                        raise LmcliError(
-                            f'{where}: the prompt and its "{side}" reply are {len(ids)} tokens, more than '
-                            f"the context allows ({max_len})"
-                        )
-                    scored = last_reply(scored)
-                    sides.append(Encoded(ids, scored, scored.index(True)))
+                texts = [reply_text(row, side, where) for side in SIDES]
+                if texts[0] == texts[1]:
+                    same.append(where)
+                    continue
+                sides = [
+                    rendering.reply(messages, side, text, where)
+                    for side, text in zip(SIDES, texts, strict=True)
+                ]
                 out.append(PreferencePair(where, *sides))
+        if same:
+            print(
+                f"warning: {self.description}: skipped {len(same)} pair(s) whose chosen and rejected "
+                f"replies are the same (the first: {same[0]}): they teach nothing",
+                file=sys.stderr,
+            )
         if not out:
             raise LmcliError(f"no preference pairs in {self.description}")
         return out
@@ -160,15 +213,21 @@ class PromptRows:
         self.source = ConversationRows(spec, split)
         self.description = self.source.description
 
-    def prompts(self, tok: Tokenizer, max_len: int, check: Any = None) -> list[PromptRow]:
+    def prompts(self, tok: Tokenizer, max_len: int, check: RowCheck | None = None) -> list[PromptRow]:
         """Every prompt rendered; one that leaves no room for a reply within ``max_len`` tokens is
         refused; ``check(row, where)``: the rewards' own check of a row."""
         template, out = _template(tok), []
+        bound = chars_bound(tok, max_len)
         with Renderer() as renderer:
             for where, row in self.source.rows():
                 messages = prompt_messages(row, where)
                 if check is not None:
                     check(row, where)
+                if _chars(messages) > bound:  # certainly too long: refused before it is rendered
+                    raise LmcliError(
+                        f"{where}: the prompt is {_chars(messages):,} characters: no room for a reply in "
+                        f"the context ({max_len} tokens)"
+                    )
                 ids = encode(messages, template, tok, renderer=renderer)
                 if len(ids) >= max_len:
                     raise LmcliError(
@@ -309,7 +368,7 @@ class PromptData:
 # ----------------------------------------------------------------------------- a run's data
 
 
-def _rows_of(cfg: Any, noun: str, validation: bool) -> str | None:
+def _rows_of(cfg: TrainConfig, noun: str, validation: bool) -> str | None:
     """The file (or dataset) of a run's ``noun`` (preference pairs, prompts), or of its validation
     ones."""
     data = cfg.data
@@ -322,7 +381,7 @@ def _rows_of(cfg: Any, noun: str, validation: bool) -> str | None:
     raise LmcliError(f"--task {cfg.task} needs one file of {noun} (JSONL, JSON or parquet) or --dataset")
 
 
-def _split(items: list[Any], cfg: Any, noun: str) -> tuple[list[Any], list[Any]]:
+def _split(items: list[T], cfg: TrainConfig, noun: str) -> tuple[list[T], list[T]]:
     """Training and validation parts: the last ``--val-fraction`` held out."""
     n_val = int(len(items) * cfg.data.val_fraction)
     if n_val < 1:
@@ -330,7 +389,7 @@ def _split(items: list[Any], cfg: Any, noun: str) -> tuple[list[Any], list[Any]]
     return items[: len(items) - n_val], items[len(items) - n_val :]
 
 
-def load_preference_data(cfg: Any, block_size: int, tok: Tokenizer) -> PreferenceData:
+def load_preference_data(cfg: TrainConfig, block_size: int, tok: Tokenizer) -> PreferenceData:
     """``--task dpo``: the pairs (and held-out pairs), rendered; a pair longer than the context
     is refused."""
     spec = _rows_of(cfg, "preference pairs", False)
@@ -346,7 +405,7 @@ def load_preference_data(cfg: Any, block_size: int, tok: Tokenizer) -> Preferenc
     return PreferenceData(tok, pair_set(train), pair_set(val), block_size, info)
 
 
-def load_prompt_data(cfg: Any, block_size: int, tok: Tokenizer, check: Any) -> PromptData:
+def load_prompt_data(cfg: TrainConfig, block_size: int, tok: Tokenizer, check: RowCheck | None) -> PromptData:
     """``--task grpo``: the prompts (and held-out prompts), rendered and checked by the rewards
     (``check(row, where)``); a prompt that leaves no room for a reply is refused."""
     spec = _rows_of(cfg, "prompts", False)

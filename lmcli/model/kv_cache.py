@@ -48,14 +48,17 @@ def cache_dtype(model: torch.nn.Module) -> torch.dtype:
     return getattr(model, "kv_dtype", None) or compute_dtype(param.device, param.dtype)
 
 
-def check_fits(model: torch.nn.Module, rows: int, what: str) -> None:
-    """Refuse with one line a decoding batch of ``rows`` rows whose KV cache (a full context per
-    row, the sliding-window layers' ring) and next-token scores would not fit in the device's
-    memory, before allocating any."""
+def check_fits(model: torch.nn.Module, rows: int, what: str, columns: int | None = None) -> None:
+    """Refuse with one line a decoding batch of ``rows`` rows whose KV cache (``columns`` a row,
+    by default a full context; the sliding-window layers' ring) and next-token scores would not
+    fit in the device's memory, before allocating any."""
     cfg = model.config
     param = next(model.parameters())
     itemsize = torch.empty((), dtype=cache_dtype(model)).element_size()
-    per_row = kv_bytes(cfg, cfg.block_size, itemsize) + 4 * cfg.padded_vocab_size * 4
+    per_row = (
+        kv_bytes(cfg, min(columns or cfg.block_size, cfg.block_size), itemsize)
+        + 4 * cfg.padded_vocab_size * 4
+    )
     have = memory_of(param.device)
     if have is not None and rows * per_row > have:
         raise LmcliError(

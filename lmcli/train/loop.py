@@ -2,7 +2,9 @@
 
 ``train(model_config, train_config)`` is what ``lmcli train`` calls; tests call it too.
 ``open_run`` builds everything a run holds (folder, data, model, optimizer, ``TrainState``) into
-a ``Run``; ``fit`` is the loop; each thing the loop does is one function of the ``Run``. Under
+a ``Run``; ``fit`` is the loop; each thing the loop does is one function of the ``Run``. What a
+step and a validation are is the task's ``run.method`` (``train.run.Method``: next-token
+prediction, DPO, GRPO), asked the same way whatever it is: the loop never asks which. Under
 ``torchrun`` each rank reads its own slice of every global batch and the model is replicated
 (DDP) or sharded (FSDP2) by ``run.parallel`` (``lmcli.train.parallel``), chosen once: the loop
 calls the same methods either way. Rank 0 alone logs; checkpoints are written whole by rank 0
@@ -11,12 +13,13 @@ or sharded by every rank (``lmcli.train.sharded``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,14 +43,13 @@ from lmcli.train.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from lmcli.train.losses import batch_loss, evaluate_loss
+from lmcli.train.losses import evaluate_loss
 from lmcli.train.metrics import plot_loss_curve, plot_task_scores
 from lmcli.train.optim import group_lr, lr_at
 from lmcli.train.parallel import (
     check_launch,
     clip_grad_norm,
 )
-from lmcli.train.posttrain import GRPOTraining
 from lmcli.train.preflight import (
     fmt_duration,
 )
@@ -59,6 +61,9 @@ from lmcli.train.setup import open_run
 from lmcli.train.sharded import Contents
 from lmcli.train.signals import SIGNALS, Clock, StopSignal, terminate_as_interrupt
 from lmcli.train.task_scores import describe_scores, task_scores
+
+T = TypeVar("T")
+_NOTHING: Any = object()  # the end of an iterator, for ``marked_last``
 
 
 def train(
@@ -80,10 +85,12 @@ def train(
     dist_info, device = init_distributed(cfg.device, group=cfg.parallelism.parallel == "fsdp")
     held: list[RunFolder] = []  # rank 0's locked run folder
     opened: list[Run] = []
+    closing = contextlib.ExitStack()  # what the run starts beside this process (reward workers)
     try:
         with deterministic_algorithms(cfg.deterministic):
             with terminate_as_interrupt():  # until fit's own handling: a SIGTERM cleans up as Ctrl-C
-                opened.append(open_run(model_config, cfg, resume, rep, progress, dist_info, device, held))
+                run = open_run(model_config, cfg, resume, rep, progress, dist_info, device, held, closing)
+                opened.append(run)
             return fit(opened[0], rep)
     except BaseException as exc:
         if opened:  # the trackers' files closed, W&B's run marked failed
@@ -92,6 +99,7 @@ def train(
             after_failure(held[0], opened[0].state.step if opened else None, exc, rep.info)
         raise
     finally:
+        closing.close()
         if held:
             held[0].release()
         shutdown_distributed()
@@ -127,7 +135,7 @@ def fit(run: Run, rep: Reporter) -> TrainResult:
     marks.log_step, marks.log_time = state.step, time.time()
     stopped = "max_steps"
     bar = rep.progress if run.dist.is_main else None
-    if isinstance(run.post, GRPOTraining) and state.step == 0:
+    if run.method.baseline and state.step == 0:
         baseline(run)
     if bar is not None:
         bar.start(run.max_steps, state.step, max_time)
@@ -179,25 +187,30 @@ def set_lr(run: Run, elapsed: float) -> float:
 
 
 def train_step(run: Run) -> torch.Tensor:
-    """One optimizer step over ``grad_accum`` micro-batches; returns the gradient norm. A grpo
-    step samples and rewards its replies first (``GRPOTraining.step``); a dpo micro-batch's loss
-    is its pairs' (``PreferenceTraining.micro_loss``)."""
-    if isinstance(run.post, GRPOTraining):
-        return run.post.step(run, optimizer_step)
-    optim, state = run.cfg.optim, run.state
-    accum, size = optim.grad_accum, optim.batch_size
-    for micro in range(accum):
-        batch = run.sampler.batch(state.cursor + run.dist.rank * size, size)
-        state.cursor += run.global_batch
-        with run.parallel.micro_batch(micro == accum - 1), autocast(run.device, run.amp):
-            batch = batch.to(run.device, run.staging)
-            if run.post is not None:
-                loss = run.post.micro_loss(run.trained, batch)
-            else:
-                loss = batch_loss(run.trained, batch, run.cfg)
-        run.scaler.scale(loss / accum).backward()
-        run.marks.running += loss.detach() / accum
-    return optimizer_step(run)
+    """One step: ``passes`` optimizer steps over the method's micro-batches (``Method``: their
+    loss, or a grpo step's replies sampled and rewarded first); returns the gradient norm."""
+    method = run.method
+    micro_batches = method.micro_batches(run)
+    grad_norm = torch.zeros(())
+    for _ in range(method.passes):
+        for last, batch in marked_last(micro_batches):
+            with run.parallel.micro_batch(last), autocast(run.device, run.amp):
+                share = method.loss(run.trained, batch)
+            run.scaler.scale(share).backward()
+            run.marks.running += share.detach() / method.passes
+        grad_norm = optimizer_step(run)
+    return grad_norm
+
+
+def marked_last(items: Iterable[T]) -> Iterator[tuple[bool, T]]:
+    """``(is_last, item)`` for each item, read one ahead (the last micro-batch of a step is the
+    one whose backward synchronizes gradients across processes)."""
+    it = iter(items)
+    current = next(it, _NOTHING)
+    while current is not _NOTHING:
+        following = next(it, _NOTHING)
+        yield following is _NOTHING, current  # type: ignore[misc]
+        current = following
 
 
 def optimizer_step(run: Run) -> torch.Tensor:
@@ -233,8 +246,7 @@ def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar
         "epoch": run.sampler.epoch_of(run.state.cursor),
     }
     record["mfu"] = run.mfu.of(record["tokens_per_s"], run.dist.world_size)
-    if run.post is not None:  # dpo: rewards, margin, accuracy; grpo: rewards, spread, KL, lengths
-        record.update(run.post.logged())
+    record.update(run.method.logged())  # dpo: rewards, margin, accuracy; grpo: rewards, spread, KL
     marks.log_step, marks.log_time = step, now
     run.trackers.log(step, record)  # rank 0's; no backend on the others
     if bar is not None:
@@ -242,27 +254,31 @@ def log_progress(run: Run, lr: float, grad_norm: torch.Tensor, clock: Clock, bar
 
 
 def require_finite(run: Run, loss: float) -> None:
+    """Stop a run whose loss is no longer a number, naming the checkpoint it keeps (if any)."""
     if not math.isfinite(loss):
+        last = run.run_dir / "last"
+        kept = (
+            f"the last good checkpoint is {last}"
+            if (last / META).exists()
+            else "no checkpoint was written before it"
+        )
         raise LmcliError(
-            f"loss became {loss} at or before step {run.state.step}: stopped; the last good "
-            f"checkpoint is {run.run_dir / 'last'} (try a lower --lr)"
+            f"loss became {loss} at or before step {run.state.step}: stopped; {kept} (a learning "
+            "rate too high is the usual cause: try a lower --lr)"
         )
 
 
 def validate(run: Run) -> bool:
-    """The validation loss (and, for translation, greedy BLEU), logged; True if it is the best."""
+    """The method's validation (and, for translation, greedy BLEU), logged; True if it is the best."""
     state, cfg = run.state, run.cfg
-    if run.post is not None:
-        loss, scores = post_validation(run)
-    else:
-        loss, scores = evaluate_loss(run.model, run.data, cfg, run.device, run.amp, run.dist), {}
+    loss, scores = run.method.validate(run)
     run.marks.val_loss = loss
     improved = loss < state.best_val
     state.best_val = min(state.best_val, loss)
     run.marks.val_step = state.step
     for average in run.averages:
         average.val_loss = evaluate_loss(average.module, run.data, cfg, run.device, run.amp, run.dist)
-    record = validation_record(run, loss, scores) if run.dist.is_main else {}
+    record = validation_record(run, scores) if run.dist.is_main else {}
     if cfg.selected_metric != "val_loss":  # a score rank 0 alone computes: every rank follows it
         improved = run.dist.is_main and select_improved(run, record, loss)
         if run.dist.enabled:
@@ -277,38 +293,24 @@ def validate(run: Run) -> bool:
             scores += f", greedy BLEU {bleu:.2f} chrF {chrf:.2f} ({record['sentences']})"
         scores += describe_scores(record)
         run.info(
-            f"step {state.step}: train loss {train_loss:.4f}, {describe_validation(run, record, loss)}"
+            f"step {state.step}: train loss {train_loss:.4f}, {describe_validation(run, record)}"
             f"{scores}" + (" *best*" if improved else "")
         )
     return improved
 
 
-def post_validation(run: Run) -> tuple[float, dict[str, float]]:
-    """dpo: the loss, accuracy and margin of held-out pairs; grpo: the reward and pass@1 of
-    held-out prompts (its loss: minus the reward). The first ``eval_batches`` batches of them."""
-    size = run.cfg.optim.batch_size
-    limit = run.cfg.validation.eval_batches * size
-    if isinstance(run.post, GRPOTraining):
-        return run.post.validate(run, run.data.val[:limit])
-    batches = (b.to(run.device) for b in run.data.val_batches(size, limit))
-    with autocast(run.device, run.amp):
-        return run.post.validate(run.model, batches)
-
-
 def baseline(run: Run) -> None:
-    """grpo: the starting model's validation, logged at step 0 (what the run is to improve on);
+    """The starting model's validation, logged at step 0 (grpo: what the run is to improve on);
     it sets no best."""
-    _, scores = post_validation(run)
+    _, scores = run.method.validate(run)
     if run.dist.is_main:
         run.trackers.log(0, {"step": 0, **scores})
-        run.info(f"step 0 (the starting model): {describe_validation(run, scores, 0.0)}")
+        run.info(f"step 0 (the starting model): {describe_validation(run, scores)}")
 
 
-def describe_validation(run: Run, record: dict[str, Any], loss: float) -> str:
-    """A validation in words: its loss (and perplexity), or a post-training task's scores."""
-    if run.post is not None:
-        return run.post.summary(record)
-    return f"val loss {loss:.4f} (ppl {math.exp(min(loss, 50)):.2f})"
+def describe_validation(run: Run, record: dict[str, Any]) -> str:
+    """A validation in words: its loss and perplexity, or a post-training task's scores."""
+    return run.method.summary(record)
 
 
 def select_improved(run: Run, record: dict[str, Any], loss: float) -> bool:
@@ -324,13 +326,11 @@ def select_improved(run: Run, record: dict[str, Any], loss: float) -> bool:
     return False
 
 
-def validation_record(run: Run, loss: float, scores: dict[str, float]) -> dict[str, Any]:
-    """Rank 0: the validation's scores (greedy BLEU/chrF for translation; a post-training task's
-    ``scores``), logged."""
+def validation_record(run: Run, scores: dict[str, float]) -> dict[str, Any]:
+    """Rank 0: the validation's record: the method's ``scores`` (a loss and its perplexity; dpo:
+    its loss, accuracy and margin; grpo: the reward), greedy BLEU/chrF for translation, logged."""
     state, cfg = run.state, run.cfg
-    record: dict[str, Any] = {"step": state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
-    if run.post is not None:  # dpo: its loss, no perplexity; grpo: the reward, no loss
-        record = {"step": state.step, **scores}
+    record: dict[str, Any] = {"step": state.step, **scores}
     for average in run.averages:
         record[f"val_loss_{average.name}"] = average.val_loss
     task = make_task(cfg)
@@ -400,9 +400,7 @@ def finish(run: Run, stopped: str, elapsed: float) -> TrainResult:
                 f"time limit reached at step {state.step}; "
                 f"continue with: lmcli train --resume {run.run_dir} --max-time ..."
             )
-        best_text = f"best validation loss {state.best_val:.4f}"
-        if run.post is not None:
-            best_text = run.post.best(state.best_val)
+        best_text = run.method.best(state.best_val)
         run.info(f"done in {fmt_duration(elapsed)}: {best_text}; run folder {run.run_dir}")
     best = state.best_val if math.isfinite(state.best_val) else None
     marks = run.marks

@@ -1,21 +1,25 @@
 """The losses training reads: a batch's loss (of ``evaluate.forward_scored``'s logits) and the
-validation loss across ranks."""
+validation loss across ranks; ``NextToken``, the method of the tasks that learn the next token
+of their data (lm, translation, sft)."""
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lmcli.config.train import TrainConfig
-from lmcli.data.train_data import TrainData
+from lmcli.data.train_data import ExampleData, TrainData
 from lmcli.data.windows import Batch
 from lmcli.device import autocast
 from lmcli.eval.perplexity import forward_scored
 from lmcli.tasks import make_task
 from lmcli.train.distributed import Dist
+from lmcli.train.run import Method, Run, sampler_batches
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, cfg: TrainConfig) -> torch.Tensor:
@@ -76,3 +80,28 @@ def probe_step_seconds(
             times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     return times[-1] * 1.15  # the optimizer step and data loading add a little
+
+
+class NextToken(Method[Batch]):
+    """``--task lm``, ``translation``, ``sft``: each micro-batch's mean cross-entropy of its
+    scored tokens (``batch_loss``); validation: the loss and perplexity of the validation set."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+
+    def micro_batches(self, run: Run) -> Iterator[Batch]:
+        return sampler_batches(run)
+
+    def loss(self, model: torch.nn.Module, micro: Batch) -> torch.Tensor:
+        return batch_loss(model, micro, self.cfg) / self.cfg.optim.grad_accum
+
+    def validate(self, run: Run) -> tuple[float, dict[str, float]]:
+        loss = evaluate_loss(run.model, run.data, self.cfg, run.device, run.amp, run.dist)
+        return loss, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+
+    def summary(self, record: dict[str, Any]) -> str:
+        return f"val loss {record['val_loss']:.4f} (ppl {record['val_ppl']:.2f})"
+
+    def context(self, run: Run) -> int | None:
+        """Examples are often far shorter than an imported model's context: the longest."""
+        return run.data.longest_example() if isinstance(run.data, ExampleData) else None

@@ -206,14 +206,17 @@ def estimated_memory(
     device: torch.device,
     shards: int,
     context: int | None = None,
+    rows: int | None = None,
 ) -> int:
     """The analytic estimate of a process's bytes (no T×T scores where SDPA's flash kernels run),
     with parameters, gradients and optimizer state split over ``shards`` processes, the
-    activations ``--activation-checkpointing`` keeps, sequences of ``context`` tokens (None: the
-    block size)."""
+    activations ``--activation-checkpointing`` keeps, ``rows`` sequences a forward (None: a
+    micro-batch's, ``--batch-size`` examples of the task's sequences) of ``context`` tokens
+    (None: the block size)."""
     flash = device.type == "cuda" and not model.positions.biases_scores and not make_task(cfg).prefix_lm
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    params, batch = model.num_parameters(), cfg.optim.batch_size * make_task(cfg).sequences()
+    params = model.num_parameters()
+    batch = rows if rows is not None else cfg.optim.batch_size * make_task(cfg).sequences()
     recompute = cfg.parallelism.activation_checkpointing
     return estimate_memory(
         model.config,

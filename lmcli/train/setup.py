@@ -4,6 +4,7 @@ restored on resume, and the pre-flight screen.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -57,19 +58,17 @@ from lmcli.train.parallel import (
     make_parallel,
     per_process_memory,
 )
-from lmcli.train.posttrain import describe as describe_post
-from lmcli.train.posttrain import extra_memory, fill_tables, open_post_training
+from lmcli.train.post import open_method
 from lmcli.train.preflight import (
     Preflight,
     available_memory,
-    estimated_memory,
     fmt_count,
     measured_memory,
     preflight_rows,
     replica_memory,
     skeleton,
 )
-from lmcli.train.run import Marks, Reporter, Run
+from lmcli.train.run import Marks, Method, Reporter, Run
 from lmcli.train.run_folder import (
     RunFolder,
     absolute_paths,
@@ -93,9 +92,10 @@ def open_run(
     dist_info: Dist,
     device: torch.device,
     held: list[RunFolder],
+    closing: contextlib.ExitStack,
 ) -> Run:
-    """The run folder (locked, into ``held``), data, model, optimizer and state of a new or
-    resumed run."""
+    """The run folder (locked, into ``held``), data, model, optimizer, state and method of a new
+    or resumed run; what the method starts beside this process is stopped by ``closing``."""
     configure_backend(device)
     amp = autocast_dtype(device, cfg.dtype)
     info = rep.info if dist_info.is_main else (lambda msg: None)
@@ -114,13 +114,13 @@ def open_run(
     parallel, model, trained, averages = place_model(model_config, cfg, resumed, init, dist_info, device, amp)
     sampler = data.sampler(cfg.optim.batch_size, cfg.seed)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
-    optimizer, scaler, state, states = training_state(model, cfg, amp, dist_info, device, averages)
-    post = open_post_training(cfg, model, resumed, data, states)  # dpo, grpo: the reference, rewards
+    method = open_method(cfg, model, resumed, data)  # dpo, grpo: the reference, the rewards
+    closing.callback(method.close)
+    optimizer, scaler, state, states = training_state(model, cfg, amp, dist_info, device, averages, method)
     if resumed is not None:
         parallel.restore(resumed, model, states)
         into = "" if Path(resume) == run_dir else f" into {run_dir}"
         info(f"resuming {resume} at step {state.step}{into}")
-
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     in_place = resumed is not None and Path(resume) == run_dir
     trackers = open_trackers(
@@ -153,9 +153,9 @@ def open_run(
         staging=Staging(device),
         base=base,
         eval_tasks=eval_tasks,
-        post=post,
+        method=method,
     )
-    fill_tables(run, fresh=resumed is None)  # --precompute-reference: the model as training starts
+    method.begin(run, fresh=resumed is None)  # dpo --precompute-reference: the model as it starts
     if dist_info.is_main:
         facts = show_preflight(run, rep)
         write_run_config(run_dir, model_config, cfg)
@@ -225,10 +225,12 @@ def training_state(
     dist_info: Dist,
     device: torch.device,
     averages: list[EMA] = (),  # type: ignore[assignment]
+    method: Method[Any] | None = None,
 ) -> tuple[Any, torch.amp.GradScaler, TrainState, StateRegistry]:
     """The optimizer (of the model as it trains: sharded parameters under FSDP), grad scaler
-    and counters of a new run, each registered once, with every rank's RNGs and the weight
-    ``averages``, in the ``StateRegistry`` that saves and restores them."""
+    and counters of a new run, each registered once, with every rank's RNGs, the weight
+    ``averages`` and the ``method``'s own parts, in the ``StateRegistry`` that saves and
+    restores them."""
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
     state = TrainState()
@@ -239,6 +241,7 @@ def training_state(
         "rng": RngStates(dist_info, device),
     }
     states = StateRegistry({**parts, **{average.name: average for average in averages}})
+    states.parts.update(method.parts() if method is not None else {})  # dpo's precomputed reference
     return optimizer, scaler, state, states
 
 
@@ -355,13 +358,10 @@ def max_steps_of(cfg: TrainConfig, windows_per_epoch: int, world_size: int) -> i
 
 def preflight_memory(run: Run, probed: bool, trainable: int) -> int:
     """Bytes a process needs: on a GPU after a probe step, its measured peak plus the optimizer
-    state of what trains; otherwise the analytic estimate (per process: sharded state split)."""
+    state of what trains; otherwise the method's estimate (per process: sharded state split)."""
     if probed and run.device.type == "cuda":  # the probe's peak holds a reference copy already
         return measured_memory(torch.cuda.max_memory_allocated(run.device), trainable)
-    shards = run.dist.world_size if run.parallel.sharded else 1
-    longest = run.data.longest_example() if isinstance(run.data, ExampleData) else None
-    extra = extra_memory(run.cfg, run.model, run.post) if run.post is not None else 0
-    return estimated_memory(run.model, run.cfg, run.amp, run.device, shards, longest) + extra
+    return run.method.memory(run, run.dist.world_size if run.parallel.sharded else 1)
 
 
 def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
@@ -370,7 +370,7 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
     cfg, model = run.cfg, run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     alone = not (cfg.compile or run.parallel.sharded)  # a sharded model steps with every rank
-    alone = alone and make_task(cfg).examples != "prompts"  # a grpo step samples first: no probe
+    alone = alone and run.method.probes  # (a grpo step samples first: no probe)
     probe = probe_step_seconds(model, run.sampler, cfg, run.device, run.amp) if alone else None
     pre = Preflight(
         params=model.num_parameters(),
@@ -403,8 +403,9 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
         facts["processes"] = run.parallel.describe()
     if cfg.parallelism.activation_checkpointing != "none":
         facts["activation checkpointing"] = f"{cfg.parallelism.activation_checkpointing}, per block"
-    if run.post is not None:
-        facts["post-training"] = describe_post(run.post)
+    described = run.method.describe()
+    if described is not None:
+        facts["post-training"] = described
     if cfg.lora.lora_rank:
         facts["LoRA"] = (
             f"rank {cfg.lora.lora_rank} on {cfg.lora.lora_targets}: {fmt_count(trainable)} trainable "

@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from lmcli.train.grpo import group_advantages, policy_loss, spread_fraction
+from lmcli.train.post.policy import group_advantages, policy_loss, spread_fraction
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [2.0, -1.0, 0.0, 3.0]]  # (P=3, G=4)
 

@@ -22,7 +22,7 @@ from lmcli.data.preferences import (
 )
 from lmcli.errors import LmcliError
 from lmcli.text.chat_template import encode_conversation
-from lmcli.train.preference import preference_loss, row_sums, token_logprobs
+from lmcli.train.post.preference import preference_loss, row_sums, token_logprobs
 
 # Summed reply log-probs of three pairs: policy and reference, chosen and rejected.
 PC, PR = [-4.0, -7.5, -3.0], [-6.0, -5.0, -3.0]

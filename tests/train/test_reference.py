@@ -18,10 +18,11 @@ from lmcli.config.commands import SampleConfig
 from lmcli.data.preferences import PreferenceRows, PromptRows, collate_pairs, pair_set
 from lmcli.data.windows import IGNORE
 from lmcli.model import lora
-from lmcli.train.posttrain import PreferenceSettings, evaluate_pairs, group_loss, pair_loss
-from lmcli.train.reference import Reference, frozen_copy, sequence_logprobs
-from lmcli.train.rewards import Rewards
-from lmcli.train.rollouts import make_group, sample_groups
+from lmcli.train.post.dpo import PreferenceSettings, evaluate_pairs, pair_loss
+from lmcli.train.post.grpo import group_loss
+from lmcli.train.post.reference import Reference, frozen_copy, sequence_logprobs
+from lmcli.train.post.rewards import Rewards
+from lmcli.train.post.rollouts import make_group, sample_groups
 
 TEXT = "the cat sat on the mat. who sat? yes no abc system user assistant 0123456789+="
 PAIRS = [
@@ -136,19 +137,9 @@ def test_a_group_batch_scores_the_replies_and_its_loss_runs(tmp_path: Path) -> N
     assert torch.isfinite(out.loss) and out.ratio.item() == pytest.approx(1.0)
 
 
-def test_the_preflight_counts_the_reference_copy_and_the_replies_cache() -> None:
-    from lmcli.train.posttrain import GRPOTraining, PreferenceTraining, RolloutSettings, extra_memory
-
+def test_the_preflight_counts_the_reference_copy() -> None:
     model = tiny_model()
     params = sum(p.numel() * 4 for p in model.parameters())
-    dpo = train_config(task="dpo", init_from="m")
-    copy_ref = PreferenceTraining(Reference("copy", frozen_copy(model)), PreferenceSettings())
-    assert extra_memory(dpo, model, copy_ref) == params
-    assert (
-        extra_memory(dpo, model, PreferenceTraining(Reference("adapters", model), PreferenceSettings())) == 0
-    )
-    grpo = train_config(task="grpo", init_from="m", reward=("number",), group_size=4, batch_size=2)
-    post = GRPOTraining(Reference("none"), Rewards(["number"]), RolloutSettings(group=4))
-    c = model.config
-    per_row = 2 * c.n_layer * c.block_size * c.n_embd * 4 + 4 * c.padded_vocab_size * 4
-    assert extra_memory(grpo, model, post) == 8 * per_row  # 2 prompts x 4 replies
+    assert Reference("copy", frozen_copy(model)).nbytes == params
+    assert Reference("adapters", model).nbytes == 0
+    # GRPO's decoding cache and step: tests/system/test_posttrain.py (the pre-flight of a run)

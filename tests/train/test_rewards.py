@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmcli.errors import LmcliError
-from lmcli.train.rewards import Rewards, canonical_schema, final_number, make_verifier, matches_schema
+from lmcli.train.post.rewards import Rewards, canonical_schema, final_number, make_verifier, matches_schema
 
 ROW = {"prompt": "q", "answer": "Natalia sold 48/2 = 24 clips in May.\n#### 72"}
 
@@ -162,6 +162,45 @@ def test_a_users_function(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text("import does_not_exist_anywhere\n")
     with pytest.raises(LmcliError, match=r"importing .*bad.py failed: ModuleNotFoundError"):
         make_verifier(f"{tmp_path / 'bad.py'}:fn")
+
+
+def test_a_users_function_runs_apart_and_cannot_end_the_process(tmp_path: Path, capfd) -> None:
+    """Issue 48, finding 9: a function that calls sys.exit or os._exit (at import or in a call)
+    is one line, never the end of the training process; what it prints or reads never reaches
+    the answers."""
+    file = tmp_path / "rude.py"
+    file.write_text(
+        "import os, sys\n"
+        "def chatty(prompt, reply, row):\n    print('hello'); sys.stdin.read(); return 0.5\n"
+        "def leaves(prompt, reply, row):\n    sys.exit(0)\n"
+        "def dies(prompt, reply, row):\n    os._exit(3)\n"
+    )
+    assert Rewards([f"{file}:chatty"]).score("q", "r", {}, "f:1") == [0.5]
+    assert capfd.readouterr().out == ""  # printed to stderr, as the answers use stdout
+    with pytest.raises(LmcliError) as exc:
+        Rewards([f"{file}:leaves"]).score("q", "r", {}, "prompts.jsonl:7")
+    assert str(exc.value) == f"prompts.jsonl:7: --reward {file}:leaves: called sys.exit(0)"
+    with pytest.raises(LmcliError) as exc:
+        Rewards([f"{file}:dies"]).score("q", "r", {}, "prompts.jsonl:8")
+    assert str(exc.value) == (
+        f"prompts.jsonl:8: --reward {file}:dies: the function ended its process (exit code 3) instead "
+        "of returning a number"
+    )
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(1)\n")
+    with pytest.raises(LmcliError, match=r"importing .*exits.py failed: called sys.exit\(1\)$"):
+        make_verifier(f"{tmp_path / 'exits.py'}:fn")
+    (tmp_path / "dies.py").write_text("import os\nos._exit(4)\n")
+    with pytest.raises(LmcliError, match=r"importing .*dies.py ended its process \(exit code 4\)$"):
+        make_verifier(f"{tmp_path / 'dies.py'}:fn")
+
+
+def test_a_reward_a_float32_cannot_hold_is_one_line(tmp_path: Path) -> None:
+    file = tmp_path / "big.py"
+    file.write_text("def r(prompt, reply, row):\n    return -1e39\n")
+    with pytest.raises(
+        LmcliError, match=r"^f:2: --reward .*:r: returned -1e\+39, beyond what a float32 holds"
+    ):
+        Rewards([f"{file}:r"]).score("q", "r", {}, "f:2")
 
 
 def test_a_reply_passes_when_every_check_but_the_penalties_does() -> None:

@@ -179,16 +179,16 @@ def test_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path: Path) -
 def test_deterministic_flag_turns_on_torchs_deterministic_algorithms_for_the_run(
     tmp_path: Path, monkeypatch
 ) -> None:
-    import lmcli.train.loop as loop
+    import lmcli.train.losses as losses  # where a training step's loss is computed (NextToken)
 
     seen = []
-    original = loop.batch_loss
+    original = losses.batch_loss
 
     def spy(*args, **kwargs):
         seen.append(torch.are_deterministic_algorithms_enabled())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "batch_loss", spy)
+    monkeypatch.setattr(losses, "batch_loss", spy)
     train(MODEL, config(tmp_path, "plain", max_steps=2), reporter=quiet(), progress=False)
     result = train(
         MODEL, config(tmp_path, "det", max_steps=2, deterministic=True), reporter=quiet(), progress=False

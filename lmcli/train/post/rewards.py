@@ -15,32 +15,36 @@
   as that engine writes them;
 - ``length:N``: a penalty, 0 up to N characters, then falling linearly to -1 at 2N;
 - ``path/to/file.py:fn``: the user's own function ``fn(prompt: str, reply: str, row: dict) ->
-  float``, loaded with importlib (trusted code: the user's). ``prompt`` is the row's ``prompt``,
-  or its last user message.
+  float`` (trusted code: the user's), run in a process of its own (``reward_worker.py``), so a
+  function that calls ``sys.exit`` or ends its process cannot end training silently. ``prompt``
+  is the row's ``prompt``, or its last user message.
 
-A reward that cannot be computed (a row without ``answer``, a user function that raises or
-returns no number) is one line naming the row. ``check`` reads every row before training, so a
-row a verifier cannot score fails then, not hours in.
+A reward that cannot be computed (a row without ``answer``, a user function that raises, returns
+no number or exits) is one line naming the row; so is a reward that a float32 tensor cannot hold
+(above 3.4e38). ``check`` reads every row before training, so a row a verifier cannot score
+fails then, not hours in.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
+import subprocess
 import sys
-from collections.abc import Callable
+import weakref
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from lmcli.errors import LmcliError
+from lmcli.train.post import reward_worker
+from lmcli.train.post.reward_worker import one_line
 
 NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?"  # 1,234.5 or 1234.5 or -7
 MARKED = (r"####\s*\$?\s*(" + NUMBER + ")", r"answer is\s*:?\s*\$?\s*(" + NUMBER + ")")
-UserFn = Callable[[str, str, dict[str, Any]], Any]
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: rewards are float32 tensors
 
 
 def final_number(text: str) -> Decimal | None:
@@ -167,19 +171,81 @@ class LengthPenalty(Verifier):
 
 
 class UserReward(Verifier):
-    """``path/to/file.py:fn``, the user's own function (trusted code)."""
+    """``path/to/file.py:fn``, the user's own function (trusted code), run in its own process."""
 
     def __init__(self, spec: str) -> None:
         super().__init__(spec)
         path_text, fn_name = spec.rsplit(":", 1)
         self.name = fn_name
-        self.fn = load_user_function(Path(path_text).expanduser(), fn_name, spec)
+        self.worker = RewardWorker(Path(path_text).expanduser(), fn_name, spec)
 
     def __call__(self, prompt: str, reply: str, row: dict[str, Any]) -> float:
-        value = self.fn(prompt, reply, row)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"returned {value!r}, not a finite number")
-        return float(value)
+        return self.worker.call(prompt, reply, row)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class Refused(Exception):
+    """A user's reward function failed: the words say how (its exception, its exit)."""
+
+
+class RewardWorker:
+    """The process one user function runs in (``reward_worker.py``): started, its file imported
+    (a failure is one line), then one call a request; ``close`` (or the object's end) stops it."""
+
+    def __init__(self, path: Path, fn_name: str, spec: str) -> None:
+        if not path.is_file():
+            raise LmcliError(f"--reward {spec}: no such file: {path}")
+        self.spec = spec
+        self.process = subprocess.Popen(
+            [sys.executable, reward_worker.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self._stop = weakref.finalize(self, _stop_worker, self.process)
+        try:
+            kind, why = self._ask((str(path), fn_name, list(sys.path)))
+        except Refused:  # the file ended the process as it was imported
+            kind, why = "error", f"importing {path} ended its process (exit code {self.process.returncode})"
+        if kind != "ok":
+            self.close()
+            raise LmcliError(f"--reward {spec}: {why}")
+
+    def call(self, prompt: str, reply: str, row: dict[str, Any]) -> float:
+        kind, value = self._ask((prompt, reply, row))
+        if kind != "ok":
+            raise Refused(value)
+        return value
+
+    def _ask(self, request: Any) -> tuple[str, Any]:
+        """The worker's answer to ``request``; a worker that is gone is a ``Refused`` saying so."""
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None and stdout is not None
+        try:
+            reward_worker.send(stdin, request)
+            answer = reward_worker.receive(stdout)
+        except (OSError, ValueError):  # its pipe broken, or closed already
+            answer = None
+        if answer is None:
+            self.close()
+            code = self.process.returncode
+            raise Refused(f"the function ended its process (exit code {code}) instead of returning a number")
+        return answer
+
+    def close(self) -> None:
+        self._stop()
+
+
+def _stop_worker(process: subprocess.Popen[bytes]) -> None:
+    """End a worker: its requests closed (it exits at their end), then waited for."""
+    pipes: list[IO[bytes] | None] = [process.stdin, process.stdout]
+    for pipe in pipes:
+        if pipe is not None:
+            pipe.close()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # a function still running: the training is over anyway
+        process.kill()
+        process.wait()
 
 
 BUILTIN: dict[str, type[Verifier]] = {
@@ -203,26 +269,6 @@ def make_verifier(spec: str) -> Verifier:
             "length:N, or path/to/file.py:function"
         )
     return BUILTIN[name](spec)
-
-
-def load_user_function(path: Path, fn_name: str, spec: str) -> UserFn:
-    """``fn_name`` of the Python file ``path``, imported as a module of its own."""
-    if not path.is_file():
-        raise LmcliError(f"--reward {spec}: no such file: {path}")
-    module_name = f"lmcli_reward_{abs(hash(str(path.resolve())))}"
-    loader = importlib.util.spec_from_file_location(module_name, path)
-    if loader is None or loader.loader is None:
-        raise LmcliError(f"--reward {spec}: {path} is not a Python file")
-    module = importlib.util.module_from_spec(loader)
-    try:
-        loader.loader.exec_module(module)
-    except Exception as exc:  # the user's module failed to import: say where, in one line
-        raise LmcliError(f"--reward {spec}: importing {path} failed: {_one_line(exc)}") from None
-    sys.modules.setdefault(module_name, module)
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise LmcliError(f"--reward {spec}: {path} defines no function {fn_name!r}")
-    return fn
 
 
 class Rewards:
@@ -249,15 +295,24 @@ class Rewards:
         out = []
         for verifier in self.verifiers:
             try:
-                out.append(verifier(prompt, reply, row))
-            except Exception as exc:  # the user's code may raise anything: one line naming the row
-                raise LmcliError(f"{where}: --reward {verifier.spec}: {_one_line(exc)}") from None
+                value = verifier(prompt, reply, row)
+            except Refused as exc:
+                raise LmcliError(f"{where}: --reward {verifier.spec}: {exc}") from None
+            except Exception as exc:  # a verifier may fail on odd input: one line naming the row
+                raise LmcliError(f"{where}: --reward {verifier.spec}: {one_line(exc)}") from None
+            if abs(value) > FLOAT32_MAX:
+                raise LmcliError(
+                    f"{where}: --reward {verifier.spec}: returned {value:g}, beyond what a float32 "
+                    f"holds ({FLOAT32_MAX:.4g}): rewards are float32 tensors, scale it down"
+                )
+            out.append(value)
         return out
 
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
+    def close(self) -> None:
+        """Stop the processes the user's functions run in."""
+        for verifier in self.verifiers:
+            if isinstance(verifier, UserReward):
+                verifier.close()
 
 
 # ----------------------------------------------------------------------------- JSON and schemas
@@ -314,7 +369,7 @@ def schema_matcher(schema_text: str, where: str) -> Any:
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema_text, overrides={"whitespace_flexible": True})
     except (ValueError, TypeError) as exc:
-        raise LmcliError(f"{where}: invalid JSON schema: {_one_line(exc)}") from None
+        raise LmcliError(f"{where}: invalid JSON schema: {one_line(exc)}") from None
     matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
     if matcher.is_error():
         raise LmcliError(f"{where}: invalid JSON schema: {' '.join(matcher.get_error().split())[:300]}")

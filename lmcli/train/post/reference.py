@@ -20,15 +20,21 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from lmcli.data.preferences import PairBatch
 from lmcli.data.windows import Batch
 from lmcli.eval.perplexity import forward_scored
 from lmcli.model.lora import LoRALinear
-from lmcli.train.preference import row_sums, token_logprobs
+from lmcli.model.transformer import Transformer
+from lmcli.train.post.preference import row_sums, token_logprobs
+
+if TYPE_CHECKING:
+    from lmcli.config.train import TrainConfig
+    from lmcli.formats.checkpoint import Checkpoint
 
 KINDS = ("adapters", "copy", "table", "none")
 
@@ -83,6 +89,12 @@ class Reference:
     def needed(self) -> bool:
         return self.kind != "none"
 
+    @property
+    def nbytes(self) -> int:
+        """Memory it holds beside the model being trained: a frozen copy's weights, a table."""
+        held = list(self.model.parameters()) if self.kind == "copy" and self.model is not None else []
+        return sum(t.numel() * t.element_size() for t in [*held, *self.tables.values()])
+
     @contextlib.contextmanager
     def _frozen(self) -> Iterator[nn.Module]:
         assert self.model is not None, f"a {self.kind} reference runs no model"
@@ -98,16 +110,17 @@ class Reference:
         with self._frozen() as model:
             return sequence_logprobs(model, batch)[0]
 
-    def pair_logprobs(self, batch: Any, split: str = "train") -> Tensor:
+    def pair_logprobs(self, batch: PairBatch, split: str = "train") -> Tensor:
         """The reference's summed reply log-probs of a batch of pairs, (2B,) interleaved as the
         batch's rows (chosen, rejected, chosen, ...)."""
         if self.kind == "table":
             table = self.tables[split]  # (P, 2)
+            assert batch.pairs is not None
             return table[batch.pairs.to(table.device)].reshape(-1).to(batch.x.device)  # (B, 2) -> (2B,)
         with self._frozen() as model:
             return sequence_logprobs(model, batch)[2]
 
-    def fill_table(self, model: nn.Module, split: str, batches: Iterator[Any], n_pairs: int) -> None:
+    def fill_table(self, model: nn.Module, split: str, batches: Iterator[PairBatch], n_pairs: int) -> None:
         """Compute a split's table once, with ``model`` as it stands (before training)."""
         table = torch.zeros(n_pairs, 2, dtype=torch.float32)
         with torch.no_grad(), evaluating(model):
@@ -131,3 +144,23 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def make_reference(
+    cfg: TrainConfig, model: Transformer, resumed: Checkpoint | None, needed: bool
+) -> Reference:
+    """The model as training starts: with LoRA the base (adapters off); else a frozen copy, of
+    the model now or, on resume, of ``--init-from`` read again (also with LoRA when the embedding
+    trains too: ``--lora-train-embeddings`` changes the base)."""
+    if not needed:
+        return Reference("none")
+    if cfg.lora.lora_rank and not cfg.lora.lora_train_embeddings:
+        return Reference("adapters", model)
+    if resumed is None:
+        return Reference("copy", frozen_copy(model))
+    from lmcli.train.init_from import open_init
+
+    assert cfg.init_from is not None  # a post-training task needs it (tasks.PostTraining.check)
+    start = open_init(cfg.init_from, lambda msg: None, model.config.block_size).load(False)[0]
+    device = next(model.parameters()).device
+    return Reference("copy", frozen_copy(start).to(device))
