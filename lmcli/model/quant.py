@@ -265,8 +265,8 @@ class BlockLinear(QuantLinear):
                 self._float = self.dequantized()
             return F.linear(x, self._float.to(x.dtype))
         if self._bound is None or self._bound.blocks is not self.blocks:  # new blocks: checked first
-            self.format = ops.check_blocks(self.blocks, self.fmt, self.in_features)
-            self._bound = ops.BoundProduct(self.blocks, self.format, self.in_features)
+            self._bound = ops.BoundProduct(self.blocks, self.fmt, self.in_features)
+            self.format = self._bound.format
         if x.size(0) >= BLOCK_GEMM_ROWS:  # a prompt: bfloat16 slices of the weight, a GEMM each
             # dequantized on this thread alone: the pool's workers, woken between torch's GEMMs,
             # would wait beside torch's spinning threads (2 threads, SmolLM2-135M shape, q4_0:

@@ -2,9 +2,9 @@
 
 ``write_gguf_model`` writes a tiny random model of llama.cpp's ``llama``, ``qwen2`` or ``gpt2``
 architecture as llama.cpp's own converter lays it out (names, metadata, ggml shapes, F32 norms
-and biases), its matrices in one tensor type: F32/F16/BF16 and Q8_0/Q4_0/Q4_1 through
-``gguf.quants.quantize``; the K types (Q4_K, Q5_K, Q6_K), which ``gguf`` reads but does not
-write, as random blocks with sane scales. Nothing of lmcli writes these files.
+and biases), its matrices in one tensor type: F32/F16/BF16 and Q8_0/Q4_0/Q4_1/MXFP4 through
+``gguf.quants.quantize``; the types ``gguf`` reads but does not write (the K types, IQ4_NL,
+IQ4_XS: ``SCALE_AT``) as random blocks with sane scales. Nothing of lmcli writes these files.
 
 ``spm_source`` is a SentencePiece-style vocabulary (tokens, scores, types: control, unknown,
 user-defined and ``<0xNN>`` byte tokens) of a BPE trained on text with spaces as ``▁``, as a
@@ -33,8 +33,21 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 
 T = gguf.GGMLQuantizationType
 KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# byte offsets of the f16 scales in each K block (values per block: 256), and their size
-K_SCALES = {"Q4_K": ((0, 2), 144), "Q5_K": ((0, 2), 176), "Q6_K": ((208,), 210)}
+# the types gguf reads but does not write: the byte offsets of a block's float16 scales (d, then
+# the min's scale where it has one), as ggml-common.h lays the blocks out
+SCALE_AT = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+# the largest |integer| d multiplies in each (d = scale / REACH spreads the values about +-scale),
+# and the min's scale as a multiple of d (it centres them)
+REACH = {"Q2_K": 22.5, "Q3_K": 64, "Q4_K": 472.5, "Q5_K": 976.5, "Q6_K": 2000, "IQ4_NL": 64, "IQ4_XS": 2032}
+MIN_FACTOR = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
 SHAPE = dict(n_embd=256, n_head=4, n_kv=2, n_layer=2, ffn=512, context=64)  # K types: rows of 256
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -172,18 +185,17 @@ def source_tokenizer(pre: str) -> Tokenizer:
     return tok
 
 
-def _k_blocks(rows: int, cols: int, kind: str, scale: float, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks (rows, cols / 256 * bytes) whose values spread about +-``scale``."""
-    offsets, size = K_SCALES[kind]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
-    if kind == "Q6_K":  # w = d * scale_j * (q - 32), |scale_j| < 128, |q - 32| <= 32
-        d = np.full((blocks.shape[0], 1), scale / 2000, dtype=np.float16)
-        blocks[:, 208:210] = d.view(np.uint8)
-    else:  # w = d * sc * q - dmin * m: sc, m 6-bit, q 4 or 5 bits; dmin centres the values
-        top = 15 if kind == "Q4_K" else 31
-        d = np.full((blocks.shape[0], 1), scale / (63 * top / 2), dtype=np.float16)
-        blocks[:, 0:2] = d.view(np.uint8)
-        blocks[:, 2:4] = (d * np.float16(top / 2)).astype(np.float16).view(np.uint8)
+def random_blocks(
+    kind: str, rows: int, cols: int, rng: np.random.Generator, d: np.ndarray | float
+) -> np.ndarray:
+    """Random ``kind`` blocks (rows, cols / block * bytes) of a type gguf does not write: random
+    bits, the float16 scale ``d`` (one, or one a block) and the min's scale d * MIN_FACTOR."""
+    block, size = gguf.GGML_QUANT_SIZES[T[kind]]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    d16 = np.broadcast_to(np.asarray(d, dtype=np.float16).reshape(-1, 1), (len(blocks), 1))
+    for i, at in enumerate(SCALE_AT[kind]):
+        scale = d16 if i == 0 else (d16 * np.float16(MIN_FACTOR[kind])).astype(np.float16)
+        blocks[:, at : at + 2] = np.ascontiguousarray(scale).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -193,8 +205,8 @@ def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarr
         return w.astype(np.float32), None
     if kind == "F16":
         return w.astype(np.float16), None
-    if kind in K_SCALES:
-        return _k_blocks(*w.shape, kind, float(np.abs(w).max()) / 2, rng), T[kind]
+    if kind in SCALE_AT:
+        return random_blocks(kind, *w.shape, rng, float(np.abs(w).max()) / 2 / REACH[kind]), T[kind]
     return gguf.quants.quantize(w.astype(np.float32), T[kind]), T[kind]
 
 
