@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Callable
 
+import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ SHAPES = {
 }
 FROM_MEMORY = "from memory"  # weights of 64-170 MB, far past the caches: the DRAM-bound figure
 REPS = 7
+QT = gguf.GGMLQuantizationType
 
 
 def best_time(
@@ -62,10 +64,15 @@ def best_time(
 
 
 def blocks_for(fmt: str, n: int, k: int) -> torch.Tensor:
-    """Random bytes as blocks: the kernels' speed does not depend on the values (no branch on them;
-    a NaN or an infinity costs what any float costs, and an fp16 scale is never a float32 subnormal)."""
-    f = ops.FORMATS[fmt]
-    return torch.from_numpy(np.random.default_rng(0).integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8))
+    """Blocks of a random weight: gguf's quantizer where it has one (32 rows, repeated to n: the
+    speed does not depend on the values), else random bytes (fp16 scales never make a float32
+    subnormal; mxfp4's random e8m0 scales would: it has gguf's quantizer)."""
+    f, rng = ops.FORMATS[fmt], np.random.default_rng(0)
+    try:
+        rows = gguf.quants.quantize(rng.standard_normal((32, k)).astype(np.float32), QT[fmt.upper()])
+        return torch.from_numpy(np.ascontiguousarray(np.resize(rows, (n, rows.shape[1]))))
+    except NotImplementedError:
+        return torch.from_numpy(rng.integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8))
 
 
 def report(case: str, kind: str, bytes_streamed: int, t: float) -> None:

@@ -60,8 +60,8 @@ using QuantFn = void (*)(const float*, int64_t, int, int, int8_t*, float*, int32
 using DequantFn = void (*)(const uint8_t*, int64_t, uint16_t*);
 
 // the activation copies a product reads beyond q, d, s (ActRow), flags: the pair or quad layout of
-// its 32-value groups (scalar.inc), the sums over 32 values
-enum Layout { PLAIN = 0, PAIRS = 1, QUADS = 2, SUMS32 = 4 };
+// its 32-value groups or the halves layout of its 256-value blocks (scalar.inc), the sums over 32 values
+enum Layout { PLAIN = 0, PAIRS = 1, QUADS = 2, SUMS32 = 4, HALVES = 8 };
 
 // one instruction set's kernels for one format (all null: none; a float format has none yet)
 struct Kernels {
@@ -181,7 +181,8 @@ ActCopies act_copies(int64_t m, int64_t k, int block, int layout) {
   const int64_t lanes = block == QK ? 8 * np : 0;                 // ip, dp: the 32-value formats'
   ActCopies c;
   c.q.per_row = k, c.d.per_row = k / block, c.s.per_row = k / sum_block(block);
-  c.qp.per_row = 64 * np, c.ip.per_row = lanes, c.dp.per_row = lanes;
+  c.qp.per_row = layout & (PAIRS | QUADS | HALVES) ? k : 0;  // (each layout a permutation of q)
+  c.ip.per_row = lanes, c.dp.per_row = lanes;
   c.s32.per_row = layout & SUMS32 ? k / QK : 0;
   c.place(thread_scratch(), m);
   return c;
@@ -199,6 +200,8 @@ void quantize_rows(const Kernels& kern, const float* x, int64_t m, int64_t k, in
       quad_values(c.q.row(i), groups / 4, c.qp.row(i));
     else if (kern.layout & PAIRS)
       pair_values(c.q.row(i), groups / 2, c.qp.row(i));
+    else if (kern.layout & HALVES)
+      halves_values(c.q.row(i), k / QK_K, c.qp.row(i));
     for (int64_t g = 0; g < groups && c.s32.per_row > 0; ++g)
       c.s32.row(i)[g] = c.s.row(i)[2 * g] + c.s.row(i)[2 * g + 1];
   }
