@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Callable
 
+import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ SHAPES = {
 }
 FROM_MEMORY = "from memory"  # weights of 64-170 MB, far past the caches: the DRAM-bound figure
 REPS = 7
+QT = gguf.GGMLQuantizationType
 
 
 def best_time(
@@ -62,12 +64,15 @@ def best_time(
 
 
 def blocks_for(fmt: str, n: int, k: int) -> torch.Tensor:
-    """Random blocks (the speed does not depend on the values) with finite fp16 scales."""
-    f = ops.FORMATS[fmt]
-    raw = np.random.default_rng(0).integers(0, 256, (n * k // f.block, f.block_bytes), dtype=np.uint8)
-    for at in (208,) if fmt == "q6_K" else (0, 2) if fmt in ("q4_1", "q5_1", "q4_K", "q5_K") else (0,):
-        raw[:, at : at + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8)
-    return torch.from_numpy(raw.reshape(n, -1))
+    """Blocks of a random weight: gguf's quantizer where it has one (32 rows, repeated to n: the
+    speed does not depend on the values), else random bytes (fp16 scales never make a float32
+    subnormal; mxfp4's random e8m0 scales would: it has gguf's quantizer)."""
+    f, rng = ops.FORMATS[fmt], np.random.default_rng(0)
+    try:
+        rows = gguf.quants.quantize(rng.standard_normal((32, k)).astype(np.float32), QT[fmt.upper()])
+        return torch.from_numpy(np.ascontiguousarray(np.resize(rows, (n, rows.shape[1]))))
+    except NotImplementedError:
+        return torch.from_numpy(rng.integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8))
 
 
 def report(case: str, kind: str, bytes_streamed: int, t: float) -> None:
@@ -93,10 +98,10 @@ def main() -> None:
                 if k % ops.FORMATS[fmt].block:
                     continue
                 b = blocks_for(fmt, n, k)
-                t = timed(lambda: ops.matmul(x, b, fmt, k, threads=threads))  # noqa: B023
+                bound = ops.BoundProduct(b, fmt, k)
+                t = timed(lambda: bound(x, threads))  # noqa: B023
                 report(case, f"native {fmt}", b.numel() * rows, t)
                 if rows > 1:
-                    bound = ops.BoundProduct(b, ops.FORMATS[fmt], k)
                     t = timed(lambda: bound.gemm(x, threads))  # noqa: B023
                     report(case, f"deq+gemm {fmt}", b.numel() * rows, t)
                     xb = x.bfloat16()

@@ -37,12 +37,15 @@ import torch
 from torch import Tensor
 
 from lmcli.config.commands import SampleConfig
+from lmcli.errors import LmcliError
 from lmcli.generate.decoding import needs_slide, prefill, slide, step
 from lmcli.generate.prefix_cache import PrefixCache
 from lmcli.generate.rules import TextTail, choose, cut_at_stop, held_back, penalize_seen, seen_mask
 from lmcli.model.kv_cache import KVCache
 from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
+
+NAN_HINT = "it would give no text (lmcli verify MODEL checks its weights)"
 
 
 class RowProcessor(Protocol):
@@ -107,6 +110,8 @@ class Row:
     def record(self, token: int, logprob: float, tokenizer: Tokenizer) -> str:
         """Take ``token`` (its log-prob ``logprob``); return the text it lets show. The row ends
         at ``<eos>``, at a stop string, or with ``max_new_tokens`` tokens."""
+        if logprob != logprob:  # NaN: the logits were (a NaN or infinite weight upstream)
+            raise LmcliError(f"the model computes NaN or infinite logits: {NAN_HINT}")
         self.sequence.append(token)
         if self._seen is not None:
             self._seen[token] = True

@@ -32,8 +32,8 @@ The products (docs/quantization.md has the measurements that chose them):
   ``group_size``), held as the block bytes a GGUF file stores (``BlockLinear``) and multiplied
   with int8 activations by integer dot products; the head and the embedding are q8_0 (a tied
   embedding looks its rows up in the head's blocks, ``BlockEmbedding``). A GGUF file's own
-  q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K matrices load into the same layers as stored
-  (``lmcli.formats.gguf.as_stored``).
+  matrices in any format the kernels run (``ops.FORMATS``: the q*_0/q*_1, the K-quants, iq4_nl,
+  iq4_xs, mxfp4) load into the same layers as stored (``lmcli.formats.gguf.as_stored``).
 
 ``lmcli.model.fastpath``'s CPU scope leaves these modules alone (they are no ``nn.Linear``: nothing is
 packed again) and its one-token step calls them as it calls a linear layer.
@@ -226,10 +226,10 @@ class Int8Embedding(nn.Module):
 
 
 class BlockLinear(QuantLinear):
-    """Weights as GGUF blocks (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K;
-    ``lmcli.model.native``), multiplied by the native kernels: activations rounded to int8 per
-    block, integer dot products (a prompt of ``BLOCK_GEMM_ROWS`` rows or more: the weight
-    dequantized to bfloat16 by the kernels, a slice at a time, one torch GEMM a slice).
+    """Weights as GGUF blocks (a format of ``lmcli.model.native.ops.FORMATS``), multiplied by
+    the native kernels: activations rounded to int8 per block, integer dot products (a prompt of
+    ``BLOCK_GEMM_ROWS`` rows or more: the weight dequantized to bfloat16 by the kernels, a slice
+    at a time, one torch GEMM a slice).
 
     ``blocks`` (out, row bytes) uint8 is the bytes a GGUF file stores (a view of a memory-mapped
     file, or ``quantize_blocks``'s output), so the layer takes the file's size. One row (decode)
@@ -265,8 +265,8 @@ class BlockLinear(QuantLinear):
                 self._float = self.dequantized()
             return F.linear(x, self._float.to(x.dtype))
         if self._bound is None or self._bound.blocks is not self.blocks:  # new blocks: checked first
-            self.format = ops.check_blocks(self.blocks, self.fmt, self.in_features)
-            self._bound = ops.BoundProduct(self.blocks, self.format, self.in_features)
+            self._bound = ops.BoundProduct(self.blocks, self.fmt, self.in_features)
+            self.format = self._bound.format
         if x.size(0) >= BLOCK_GEMM_ROWS:  # a prompt: bfloat16 slices of the weight, a GEMM each
             # dequantized on this thread alone: the pool's workers, woken between torch's GEMMs,
             # would wait beside torch's spinning threads (2 threads, SmolLM2-135M shape, q4_0:

@@ -55,10 +55,14 @@ class RMSNorm1p(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
+    def multiplier(self) -> Tensor:
+        """What the normalized rows are multiplied by: 1 + weight, in float32."""
+        return 1.0 + self.weight.float()
+
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (h * self.multiplier()).type_as(x)
 
 
 NORMS: dict[str, Callable[[int, ModelConfig], nn.Module]] = {  # (width, config) -> norm

@@ -369,7 +369,8 @@ class ImportCase:
 # how llama.cpp's CPU backend rounds the input of a product with weights of each type (its
 # ``vec_dot_type``): blocks of 32 (Q8_0, Q8_1) or 256 values (Q8_K) as int8 with a scale, f16, bf16
 ROUNDED_AS = {"F16": "F16", "BF16": "BF16", "Q8_0": 32, "Q4_0": 32, "Q4_1": 32}
-ROUNDED_AS |= {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+ROUNDED_AS |= {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q2_K": 256, "Q3_K": 256, "IQ4_XS": 256}
+ROUNDED_AS |= {"IQ4_NL": 32, "MXFP4": 32}  # (llama.cpp rounds their inputs as q8_0)
 
 
 def import_cases() -> list[ImportCase]:

@@ -2,9 +2,9 @@
 
 ``write_gguf_model`` writes a tiny random model of llama.cpp's ``llama``, ``qwen2`` or ``gpt2``
 architecture as llama.cpp's own converter lays it out (names, metadata, ggml shapes, F32 norms
-and biases), its matrices in one tensor type: F32/F16/BF16 and Q8_0/Q4_0/Q4_1 through
-``gguf.quants.quantize``; the K types (Q4_K, Q5_K, Q6_K), which ``gguf`` reads but does not
-write, as random blocks with sane scales. Nothing of lmcli writes these files.
+and biases), its matrices in one tensor type: F32/F16/BF16 and Q8_0/Q4_0/Q4_1/MXFP4 through
+``gguf.quants.quantize``; the types ``gguf`` reads but does not write (the K types, IQ4_NL,
+IQ4_XS: ``SCALE_AT``) as random blocks with sane scales. Nothing of lmcli writes these files.
 
 ``spm_source`` is a SentencePiece-style vocabulary (tokens, scores, types: control, unknown,
 user-defined and ``<0xNN>`` byte tokens) of a BPE trained on text with spaces as ``▁``, as a
@@ -33,8 +33,33 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 
 T = gguf.GGMLQuantizationType
 KINDS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# byte offsets of the f16 scales in each K block (values per block: 256), and their size
-K_SCALES = {"Q4_K": ((0, 2), 144), "Q5_K": ((0, 2), 176), "Q6_K": ((208,), 210)}
+# the types gguf reads but does not write: the byte offsets of a block's float16 scales (d, then
+# the min's scale where it has one), as ggml-common.h lays the blocks out
+SCALE_AT = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+# the largest |integer| d multiplies in each (d = scale / REACH spreads the values about +-scale),
+# and the min's scale as a multiple of d (it centres them)
+REACH = {"Q2_K": 22.5, "Q3_K": 64, "Q4_K": 472.5, "Q5_K": 976.5, "Q6_K": 2000, "IQ4_NL": 64, "IQ4_XS": 2032}
+MIN_FACTOR = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
+# the rarer types lmcli reads dequantized: where a block's float16 scale d is (IQ1_M spreads its d
+# over the top nibbles of its last 8 bytes; NVFP4's scales are 4 unsigned e4m3 bytes, never NaN)
+RARE_SCALE_AT = {
+    "IQ1_S": 0,
+    "IQ2_XXS": 0,
+    "IQ2_XS": 0,
+    "IQ2_S": 0,
+    "IQ3_XXS": 0,
+    "IQ3_S": 0,
+    "TQ1_0": 52,
+    "TQ2_0": 64,
+}
 SHAPE = dict(n_embd=256, n_head=4, n_kv=2, n_layer=2, ffn=512, context=64)  # K types: rows of 256
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -172,18 +197,36 @@ def source_tokenizer(pre: str) -> Tokenizer:
     return tok
 
 
-def _k_blocks(rows: int, cols: int, kind: str, scale: float, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks (rows, cols / 256 * bytes) whose values spread about +-``scale``."""
-    offsets, size = K_SCALES[kind]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
-    if kind == "Q6_K":  # w = d * scale_j * (q - 32), |scale_j| < 128, |q - 32| <= 32
-        d = np.full((blocks.shape[0], 1), scale / 2000, dtype=np.float16)
-        blocks[:, 208:210] = d.view(np.uint8)
-    else:  # w = d * sc * q - dmin * m: sc, m 6-bit, q 4 or 5 bits; dmin centres the values
-        top = 15 if kind == "Q4_K" else 31
-        d = np.full((blocks.shape[0], 1), scale / (63 * top / 2), dtype=np.float16)
-        blocks[:, 0:2] = d.view(np.uint8)
-        blocks[:, 2:4] = (d * np.float16(top / 2)).astype(np.float16).view(np.uint8)
+def random_blocks(
+    kind: str, rows: int, cols: int, rng: np.random.Generator, d: np.ndarray | float
+) -> np.ndarray:
+    """Random ``kind`` blocks (rows, cols / block * bytes) of a type gguf does not write: random
+    bits, the float16 scale ``d`` (one, or one a block) and the min's scale d * MIN_FACTOR."""
+    block, size = gguf.GGML_QUANT_SIZES[T[kind]]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    d16 = np.broadcast_to(np.asarray(d, dtype=np.float16).reshape(-1, 1), (len(blocks), 1))
+    for i, at in enumerate(SCALE_AT[kind]):
+        scale = d16 if i == 0 else (d16 * np.float16(MIN_FACTOR[kind])).astype(np.float16)
+        blocks[:, at : at + 2] = np.ascontiguousarray(scale).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def rare_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, d: float) -> np.ndarray:
+    """Random blocks (rows, bytes a row) of a rarer type (``RARE_SCALE_AT``, IQ1_M, NVFP4): random
+    bits with the scale d (NVFP4: small e4m3 scales)."""
+    block, size = gguf.GGML_QUANT_SIZES[T[kind]]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    bits = int(np.array([d], dtype=np.float16).view(np.uint16)[0])
+    if kind == "IQ1_M":  # d's 16 bits are the top nibbles of the 4 uint16 scales, lowest first
+        scales = blocks[:, -8:].copy().view(np.uint16)  # (blocks, 4)
+        for i in range(4):
+            scales[:, i] = (scales[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        blocks[:, -8:] = scales.view(np.uint8)
+    elif kind == "NVFP4":
+        blocks[:, :4] &= 0x27  # exponents 0 or 4
+    else:
+        at = RARE_SCALE_AT[kind]
+        blocks[:, at : at + 2] = np.array([bits], dtype=np.uint16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -193,9 +236,15 @@ def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarr
         return w.astype(np.float32), None
     if kind == "F16":
         return w.astype(np.float16), None
-    if kind in K_SCALES:
-        return _k_blocks(*w.shape, kind, float(np.abs(w).max()) / 2, rng), T[kind]
-    return gguf.quants.quantize(w.astype(np.float32), T[kind]), T[kind]
+    if kind in SCALE_AT:
+        return random_blocks(kind, *w.shape, rng, float(np.abs(w).max()) / 2 / REACH[kind]), T[kind]
+    if kind in RARE_SCALE_AT or kind in ("IQ1_M", "NVFP4"):
+        return rare_blocks(kind, *w.shape, rng, float(np.abs(w).max()) / 50), T[kind]
+    try:
+        return gguf.quants.quantize(w.astype(np.float32), T[kind]), T[kind]
+    except NotImplementedError:  # a type neither gguf nor lmcli writes (Q1_0): random bytes
+        block, size = gguf.GGML_QUANT_SIZES[T[kind]]
+        return rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block * size), dtype=np.uint8), T[kind]
 
 
 def model_tensors(arch: str, vocab: int, rng: np.random.Generator, tied: bool) -> dict[str, np.ndarray]:
@@ -274,11 +323,12 @@ def write_gguf_model(
     tokenizer_model: str = "gpt2",
     spm: SpmSource | None = None,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    kinds: dict[str, str] | None = None,
 ) -> Path:
     """A tiny random ``arch`` model, its matrices ``kind``, as llama.cpp's converter lays it out
     (``tok``: its tokenizer, a ``tokenizers`` BPE with ``SPECIALS``; default: one of the tiny text;
     ``spm``: a SentencePiece-style vocabulary instead; ``extra``: called on the writer after the
-    tokenizer, to add crafted metadata)."""
+    tokenizer, to add crafted metadata; ``kinds``: other types for some matrices, by name)."""
     rng = np.random.default_rng(seed)
     tok = tok or hf_tokenizer(SPECIALS)
     # a few unused ids, as padded vocabularies have
@@ -308,7 +358,7 @@ def write_gguf_model(
         if value.ndim == 1:
             w.add_tensor(tname, value)
         else:
-            data, raw = encode(value, kind, rng)
+            data, raw = encode(value, (kinds or {}).get(tname, kind), rng)
             w.add_tensor(tname, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -240,7 +240,7 @@ def moved(tmp: Path, index: int, to: int, plus: int) -> Path:
     ("make", "message"),
     [
         (lambda t: write_gguf_model(t / "m.gguf", "mamba", "F32"), "unsupported GGUF architecture 'mamba'"),
-        (lambda t: write_gguf_model(t / "m.gguf", "llama", "MXFP4"), "is MXFP4, a type lmcli does not read"),
+        (lambda t: write_gguf_model(t / "m.gguf", "llama", "Q1_0"), "is Q1_0, a type lmcli does not read"),
         (lambda t: truncated(t, 0.9), "truncated or damaged"),
         (lambda t: truncated(t, 0.01), "truncated or damaged"),
         (

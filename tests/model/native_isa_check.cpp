@@ -3,11 +3,16 @@
 // cross-compiles this with the kernels and runs it there when aarch64-linux-gnu-g++ and
 // qemu-aarch64 are installed). Prints one line a format and instruction set; exit 1 on a mismatch.
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "abi.h"  // (compiled with -I lmcli/model/native)
+#include "formats.h"
 
 extern "C" int lmcli_native_supported(int isa);
 extern "C" int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const float* x, int64_t m,
@@ -24,6 +29,41 @@ uint32_t next() {  // xorshift64
   return (uint32_t)(state >> 16);
 }
 float uniform() { return (float)(next() & 0xFFFFFF) / 16777216.0f; }
+
+// a finite fp16 scale: 2^-12 .. 2^-9
+uint16_t scale16() { return (uint16_t)(((3 + (next() % 3)) << 10) | (next() & 0x3FF)); }
+
+template <class B, class = void>
+struct HasMin : std::false_type {};  // q4_1/q5_1's m
+template <class B>
+struct HasMin<B, std::void_t<decltype(B::m)>> : std::true_type {};
+template <class B, class = void>
+struct HasDmin : std::false_type {};  // the K-quants' dmin
+template <class B>
+struct HasDmin<B, std::void_t<decltype(B::dmin)>> : std::true_type {};
+
+// block b of format T given finite scales (its other bytes stay random)
+template <int T>
+void finite_scales(uint8_t* blk) {
+  using B = typename lmfmt::BlockOf<T>::type;
+  B x;
+  std::memcpy(&x, blk, sizeof(B));
+  if constexpr (std::is_same<B, lmfmt::BlockMXFP4>::value) {
+    x.e = (uint8_t)(116 + next() % 4);  // 2^-12 .. 2^-9
+  } else if constexpr (!std::is_arithmetic<B>::value) {
+    x.d = scale16();
+    if constexpr (HasMin<B>::value) x.m = scale16();
+    if constexpr (HasDmin<B>::value) x.dmin = scale16();
+  }
+  std::memcpy(blk, &x, sizeof(B));
+}
+
+using Fill = void (*)(uint8_t*);
+const Fill kFill[] = {
+#define LM_FILL_ROW(e, t, n, s, b) finite_scales<t>,
+    LM_FORMAT_LIST(LM_FILL_ROW)
+#undef LM_FILL_ROW
+};
 }  // namespace
 
 // `isa_check dequantize TYPE N K IN OUT`: the N x K weight of GGML type TYPE in file IN (its
@@ -37,7 +77,7 @@ int dequantize(char** argv) {
   for (int c; (c = std::fgetc(in)) != EOF;) w.push_back((uint8_t)c);
   std::fclose(in);
   int isa = 0;
-  for (int i = 1; i < 5; ++i) isa = lmcli_native_supported(i) ? i : isa;
+  for (int i = 1; i < lmabi::kIsaCount; ++i) isa = lmcli_native_supported(i) ? i : isa;
   std::vector<uint16_t> out((size_t)(n * k));
   if (lmcli_native_dequantize(type, w.data(), n, k, out.data(), 2, isa) != 0) return 1;
   FILE* o = std::fopen(argv[6], "wb");
@@ -49,31 +89,24 @@ int dequantize(char** argv) {
 
 int main(int argc, char** argv) {
   if (argc == 7 && std::strcmp(argv[1], "dequantize") == 0) return dequantize(argv);
-  struct Fmt { const char* name; int type, block, bytes, d_at; };
-  const Fmt fmts[] = {{"q4_0", 2, 32, 18, 0},     {"q4_1", 3, 32, 20, 0},     {"q5_0", 6, 32, 22, 0},
-                      {"q5_1", 7, 32, 24, 0},     {"q8_0", 8, 32, 34, 0},     {"q4_K", 12, 256, 144, 0},
-                      {"q5_K", 13, 256, 176, 0}, {"q6_K", 14, 256, 210, 208}};
-  const char* isas[] = {"scalar", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod"};
+#define LM_NAME_ROW(e, name) name,
+  const char* isas[] = {LM_ISA_LIST(LM_NAME_ROW)};
+#undef LM_NAME_ROW
   const int64_t n = 19, k = 512, m = 3;
   int failures = 0;
-  for (const Fmt& f : fmts) {
+  for (int fi = 0; fi < lmfmt::kFormatCount; ++fi) {
+    const lmfmt::Traits& f = lmfmt::kTraits[fi];
+    if (f.block == 1) continue;  // the float formats: no product
     const int64_t nblocks = n * (k / f.block);
     std::vector<uint8_t> w((size_t)(nblocks * f.bytes));
     for (auto& b : w) b = (uint8_t)next();
-    // finite fp16 scales: 2^-12 .. 2^-9 (and the second one, at byte 2, of q4_1/q5_1's m and q4/5_K's dmin)
-    const bool two = f.type == 3 || f.type == 7 || f.type == 12 || f.type == 13;
-    for (int64_t b = 0; b < nblocks; ++b) {
-      for (int at : {f.d_at, two ? 2 : f.d_at}) {
-        const uint16_t h = (uint16_t)(((3 + (next() % 3)) << 10) | (next() & 0x3FF));
-        std::memcpy(&w[(size_t)(b * f.bytes + at)], &h, 2);
-      }
-    }
+    for (int64_t b = 0; b < nblocks; ++b) kFill[fi](&w[(size_t)(b * f.bytes)]);
     std::vector<float> x((size_t)(m * k)), ref((size_t)(m * n)), y((size_t)(m * n));
     for (auto& v : x) v = uniform() * 2.0f - 1.0f;
-    lmcli_native_matmul(f.type, w.data(), n, k, x.data(), m, ref.data(), 1, 0);
-    for (int isa = 1; isa < 5; ++isa) {
+    lmcli_native_matmul(f.wtype, w.data(), n, k, x.data(), m, ref.data(), 1, 0);
+    for (int isa = 1; isa < lmabi::kIsaCount; ++isa) {
       if (!lmcli_native_supported(isa)) continue;
-      if (lmcli_native_matmul(f.type, w.data(), n, k, x.data(), m, y.data(), 2, isa) != 0) return 1;
+      if (lmcli_native_matmul(f.wtype, w.data(), n, k, x.data(), m, y.data(), 2, isa) != 0) return 1;
       double worst = 0.0;
       for (size_t i = 0; i < y.size(); ++i) {
         const double err = std::fabs((double)y[i] - ref[i]) / (std::fabs((double)ref[i]) + 1e-3);

@@ -1,11 +1,15 @@
 """The native kernels against gguf's own dequantizers: each format, each instruction set this CPU
-runs, batched and threaded forms, the size checks in front of the kernels, and the fallback."""
+runs, batched and threaded forms, the size checks in front of the kernels, the library's report
+of itself, and the fallback. Products and dequantizing go through ``ops.BoundProduct``, the entry
+``BlockLinear`` and the one-call step's head use."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -15,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmcli.errors import LmcliError
-from lmcli.model.native import ops
-from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks
-from lmcli.model.quant import BlockLinear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # gguf_files' block builder
+from gguf_files import random_blocks as gguf_random_blocks  # noqa: E402
+
+from lmcli.errors import LmcliError  # noqa: E402
+from lmcli.model.native import abi, build, ops  # noqa: E402
+from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks  # noqa: E402
+from lmcli.model.quant import BlockLinear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
 
@@ -26,24 +33,26 @@ QT = gguf.GGMLQuantizationType
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """(n, row bytes) uint8: the 32-value formats from gguf's own quantizer, K-quants as random
-    valid blocks (random bits with finite fp16 scales; gguf has no K-quant quantizer)."""
+    """(n, row bytes) uint8: from gguf's own quantizer where it has one, else random valid blocks
+    (random bits with finite fp16 scales, one a block: gguf has no K-quant or IQ quantizer)."""
     rng = np.random.default_rng(seed)
     f = ops.FORMATS[fmt]
-    if f.block == 32:
+    if fmt != "iq4_nl" and f.block == 32:  # (gguf quantizes every 32-value format but iq4_nl)
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         return gguf.quants.quantize(w, QT[fmt.upper()])
-    raw = rng.integers(0, 256, (n * (k // 256), f.block_bytes), dtype=np.uint8)
-    d = lambda size: (rng.random(size) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
-    if fmt in ("q4_K", "q5_K"):
-        raw[:, 0:2], raw[:, 2:4] = d(len(raw)), d(len(raw))
-    else:  # q6_K: d is the last field
-        raw[:, 208:210] = d(len(raw))
-    return raw.reshape(n, -1)
+    d = rng.random(n * k // f.block) * 2e-3 + 1e-4
+    return gguf_random_blocks(fmt.upper(), n, k, rng, d)
+
+
+def product(
+    x: Tensor, blocks: np.ndarray | Tensor, fmt: str, k: int, threads: int = 1, isa: str | None = None
+) -> Tensor:
+    """x @ W.T through the production entry: the blocks bound once, the input checked a call."""
+    return ops.BoundProduct(torch.as_tensor(blocks), fmt, k, isa)(x, threads)
 
 
 def dequantized(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    return gguf.quants.dequantize(blocks, QT[fmt.upper().replace("_K", "_K")]).astype(np.float64)
+    return gguf.quants.dequantize(blocks, QT[fmt.upper()]).astype(np.float64)
 
 
 def quantized_activations(x: np.ndarray, block: int) -> np.ndarray:
@@ -69,7 +78,7 @@ def test_product_equals_dequantized_weights(fmt: str) -> None:
     xq = quantized_activations(x, f.block)
     scale = np.abs(xq) @ np.abs(w).T
     for isa in ops.library().isas:
-        y = ops.matmul(torch.from_numpy(x), torch.from_numpy(blocks), fmt, k, isa=isa).double().numpy()
+        y = product(torch.from_numpy(x), blocks, fmt, k, isa=isa).double().numpy()
         np.testing.assert_array_less(np.abs(y - xq @ w.T), 1e-5 * scale + 1e-30, err_msg=isa)
     # against float activations: within the rounding of the activations (half a step a value)
     step = np.repeat(np.abs(x).reshape(m, -1, f.block).max(-1) / 127, f.block, axis=1)
@@ -80,15 +89,15 @@ def test_product_equals_dequantized_weights(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_every_instruction_set_equals_scalar(fmt: str) -> None:
-    n, k = 33, 768 if fmt.endswith("K") else 96
+    n, k = 33, 3 * ops.FORMATS[fmt].block
     blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=2))
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
-    ref = ops.matmul(x, blocks, fmt, k, isa="scalar").double()
+    ref = product(x, blocks, fmt, k, isa="scalar").double()
     scale = x.abs() @ torch.from_numpy(np.abs(dequantized(blocks.numpy(), fmt))).T.float()
     lib = ops.library()
     assert lib is not None and "scalar" in lib.isas
     for isa in lib.isas:
-        y = ops.matmul(x, blocks, fmt, k, isa=isa).double()
+        y = product(x, blocks, fmt, k, isa=isa).double()
         assert ((y - ref).abs() <= 1e-5 * scale.double() + 1e-30).all(), isa
 
 
@@ -97,11 +106,11 @@ def test_batched_and_threaded_equal_one_row_at_a_time(fmt: str) -> None:
     n, k = 45, 512
     blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=4))
     x = torch.randn(2, 9, k, generator=torch.Generator().manual_seed(5))
-    batched = ops.matmul(x, blocks, fmt, k, threads=3)
+    batched = product(x, blocks, fmt, k, threads=3)
     assert batched.shape == (2, 9, n)
-    rows = torch.stack([ops.matmul(r, blocks, fmt, k) for r in x.reshape(-1, k)]).reshape(2, 9, n)
+    rows = torch.stack([product(r, blocks, fmt, k) for r in x.reshape(-1, k)]).reshape(2, 9, n)
     assert torch.equal(batched, rows)  # each output is the same dot product, whatever the split
-    assert torch.equal(ops.matmul(x, blocks, fmt, k, threads=64), batched)  # more threads than rows
+    assert torch.equal(product(x, blocks, fmt, k, threads=64), batched)  # more threads than rows
 
 
 # ----------------------------------------------------------------------------- a prompt's GEMM
@@ -127,36 +136,10 @@ def test_dequantize_equals_gguf_bit_for_bit(fmt: str) -> None:
         nan = ref.isnan()  # (torch's own NaN bits differ between its loops: NaN is all that is asked)
         for isa in ops.library().isas:
             for threads in (1, 3):
-                got = ops.dequantize(torch.from_numpy(blocks), fmt, k, threads=threads, isa=isa)
+                got = ops.BoundProduct(torch.from_numpy(blocks), fmt, k, isa).weight(threads)
                 assert got.dtype == torch.bfloat16 and got.shape == (n, k)
                 assert torch.equal(got.isnan(), nan), (isa, threads)
                 assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan]), (isa, threads)
-
-
-def test_dequantize_refuses_bad_sizes() -> None:
-    k = 64
-    blocks = torch.from_numpy(random_blocks("q8_0", 4, k))
-    bad = [
-        lambda: ops.dequantize(blocks, "q8_0", 48),  # k does not match the row bytes
-        lambda: ops.dequantize(blocks, "q8_0", 65),  # k not a multiple of the block
-        lambda: ops.dequantize(blocks[:, :-1], "q8_0", k),  # truncated rows
-        lambda: ops.dequantize(blocks.reshape(-1), "q8_0", k),  # not 2-D
-        lambda: ops.dequantize(torch.cat([blocks, blocks], 1)[:, ::2], "q8_0", k),  # not contiguous
-        lambda: ops.dequantize(blocks, "q4_K", k),  # a K-quant needs 256-value rows
-        lambda: ops.dequantize(blocks, "q8_0", k, threads=0),
-        lambda: ops.dequantize(blocks, "q8_0", k, isa="sse9"),
-    ]
-    bound = ops.BoundProduct(blocks, ops.FORMATS["q8_0"], k)
-    bad += [
-        lambda: bound.gemm(torch.randn(40, k + 32), 1),  # inputs of the wrong width
-        lambda: bound.gemm(torch.randn(40, k).long(), 1),  # integer inputs
-        lambda: bound.gemm(torch.randn(2, 20, k), 1),  # not (m, k)
-        lambda: bound.gemm(torch.randn(40, k), 0),
-    ]
-    for i, call in enumerate(bad):
-        with pytest.raises(LmcliError):
-            call()
-            pytest.fail(f"case {i} was not refused")
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_0", "q4_K", "q6_K"])
@@ -167,7 +150,7 @@ def test_gemm_equals_bfloat16_product_in_slices(fmt: str) -> None:
     blocks = torch.from_numpy(random_blocks(fmt, n, k, seed=13))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(14))
     ref = F.linear(x.bfloat16(), gguf_bfloat16(blocks.numpy(), fmt))  # (m, n)
-    bound = ops.BoundProduct(blocks, ops.FORMATS[fmt], k)
+    bound = ops.BoundProduct(blocks, fmt, k)
     whole = bound.gemm(x, 1)
     assert whole.dtype == torch.bfloat16 and whole.shape == (40, n)
     assert torch.equal(whole, ref)
@@ -182,8 +165,8 @@ def test_gemm_inside_and_outside_inference_mode_and_under_autograd() -> None:
     autograd records keeps a weight of its own (a later product does not overwrite it)."""
     k, n = 256, 30
     blocks = torch.from_numpy(random_blocks("q8_0", n, k, seed=15))
-    bound = ops.BoundProduct(blocks, ops.FORMATS["q8_0"], k)
-    other = ops.BoundProduct(torch.from_numpy(random_blocks("q8_0", n, k, seed=16)), bound.f, k)
+    bound = ops.BoundProduct(blocks, "q8_0", k)
+    other = ops.BoundProduct(torch.from_numpy(random_blocks("q8_0", n, k, seed=16)), "q8_0", k)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(17))
     with torch.inference_mode():
         inside = bound.gemm(x, 1)
@@ -206,44 +189,120 @@ def test_threads_are_distinct() -> None:
 def test_zero_and_huge_activations() -> None:
     k = 64
     blocks = torch.from_numpy(random_blocks("q8_0", 4, k))
-    assert torch.equal(ops.matmul(torch.zeros(1, k), blocks, "q8_0", k), torch.zeros(1, 4))
+    assert torch.equal(product(torch.zeros(1, k), blocks, "q8_0", k), torch.zeros(1, 4))
     x = torch.zeros(1, k)
     x[0, 3] = 1e30  # one huge value: its block's scale is huge, the rest of the row is unaffected
-    y = ops.matmul(x, blocks, "q8_0", k)
+    y = product(x, blocks, "q8_0", k)
     w = dequantized(blocks.numpy(), "q8_0")
     np.testing.assert_allclose(y[0].double().numpy(), 1e30 * w[:, 3], rtol=1e-5)
 
 
 def test_bad_sizes_are_refused() -> None:
+    """Every size, dtype, layout and argument the library would trust is checked before it: when
+    the blocks are bound (once a layer), and at each call (products, dequantizing, prompts)."""
     k = 64
     blocks = torch.from_numpy(random_blocks("q8_0", 4, k))
+    bound = ops.BoundProduct(blocks, "q8_0", k)
     x = torch.randn(2, k)
     bad = [
-        lambda: ops.matmul(x, blocks, "q8_0", 48),  # k does not match the row bytes
-        lambda: ops.matmul(x, blocks, "q8_0", 65),  # k not a multiple of the block
-        lambda: ops.matmul(x, blocks[:, :-1], "q8_0", k),  # truncated rows
-        lambda: ops.matmul(x, blocks.reshape(-1), "q8_0", k),  # not 2-D
-        lambda: ops.matmul(x, blocks.view(torch.int8), "q8_0", k),  # wrong dtype
-        lambda: ops.matmul(x, torch.cat([blocks, blocks], 1)[:, ::2], "q8_0", k),  # not contiguous
-        lambda: ops.matmul(x[:, :32], blocks, "q8_0", k),  # inputs of the wrong width
-        lambda: ops.matmul(x.long(), blocks, "q8_0", k),  # integer inputs
-        lambda: ops.matmul(x, blocks, "q2_K", k),  # no kernel for the format
-        lambda: ops.matmul(x, blocks, "q4_K", k),  # a K-quant needs 256-value rows
-        lambda: ops.matmul(x, blocks, "q8_0", k, threads=0),
-        lambda: ops.matmul(x, blocks, "q8_0", k, isa="sse9"),
+        lambda: ops.BoundProduct(blocks, "q8_0", 48),  # k does not match the row bytes
+        lambda: ops.BoundProduct(blocks, "q8_0", 65),  # k not a multiple of the block
+        lambda: ops.BoundProduct(blocks[:, :-1], "q8_0", k),  # truncated rows
+        lambda: ops.BoundProduct(blocks.reshape(-1), "q8_0", k),  # not 2-D
+        lambda: ops.BoundProduct(blocks.view(torch.int8), "q8_0", k),  # wrong dtype
+        lambda: ops.BoundProduct(torch.cat([blocks, blocks], 1)[:, ::2], "q8_0", k),  # not contiguous
+        lambda: ops.BoundProduct(blocks, "iq2_xxs", k),  # no kernel for the format
+        lambda: ops.BoundProduct(blocks, "q4_K", k),  # a K-quant needs 256-value rows
+        lambda: ops.BoundProduct(blocks, "q8_0", k, isa="sse9"),
+        lambda: ops.BoundProduct(
+            torch.zeros(35, dtype=torch.uint8)[1:].view(1, 34), "q8_0", 32
+        ),  # odd address
+        lambda: bound(x[:, :32]),  # inputs of the wrong width
+        lambda: bound(x.long()),  # integer inputs
+        lambda: bound(x, threads=0),
+        lambda: bound.weight(threads=0),
+        lambda: bound.gemm(torch.randn(40, k + 32), 1),  # inputs of the wrong width
+        lambda: bound.gemm(torch.randn(40, k).long(), 1),  # integer inputs
+        lambda: bound.gemm(torch.randn(2, 20, k), 1),  # not (m, k)
+        lambda: bound.gemm(torch.randn(40, k), 0),
     ]
     for fmt in ("q4_1", "q5_0", "q5_1"):  # the 32-value formats with a min or a fifth bit
         b = torch.from_numpy(random_blocks(fmt, 4, k))
         bad += [
-            lambda b=b, fmt=fmt: ops.matmul(x, b, fmt, 48),  # k does not match the row bytes
-            lambda b=b, fmt=fmt: ops.matmul(x[:, :48], b[:, : len(b[0]) * 3 // 4], fmt, 48),  # 1.5 blocks
-            lambda b=b, fmt=fmt: ops.matmul(x, b[:, :-1].contiguous(), fmt, k),  # truncated rows
-            lambda b=b, fmt=fmt: ops.matmul(x, b, "q8_0", k),  # another format's row bytes
+            lambda b=b, fmt=fmt: ops.BoundProduct(b, fmt, 48),  # k does not match the row bytes
+            lambda b=b, fmt=fmt: ops.BoundProduct(b[:, : len(b[0]) * 3 // 4], fmt, 48),  # 1.5 blocks
+            lambda b=b, fmt=fmt: ops.BoundProduct(b[:, :-1].contiguous(), fmt, k),  # truncated rows
+            lambda b=b: ops.BoundProduct(b, "q8_0", k),  # another format's row bytes
         ]
     for i, call in enumerate(bad):
         with pytest.raises(LmcliError):
             call()
             pytest.fail(f"case {i} was not refused")
+    # (..., k) inputs of any float dtype are reshaped and converted
+    x3 = torch.randn(2, 3, k, dtype=torch.float64)
+    assert torch.equal(bound(x3), bound(x3.reshape(6, k).float()).reshape(2, 3, 4))
+
+
+def test_the_library_reports_what_lmcli_binds() -> None:
+    """The library's own report (abi.h, formats.h): its version, the names Python uses by number,
+    every structure field at the offset and size of ctypes' mirror, and a block table equal to
+    gguf's sizes for the formats lmcli runs."""
+    lib = ops.library()
+    report = lib.report
+    assert lib.lib.lmcli_native_version() == abi.VERSION
+    assert report.isas[:4] == ("scalar", "avx2", "avx_vnni", "avx512_vnni") and "neon_dotprod" in report.isas
+    assert report.acts == ("silu", "gelu_tanh")
+    assert report.cache_types == ("float32", "bfloat16", "float16")
+    assert lib.best in lib.isas
+    runs = {name for name, f in report.formats.items() if f.products}
+    assert runs == set(ops.FORMATS)
+    for name, f in report.formats.items():
+        kind = QT[name.upper()]
+        assert (f.ggml_type, (f.block, f.block_bytes)) == (kind, gguf.GGML_QUANT_SIZES[kind]), name
+    assert {n for n in ("f32", "f16", "bf16") if n in report.formats} == {"f32", "f16", "bf16"}
+
+
+class _Lying:
+    """A library whose report differs from the real one in one answer."""
+
+    def __init__(self, real: ctypes.CDLL, name: str, fn) -> None:
+        self.real, self.name, self.fn = real, name, fn
+
+    def __getattr__(self, attr: str):
+        return self.fn if attr == self.name else getattr(self.real, attr)
+
+
+def test_a_library_that_does_not_fit_is_refused_in_one_line(monkeypatch) -> None:
+    """Another version, a structure laid out otherwise, a block of another size: the library is
+    refused with one line naming the difference, and products take torch's path."""
+    real = ops.library().lib
+    fields = real.lmcli_native_field
+
+    def moved(i, kind, field, offset, size):  # LmLayer's first field 8 bytes further on
+        rc = fields(i, kind, field, offset, size)
+        if rc == 0 and kind.value == b"LmLayer" and field.value == b"C":
+            offset.value += 8
+        return rc
+
+    fmt = real.lmcli_native_format
+
+    def other_size(i, t, name, block, size, align, products):
+        rc = fmt(i, t, name, block, size, align, products)
+        if rc == 0 and name.value == b"q4_K":
+            size.value = 145
+        return rc
+
+    cases = [
+        ("lmcli_native_version", lambda: abi.VERSION + 1, "version"),
+        ("lmcli_native_field", moved, "LmLayer.C"),
+        ("lmcli_native_format", other_size, "q4_K"),
+    ]
+    for name, fn, says in cases:
+        lying = _Lying(real, name, fn)
+        monkeypatch.setattr(ops.ctypes, "CDLL", lambda path, lying=lying: lying)
+        with pytest.raises(LmcliError) as e:
+            ops._open(Path("liblmcli_native-x.so"))
+        assert "does not fit lmcli" in str(e.value) and says in str(e.value) and "\n" not in str(e.value)
 
 
 CROSS = ("aarch64-linux-gnu-g++", "qemu-aarch64")
@@ -253,8 +312,10 @@ CROSS = ("aarch64-linux-gnu-g++", "qemu-aarch64")
 def test_neon_dotprod_equals_scalar_under_qemu(tmp_path) -> None:
     """The aarch64 path (NEON sdot), cross-compiled and run on an emulated CPU with dotprod."""
     exe = tmp_path / "isa_check"
-    src = [Path(__file__).with_name("native_isa_check.cpp"), Path(ops.__file__).with_name("kernels.cpp")]
-    cmd = [CROSS[0], "-O2", "-std=c++17", "-pthread", "-static", "-o", str(exe), *map(str, src)]
+    units = [p for p in build.sources() if p.suffix == ".cpp"]  # the library's translation units
+    src = [Path(__file__).with_name("native_isa_check.cpp"), *units]
+    include = f"-I{Path(ops.__file__).parent}"
+    cmd = [CROSS[0], "-O2", "-std=c++17", "-pthread", "-static", include, "-o", str(exe), *map(str, src)]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # make check-native's libasan
     subprocess.run(cmd, check=True, timeout=300, env=env)
     out = subprocess.run(
@@ -284,7 +345,7 @@ def test_disabled_or_unbuildable_falls_back_to_torch(tmp_path, monkeypatch) -> N
         assert not ops.available()
         assert ops.backend_line() == "quantized products: torch (native kernels off (LMCLI_NATIVE=0))"
         with pytest.raises(LmcliError):
-            ops.matmul(torch.randn(1, 32), torch.zeros(1, 34, dtype=torch.uint8), "q8_0", 32)
+            ops.BoundProduct(torch.zeros(1, 34, dtype=torch.uint8), "q8_0", 32)
         monkeypatch.setenv("LMCLI_NATIVE", "1")
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
         monkeypatch.setenv("LMCLI_NATIVE_DIR", str(tmp_path))

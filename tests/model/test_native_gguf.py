@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # gguf_files and its helpers
 from gguf_files import reference_logits, write_gguf_model  # noqa: E402
 
-from lmcli.formats.gguf.as_stored import load_as_stored  # noqa: E402
-from lmcli.formats.gguf.load import read_gguf_header  # noqa: E402
+from lmcli.formats.gguf.as_stored import load_as_stored, load_gguf_as_stored  # noqa: E402
+from lmcli.formats.gguf.load import DEQUANTIZED, read_gguf_header  # noqa: E402
 from lmcli.model import quant  # noqa: E402
 from lmcli.model.native import ops  # noqa: E402
 from lmcli.model.native.blocks import dequantize_blocks, quantize_blocks  # noqa: E402
@@ -21,6 +21,7 @@ from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear  #
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="native kernels not built here")
 TEXT = "the cat sat on the mat. 12 birds sang, didn't they?\n"
+READ = "are read as their dequantized values (no kernel runs them as stored)"
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,11 @@ TEXT = "the cat sat on the mat. 12 birds sang, didn't they?\n"
         ("qwen2", "Q5_0", False),  # Q4_K_M files of 896-wide models hold some matrices in Q5_0
         ("llama", "Q4_1", True),
         ("qwen2", "Q5_1", True),
+        ("llama", "Q2_K", False),  # the presets Q2_K, Q3_K_M, IQ4_XS, IQ4_NL hold these
+        ("qwen2", "Q3_K", True),
+        ("llama", "IQ4_NL", True),
+        ("qwen2", "IQ4_XS", False),
+        ("llama", "MXFP4", False),  # recent open-weight releases' format
     ],
 )
 def test_logits_of_a_file_run_as_stored(tmp_path: Path, arch: str, kind: str, tied: bool) -> None:
@@ -85,6 +91,40 @@ def reference_product(self: BlockLinear, x: torch.Tensor, rounded: bool) -> torc
     xq = xq.reshape(x.shape).double()
     w = dequantize_blocks(self.blocks, self.fmt, self.in_features).double()
     return (xq @ w.T).to(x.dtype)  # (M, out), without the bias (as product is)
+
+
+@pytest.mark.parametrize("kind", DEQUANTIZED)
+def test_a_file_of_a_rarer_type_loads_dequantized_with_one_note(tmp_path: Path, capsys, kind: str) -> None:
+    """IQ1-IQ3, TQ and NVFP4 matrices are read as gguf's dequantized values (never refused), one
+    note saying so; the model's logits are the file's (the float64 reference of gguf's values)."""
+    path = write_gguf_model(tmp_path / "m.gguf", "llama", kind)
+    model, tok, meta = load_gguf_as_stored(path)
+    note = f"note: {path}: its {kind} tensors (16) {READ}"
+    assert capsys.readouterr().err.splitlines() == [note]
+    assert kind in meta["types"] and not any(isinstance(m, BlockLinear) for m in model.modules())
+    ids = tok.with_bos(tok.encode(TEXT))
+    ref = reference_logits(path, ids)
+    with torch.no_grad():
+        got = model(torch.tensor([ids]))[0].double()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_a_mixed_file_runs_its_blocks_and_dequantizes_a_rarer_type(tmp_path: Path, capsys) -> None:
+    """A Q4_K file with one IQ2_XXS matrix (as IQ2 presets keep some tensors in a K type): the
+    K blocks run as stored, the IQ2_XXS one is read as values; `sample` runs with one note."""
+    from helpers import run_cli
+
+    path = write_gguf_model(tmp_path / "m.gguf", "llama", "Q4_K", kinds={"blk.1.ffn_down.weight": "IQ2_XXS"})
+    model, _, _ = load_gguf_as_stored(path)
+    capsys.readouterr()
+    assert isinstance(model.h[0].mlp.c_proj, BlockLinear) and not isinstance(
+        model.h[1].mlp.c_proj, BlockLinear
+    )
+    argv = ["sample", str(path), "-p", "the cat", "--temperature", "0", "--max-new-tokens", "3"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {path}: its IQ2_XXS tensors (1) {READ}"]
 
 
 def test_stacked_parts_of_two_formats() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_model
+from torch import Tensor
 
 from lmcli.errors import LmcliError
 from lmcli.model import fastpath
@@ -149,33 +150,55 @@ def layer_of(model: Transformer) -> native_layer.NativeLayer:
 
 
 def test_sizes_are_checked_before_the_call() -> None:
+    """What a step's calls share is checked once (``StepArgs.checked``, which the decoding step
+    builds its arguments with), each layer's rows at its call (``StepArgs.run``)."""
     model = quantize(spread(tiny_model(vocab_size=80, n_layer=1, **LLAMA)), "int8")
     native = layer_of(model)
     C, KV, D = 64, 2, 16
-    k = torch.zeros(1, KV, 8, D)
-    with pytest.raises(LmcliError, match="rows must be float32"):
-        native.step(torch.zeros(1, C + 1), None, k, k.clone(), 0)
-    with pytest.raises(LmcliError, match="rows must be float32"):
-        native.step(torch.zeros(1, C, dtype=torch.float64), None, k, k.clone(), 0)
-    with pytest.raises(LmcliError, match="outside the cache"):
-        native.step(torch.zeros(1, C), None, k, k.clone(), 8)
-    with pytest.raises(LmcliError, match="does not fit"):
-        native.step(torch.zeros(1, C), None, torch.zeros(1, KV, 8, D + 2), torch.zeros(1, KV, 8, D + 2), 0)
-    with pytest.raises(LmcliError, match="does not fit"):
-        native.step(torch.zeros(2, C), None, k, k.clone(), 0)  # a cache of 1 row for 2 rows
-    with pytest.raises(LmcliError, match="does not fit"):
-        native.step(torch.zeros(1, C), None, k.to(torch.int32), k.to(torch.int32), 0)
-    with pytest.raises(LmcliError, match="rotary table"):
-        native.step(torch.zeros(1, C), (torch.zeros(1, D - 2), torch.zeros(1, D - 2)), k, k.clone(), 0)
-    with pytest.raises(LmcliError, match="start must be int64"):
-        native.step(torch.zeros(1, C), None, k, k.clone(), 3, start=torch.tensor([1], dtype=torch.int32))
-    with pytest.raises(LmcliError, match="a row starts outside"):
-        native.step(torch.zeros(1, C), None, k, k.clone(), 3, start=torch.tensor([4]))
-    with pytest.raises(LmcliError, match="a row starts outside"):
-        native.step(torch.zeros(1, C), None, k, k.clone(), 3, start=torch.tensor([-1]))
+    k = torch.zeros(1, 1, KV, 8, D)  # (layers, rows, KV, columns, D)
+    table = torch.ones(16, D // 2), torch.zeros(16, D // 2)
+
+    def rotary(at: list[int], cos: Tensor = table[0], sin: Tensor = table[1]) -> native_layer.RotaryRows:
+        return native_layer.RotaryRows(cos, sin, torch.tensor(at))
+
+    def checked(rows: int = 1, keys: Tensor = k, column: int = 0, **kw) -> native_layer.StepArgs:
+        return native_layer.StepArgs.checked(native, rows, keys, keys.clone(), column, **kw)
+
+    cases = {
+        "outside the cache": lambda: checked(column=8),
+        "does not fit": [
+            lambda: checked(keys=torch.zeros(1, 1, KV, 8, D + 2)),
+            lambda: checked(rows=2),  # a cache of 1 row for 2 rows
+            lambda: checked(keys=k.to(torch.int32)),
+            lambda: checked(keys=k[0]),  # one layer's cache, not the model's
+        ],
+        "rotary table": [
+            lambda: checked(rotary=(rotary([0], table[0][:, :-1], table[1][:, :-1]), None)),
+            lambda: checked(rotary=(rotary([0], table[0].double(), table[1].double()), None)),
+        ],
+        "positions": [
+            lambda: checked(rotary=(rotary([16]), None)),
+            lambda: checked(rotary=(rotary([0, 1]), None)),
+        ],
+        "start must be int64": lambda: checked(column=3, start=torch.tensor([1], dtype=torch.int32)),
+        "a row starts outside": [
+            lambda: checked(column=3, start=torch.tensor([4])),
+            lambda: checked(column=3, start=torch.tensor([-1])),
+        ],
+        "threads": lambda: checked(threads=0),
+    }
+    for says, calls in cases.items():
+        for call in calls if isinstance(calls, list) else [calls]:
+            with pytest.raises(LmcliError, match=says):
+                call()
+    args = checked(column=3, start=torch.tensor([2]), rotary=(rotary([1]), rotary([1])))
+    for x, row in ((torch.zeros(1, C + 1), 0), (torch.zeros(2, C), 0), (torch.zeros(1, C), 1)):
+        with pytest.raises(LmcliError, match="do not fit"):
+            args.run(native, x, row, 0, True)
     x = torch.randn(1, C)
-    native.step(x, (torch.ones(1, D // 2), torch.zeros(1, D // 2)), k, k.clone(), 3, start=torch.tensor([2]))
-    assert torch.isfinite(x).all()  # (the call itself runs)
+    assert args.run(native, x, 0, 0, True) is x and torch.isfinite(x).all()  # (the call itself runs)
+    x64 = torch.randn(1, C, dtype=torch.float64)  # other rows are converted
+    assert args.run(native, x64, 0, 0, True).dtype == torch.float32
 
 
 def test_weights_that_do_not_fit_each_other_are_refused() -> None:

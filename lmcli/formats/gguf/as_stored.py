@@ -1,7 +1,9 @@
 """A GGUF file's matrices kept as stored (``load_gguf_as_stored``, what a CPU decode loads): its
-q8_0/q4_0/q4_1/q5_0/q5_1/q4_K/q5_K/q6_K tensors become ``BlockLinear`` layers over the bytes
+tensors in a format the native kernels run (``ops.FORMATS``: q8_0, q4_0, q4_1, q5_0, q5_1, q2_K,
+q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs, mxfp4) become ``BlockLinear`` layers over the bytes
 read from the file (``load.read_data``; no dequantize, no requantize), so the model takes the
-file's size in memory; norms, biases and float matrices load as usual.
+file's size in memory; norms, biases, float matrices and the rarer types (``load.DEQUANTIZED``)
+load as their values.
 
 The family adapter maps GGUF's tensors to lmcli's names by moving whole rows (the fused q/k/v
 projection, llama's rotary row order). Here it maps row numbers instead of values: each stored
@@ -28,6 +30,7 @@ from lmcli.formats.gguf.load import (
     gguf_meta,
     load_gguf,
     read_gguf_header,
+    tell,
 )
 from lmcli.model.native import ops
 from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear
@@ -126,6 +129,7 @@ def load_gguf_as_stored(
     if not ops.available() or not any(keeps_blocks(t) for t in header.tensors.values()):
         model, tok, meta = load_gguf(path, dtype)
         return model, tok, {**meta, "products": ops.backend_line()}
+    tell(header)
     model = load_as_stored(header, dtype or default_dtype(header))
     release_freed_memory()  # what building the tokenizer and the checks left in the heap
     return model, header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}

@@ -11,7 +11,9 @@ header is checked against its config:
   would build Python objects for every element: a 2 MB file with a million-element array took
   a GB); each tensor's data is read at its checked offset into memory of the process's own
   (``read_data``: never a map of the file, which a truncation or a rewrite under a running
-  command would change); a tensor type lmcli does not read (``TYPES``) is one line;
+  command would change); a tensor type lmcli does not read (``TYPES``) is one line, a type no
+  kernel runs as stored (``DEQUANTIZED``) one notice (``GgufHeader.notices``, printed as the
+  model loads);
 - the tokenizer is rebuilt from the metadata (``vocab.tokenizer_from_gguf``) and must fit
   the vocabulary.
 
@@ -32,6 +34,7 @@ quantized linear layer to take instead of a dequantized weight.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +52,17 @@ from lmcli.formats.gguf.check import GgufHeader as Scanned
 from lmcli.formats.gguf.check import TensorInfo, check_gguf, stamp
 from lmcli.formats.gguf.vocab import tokenizer_from_gguf
 from lmcli.formats.weights import model_from_state
+from lmcli.model.native import ops
 from lmcli.model.transformer import Transformer
 from lmcli.safe_io import open_input
 from lmcli.text.tokenizer import Tokenizer
 
 MAGIC = b"GGUF"
-# the tensor types lmcli reads (dequantized with gguf's quants); GGML's names
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# the rarer block types: read as their values (gguf's quants.dequantize), no kernel runs them as stored
+DEQUANTIZED = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "NVFP4")
+# the tensor types lmcli reads, GGML's names: floats, the block formats the native kernels run as
+# stored (ops.FORMATS; dequantized with gguf's quants where they do not run), the rarer ones
+TYPES = ("F32", "F16", "BF16", *(fmt.upper() for fmt in ops.FORMATS), *DEQUANTIZED)
 # the metadata arrays lmcli reads (the tokenizer's); any other array is skipped unread
 ARRAYS = (
     *("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"),
@@ -115,7 +122,7 @@ class GgufHeader:
     config: ModelConfig
     tokenizer: Tokenizer
     table: dict[str, TensorInfo]  # the bounded scan's: GGML type, shape, offset in the file, bytes
-    notices: list[str]  # what the metadata says otherwise than the tensors, or leaves out (check_gguf)
+    notices: list[str]  # what the metadata leaves out or contradicts, what loading does (a line each)
 
     @property
     def name(self) -> str:
@@ -203,7 +210,25 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
     tok = tokenizer_from_gguf(meta)
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
-    return GgufHeader(path, meta, tensors, family, cfg, tok, scanned.tensors, notices)
+    return GgufHeader(
+        path, meta, tensors, family, cfg, tok, scanned.tensors, [*notices, *_dequantized(tensors)]
+    )
+
+
+def _dequantized(tensors: dict[str, GgufTensor]) -> list[str]:
+    """One notice naming the rarer types the file holds (``DEQUANTIZED``), or none."""
+    kinds = sorted({t.kind for t in tensors.values() if t.kind in DEQUANTIZED})
+    if not kinds:
+        return []
+    count = sum(t.kind in DEQUANTIZED for t in tensors.values())
+    read = "are read as their dequantized values (no kernel runs them as stored)"
+    return [f"its {', '.join(kinds)} tensors ({count}) {read}"]
+
+
+def tell(header: GgufHeader) -> None:
+    """The header's notices on stderr, one line each (``note: FILE: ...``)."""
+    for notice in header.notices:
+        print(f"note: {header.path}: {notice}", file=sys.stderr)
 
 
 def gguf_state(
@@ -226,6 +251,7 @@ def load_gguf(
     """A GGUF file as our Transformer (eval mode, weights in ``dtype``; None: ``default_dtype``),
     its Tokenizer and what it says of itself (``source``, ``name``, tensor types)."""
     header = read_gguf_header(path)
+    tell(header)
     dtype = dtype or default_dtype(header)
     # vectors (norms, biases) as stored until the adapter's map is done: Gemma 3's norm weights
     # are stored with 1 added, which comes off in float32 before the weights' dtype rounds them

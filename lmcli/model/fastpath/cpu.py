@@ -106,7 +106,7 @@ def functional_norm(norm: nn.Module) -> Norm:
     if isinstance(norm, nn.Identity):  # post-norm models have no final norm
         return lambda x: x
     if isinstance(norm, RMSNorm1p):  # (1 + weight) computed once: on float32 rows, one fused op
-        scale = (1.0 + norm.weight.detach().float()).contiguous()
+        scale = norm.multiplier().detach().contiguous()
         fused = functools.partial(F.rms_norm, normalized_shape=(scale.numel(),), weight=scale, eps=norm.eps)
         return lambda x: fused(x) if x.dtype == torch.float32 else norm(x)
     return functools.partial(

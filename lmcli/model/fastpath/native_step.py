@@ -13,7 +13,6 @@ ring, a float16 residual stream): ``StepRunner`` decides per step and per block.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +41,7 @@ def _multiplier(norm: nn.Module) -> Tensor | None:
     if type(norm) is RMSNorm and norm.weight.dtype == torch.float32:
         return norm.weight.detach().contiguous()
     if type(norm) is RMSNorm1p:
-        return (1.0 + norm.weight.detach().float()).contiguous()
+        return norm.multiplier().detach().contiguous()
     return None
 
 
@@ -117,8 +116,7 @@ class NativeHead:
     """The vocabulary head's product (GGUF blocks) on a native step's threads."""
 
     def __init__(self, head: BlockLinear) -> None:
-        f = ops.check_blocks(head.blocks, head.fmt, head.in_features)
-        self.product = ops.BoundProduct(head.blocks, f, head.in_features)
+        self.product = ops.BoundProduct(head.blocks, head.fmt, head.in_features)
         self.bias = _bias(head.bias)
 
     def __call__(self, x: Tensor, threads: int) -> Tensor:
@@ -132,61 +130,25 @@ def native_head(head: nn.Module) -> NativeHead | None:
     return NativeHead(head) if type(head) is BlockLinear and ops.available() else None
 
 
-@dataclass(frozen=True)
-class NativeStep:
-    """What one decoding step's native calls share, checked once for every layer: the rows, their
-    left padding, the cache's buffers and new column, each row's rotary rows (global and
-    sliding-window layers')."""
-
-    rows: int
-    start: Tensor | None  # (B,) int64: each row's first column (left padding), or None
-    k: int
-    v: int
-    layer_bytes: int  # from one layer's keys to the next's
-    cache_type: int
-    columns: int
-    column: int
-    turns: tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]  # (B,) addresses of cos, sin
-    threads: int
-
-    def run(self, native: native_layer.NativeLayer, x: Tensor, row: int, local: int, rotary: bool) -> Tensor:
-        """x (B, C) through ``native``, the block whose keys and values are the cache's row ``row``."""
-        if not x.is_contiguous() or x.dtype != torch.float32 or x.size(0) != self.rows:
-            x = x.to(torch.float32).contiguous()
-        at = row * self.layer_bytes
-        native.call(
-            x.data_ptr(),
-            self.rows,
-            self.turns[local] if rotary else None,
-            None if self.start is None else self.start.data_ptr(),
-            (self.k + at, self.v + at, self.cache_type, self.columns),
-            self.column,
-            self.threads,
-        )
-        return x
-
-
-def _turns(model: Transformer, positions: Tensor, local: bool) -> tuple[Tensor, Tensor] | None:
-    """The addresses (B,) int64 of each row's cos and sin rows (D/2,) float32 at ``positions``
-    (B,), or None (no rotary table, or one too short)."""
+def _rotary(model: Transformer, positions: Tensor, local: bool) -> native_layer.RotaryRows | None:
+    """The rotary table of global (or sliding-window) layers and the rows' positions (B,) in it,
+    or None (no rotary table, or one not float32 or too short for the positions: the
+    per-operation step's)."""
     rotary = model.positions
     if not isinstance(rotary, Rotary):
         return None
     cos, sin = rotary.table(local)
-    half = model.config.head_dim // 2
-    ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[1:] == (half,) for t in (cos, sin))
-    if not ok or int(positions.max()) >= cos.size(0):
+    if cos.dtype != torch.float32 or int(positions.max()) >= cos.size(0):
         return None
-    offsets = positions * (half * 4)
-    return offsets + cos.data_ptr(), offsets + sin.data_ptr()
+    return native_layer.RotaryRows(cos, sin, positions)
 
 
 def native_step(
     model: Transformer, x: Tensor, cache: KVCache, first: native_layer.NativeLayer, threads: int | None = None
-) -> NativeStep | None:
-    """The step's shared arguments, or None where this step cannot be native (ALiBi's scores, a
-    row all padding, rows not float32, a cache in a dtype the library lacks). ``threads``: the
-    products' (default: torch's count)."""
+) -> native_layer.StepArgs | None:
+    """The step's shared arguments, checked (``StepArgs.checked``), or None where this step cannot
+    be native (ALiBi's scores, a row all padding, rows not float32, a cache laid out otherwise).
+    ``threads``: the products' (default: torch's count)."""
     if x.dtype != torch.float32 or model.positions.biases_scores:
         return None
     B, column = x.size(0), cache.length
@@ -199,23 +161,13 @@ def native_step(
             return None
     cache.reserve(column + 1)
     k, v = cache.k, cache.v  # (layers, B, KV, columns, D)
-    if k.dim() != 5 or k.size(0) == 0 or not (k.is_contiguous() and v.is_contiguous()):
+    if k.dim() != 5 or k.size(0) == 0:
         return None
-    first.check_cache(k[0], v[0], B)
     positions = torch.full((B,), column, dtype=torch.int64) if start is None else column - start  # (B,)
-    turn = _turns(model, positions, False)
-    turns = (turn, _turns(model, positions, True) if model.config.sliding_window else turn)
+    turn = _rotary(model, positions, False)
+    turns = (turn, _rotary(model, positions, True) if model.config.sliding_window else turn)
     if isinstance(model.positions, Rotary) and (turns[0] is None or turns[1] is None):
         return None
-    return NativeStep(
-        B,
-        start,
-        k.data_ptr(),
-        v.data_ptr(),
-        k.stride(0) * k.element_size(),
-        native_layer.CACHE_TYPES[k.dtype],
-        k.size(3),
-        column,
-        turns,
-        threads or torch.get_num_threads(),
+    return native_layer.StepArgs.checked(
+        first, B, k, v, column, start, turns, threads or torch.get_num_threads()
     )

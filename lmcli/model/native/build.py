@@ -1,4 +1,5 @@
-"""Compile the kernels (kernels.cpp and its .inc bodies) into a shared library, cached by hash.
+"""Compile the kernels (every .cpp here, with the .inc bodies and .h headers they include) into a
+shared library, cached by hash.
 
 The library lands in ``$LMCLI_NATIVE_DIR`` or ``~/.cache/lmcli/native``, named by a hash of the
 sources, the compiler and its flags, so an edited source or another compiler builds anew and a
@@ -17,7 +18,7 @@ from pathlib import Path
 from lmcli.errors import LmcliError
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("formats.h", "kernels.cpp", "simd_body.inc", "neon_body.inc", "layer.inc", "layer_math.inc")
+SOURCE_SUFFIXES = (".h", ".inc", ".cpp")  # every source in this folder; each .cpp a translation unit
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 SANITIZE_FLAGS = (
     "-O1",
@@ -47,11 +48,17 @@ def flags(sanitize: bool = False) -> list[str]:
     return [*FLAGS, *(SANITIZE_FLAGS if sanitize else ())]
 
 
+def sources() -> list[Path]:
+    """The library's sources: every ``.h``, ``.inc`` and ``.cpp`` file beside this module."""
+    return sorted(p for p in HERE.iterdir() if p.suffix in SOURCE_SUFFIXES)
+
+
 def library_path(cxx: str, sanitize: bool = False) -> Path:
     """The cache path of the library these sources, this compiler and these flags build."""
     h = hashlib.sha256()
-    for name in SOURCES:
-        h.update((HERE / name).read_bytes())
+    for path in sources():
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     h.update(" ".join([os.path.realpath(cxx), *flags(sanitize)]).encode())
     tag = "-asan" if sanitize else ""
     return cache_dir() / f"liblmcli_native-{h.hexdigest()[:16]}{tag}.so"
@@ -69,7 +76,8 @@ def build(sanitize: bool = False, force: bool = False) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # builders racing each rename a whole file
-    cmd = [cxx, *flags(sanitize), "-o", str(tmp), str(HERE / "kernels.cpp")]
+    units = [str(p) for p in sources() if p.suffix == ".cpp"]
+    cmd = [cxx, *flags(sanitize), "-o", str(tmp), *units]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:

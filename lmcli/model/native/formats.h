@@ -5,6 +5,10 @@
 //
 // Values per block: 32 for the small formats, QK_K = 256 for the K-quants and IQ4_XS; the float
 // formats are "blocks" of one value. Scales are IEEE halves stored as their bits (uint16_t).
+//
+// Adding a format: its struct below (size asserted against ggml's), one row of LM_FORMAT_LIST,
+// and its kernels (docs/native-kernels.md, "Adding a format"): a product and a dequantize for
+// each instruction set, or the portable one; the build fails where one is missing.
 #pragma once
 
 #include <cstddef>
@@ -126,10 +130,11 @@ struct Traits {
   const char* name;  // ggml's name
   int block;         // values a block
   int bytes;         // bytes a block
+  int align;         // the block's alignment (its fields' widest): blocks must start at a multiple
 };
 
 constexpr Traits kTraits[] = {
-#define LM_ROW(e, t, n, s, b) {t, n, b, (int)sizeof(s)},
+#define LM_ROW(e, t, n, s, b) {t, n, b, (int)sizeof(s), (int)alignof(s)},
     LM_FORMAT_LIST(LM_ROW)
 #undef LM_ROW
 };
@@ -140,6 +145,13 @@ constexpr const Traits* traits(int wtype) {
   for (const Traits& t : kTraits)
     if (t.wtype == wtype) return &t;
   return nullptr;
+}
+
+// the row of `wtype` in kTraits, or -1 for a type the library does not know
+constexpr int format_index(int wtype) {
+  for (int i = 0; i < kFormatCount; ++i)
+    if (kTraits[i].wtype == wtype) return i;
+  return -1;
 }
 
 // values a block of `wtype` (0: unknown) and bytes a block (0: unknown)

@@ -1,10 +1,16 @@
 """The kernels from Python: load the library (building it on first use), check every size, call.
 
-``matmul(x, blocks, fmt, k)`` is ``x @ W.T`` for W stored as GGUF blocks of format ``fmt``: the
-rows of ``x`` are quantized to int8 per block (32 values for q8_0, q4_0, q4_1, q5_0, q5_1; 256
-for the K-quants),
-multiplied with integer dot products and scaled back to float32. Nothing reaches the kernel
-before its shapes, dtypes, contiguity and byte counts are checked here: the C++ side trusts them.
+``BoundProduct(blocks, fmt, k)`` is ``x @ W.T`` for W stored as GGUF blocks of format ``fmt``
+(``BlockLinear``'s product, the one-call step's head): the blocks are checked once when it is
+made, each input when it is called; the rows of ``x`` are quantized to int8 per block (32 values
+for the 32-value formats, 256 for the K-quants and iq4_xs), multiplied with integer dot products
+and scaled back to float32. Its ``gemm`` (a prompt's product) dequantizes the weight to bfloat16
+for torch's GEMM. Nothing reaches the kernel before its shapes, dtypes, contiguity and byte counts
+are checked here: the C++ side trusts them.
+
+The formats the kernels run are ``FORMATS``: names, with each block's values and bytes from
+gguf's ``GGML_QUANT_SIZES``; when the library loads, its own table (formats.h) must say the same,
+or it is refused in one line (and products take torch's path).
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lmcli.errors import LmcliError
-from lmcli.model.native import build
+from lmcli.model.native import abi, build
 
 # a prompt's product dequantizes the weight to bfloat16 this many values at a time (whole rows):
 # one buffer of 8 MB at most, so a vocabulary head's GEMM never holds its whole table in bfloat16
@@ -42,39 +49,44 @@ class BlockFormat:
         return k // self.block * self.block_bytes
 
 
-FORMATS = {
-    f.name: f
-    for f in (
-        BlockFormat("q4_0", 2, 32, 18),
-        BlockFormat("q4_1", 3, 32, 20),
-        BlockFormat("q5_0", 6, 32, 22),
-        BlockFormat("q5_1", 7, 32, 24),
-        BlockFormat("q8_0", 8, 32, 34),
-        BlockFormat("q4_K", 12, 256, 144),
-        BlockFormat("q5_K", 13, 256, 176),
-        BlockFormat("q6_K", 14, 256, 210),
-    )
-}
-# the library's instruction-set numbers, best last; "neon_dotprod" exists only on aarch64
-ISAS = ("scalar", "avx2", "avx_vnni", "avx512_vnni", "neon_dotprod")
-PREFERENCE = ("avx512_vnni", "avx_vnni", "neon_dotprod", "avx2", "scalar")
+def _format(name: str) -> BlockFormat:
+    kind = gguf.GGMLQuantizationType[name.upper()]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    return BlockFormat(name, int(kind), block, size)
+
+
+# the block formats the kernels multiply as stored, by ggml's names (formats.h lists them too: the
+# library's table is checked against this one when it loads)
+NATIVE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K")
+NATIVE += ("iq4_nl", "iq4_xs", "mxfp4")
+FORMATS = {name: _format(name) for name in NATIVE}
 
 
 @dataclass
 class Library:
-    """The loaded library, where it is and the instruction sets this CPU runs."""
+    """The loaded library, where it is, and what it says of itself (``abi.Report``): its
+    instruction sets, those this CPU runs, the best of them."""
 
     lib: ctypes.CDLL
     path: Path
-    isas: tuple[str, ...]
+    report: abi.Report
+    isas: tuple[str, ...]  # the instruction sets this CPU runs
 
     @property
     def best(self) -> str:
-        return next(i for i in PREFERENCE if i in self.isas)
+        return self.report.isas[self.report.best_isa]
 
-    @functools.cached_property
+    @property
     def best_index(self) -> int:
-        return ISAS.index(self.best)
+        return self.report.best_isa
+
+    def isa_index(self, isa: str | None) -> int:
+        """The library's number of instruction set ``isa`` (None: the best this CPU runs)."""
+        if isa is None:
+            return self.report.best_isa
+        if isa in self.isas:
+            return self.report.isas.index(isa)
+        raise LmcliError(f"instruction set {isa!r} is not available (this CPU: {', '.join(self.isas)})")
 
     @functools.cached_property
     def _scratch(self) -> threading.local:
@@ -91,29 +103,29 @@ class Library:
         return buf[: rows * k].view(rows, k)
 
 
+def _check_formats(report: abi.Report) -> None:
+    """Raises LmcliError unless the library multiplies exactly ``FORMATS``, with gguf's sizes."""
+    runs = {name for name, f in report.formats.items() if f.products}
+    if runs != set(FORMATS):
+        raise LmcliError(f"it runs {', '.join(sorted(runs ^ set(FORMATS)))} otherwise than lmcli expects")
+    for name, f in report.formats.items():
+        kind = getattr(gguf.GGMLQuantizationType, name.upper(), None)
+        sizes = gguf.GGML_QUANT_SIZES.get(kind) if kind is not None else None
+        if (f.ggml_type, (f.block, f.block_bytes)) != (kind, sizes):
+            raise LmcliError(
+                f"its {name} is type {f.ggml_type}, {f.block} values in {f.block_bytes} bytes; gguf's {sizes}"
+            )
+
+
 def _open(path: Path) -> Library:
     lib = ctypes.CDLL(str(path))
-    lib.lmcli_native_supported.argtypes = [ctypes.c_int]
-    lib.lmcli_native_supported.restype = ctypes.c_int
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.lmcli_native_matmul.argtypes = [
-        ctypes.c_int,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    lib.lmcli_native_matmul.restype = ctypes.c_int
-    lib.lmcli_native_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
-    lib.lmcli_native_dequantize.restype = ctypes.c_int
-    lib.lmcli_native_pool_threads.argtypes = [ctypes.c_int]
-    lib.lmcli_native_pool_threads.restype = ctypes.c_int
-    isas = tuple(name for n, name in enumerate(ISAS) if lib.lmcli_native_supported(n))
-    return Library(lib, path, isas)
+    try:
+        report = abi.bind(lib)
+        _check_formats(report)
+    except LmcliError as e:
+        raise LmcliError(f"native kernels: {path.name} does not fit lmcli: {e}") from None
+    isas = tuple(name for n, name in enumerate(report.isas) if lib.lmcli_native_supported(n))
+    return Library(lib, path, report, isas)
 
 
 @functools.cache
@@ -148,6 +160,13 @@ def backend_line() -> str:
     return f"quantized products: native kernels, {lib.best} ({', '.join(lib.isas)} on this CPU)"
 
 
+def _loaded() -> Library:
+    lib = library()
+    if lib is None:
+        raise LmcliError(f"native kernels are not available: {_load()[1]}")
+    return lib
+
+
 def check_blocks(blocks: Tensor, fmt: str, k: int) -> BlockFormat:
     """The format of ``blocks`` after checking it holds whole rows of ``k`` values in ``fmt``."""
     if fmt not in FORMATS:
@@ -171,86 +190,31 @@ def check_blocks(blocks: Tensor, fmt: str, k: int) -> BlockFormat:
     return f
 
 
-def matmul(x: Tensor, blocks: Tensor, fmt: str, k: int, threads: int = 1, isa: str | None = None) -> Tensor:
-    """``x (..., k) @ W.T -> (..., n)`` float32, W the (n, k) weight stored as ``blocks``
-    (n, row bytes) in GGUF format ``fmt``; ``threads`` share W's rows, ``isa`` forces an
-    instruction set (default: the best this CPU has). Raises LmcliError on any bad size."""
-    return product(x, blocks, check_blocks(blocks, fmt, k), k, threads, isa)
-
-
-def product(
-    x: Tensor, blocks: Tensor, f: BlockFormat, k: int, threads: int = 1, isa: str | None = None
-) -> Tensor:
-    """``matmul`` for ``blocks`` that ``check_blocks`` passed (``f`` its answer): the inputs are
-    checked here. A layer checks its blocks once and calls this a step."""
-    lib = library()
-    if lib is None:
-        raise LmcliError(f"native kernels are not available: {_load()[1]}")
-    if not x.is_floating_point() or x.device.type != "cpu" or x.dim() < 1 or x.size(-1) != k:
-        raise LmcliError(
-            f"{f.name} product: inputs must be float CPU (..., {k}), not {x.dtype} {tuple(x.shape)}"
-        )
-    _check_threads(threads)
-    isa_index = _isa_index(lib, isa)
-    n = blocks.size(0)
-    x2 = x.reshape(-1, k)  # (m, k)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.to(torch.float32).contiguous()
-    y = torch.empty(x2.size(0), n, dtype=torch.float32)  # (m, n)
-    m, fn = x2.size(0), lib.lib.lmcli_native_matmul
-    rc = fn(f.ggml_type, blocks.data_ptr(), n, k, x2.data_ptr(), m, y.data_ptr(), threads, isa_index)
-    if rc != 0:
-        raise LmcliError(f"native {f.name} product refused its sizes (n={n}, k={k}, rows={x2.size(0)})")
-    return y.reshape(*x.shape[:-1], n)
-
-
-def _isa_index(lib: Library, isa: str | None) -> int:
-    if isa is None:
-        return lib.best_index
-    if isa in lib.isas:
-        return ISAS.index(isa)
-    raise LmcliError(f"instruction set {isa!r} is not available (this CPU: {', '.join(lib.isas)})")
-
-
 def _check_threads(threads: int) -> None:
     if type(threads) is not int or threads < 1:
         raise LmcliError(f"threads must be a positive integer, not {threads!r}")
 
 
-def dequantize(blocks: Tensor, fmt: str, k: int, threads: int = 1, isa: str | None = None) -> Tensor:
-    """(n, row bytes) blocks in ``fmt`` -> the (n, k) weight in bfloat16, by the kernels: bit for
-    bit ``native.blocks.dequantize_blocks(...).bfloat16()`` (a NaN may differ in its bits). Raises
-    LmcliError on any bad size."""
-    f = check_blocks(blocks, fmt, k)
-    lib = library()
-    if lib is None:
-        raise LmcliError(f"native kernels are not available: {_load()[1]}")
-    _check_threads(threads)
-    isa_index = _isa_index(lib, isa)
-    out = torch.empty(blocks.size(0), k, dtype=torch.bfloat16)  # (n, k)
-    rc = lib.lib.lmcli_native_dequantize(
-        f.ggml_type, blocks.data_ptr(), blocks.size(0), k, out.data_ptr(), threads, isa_index
-    )
-    if rc != 0:
-        raise LmcliError(f"native {f.name} dequantize refused its sizes (n={blocks.size(0)}, k={k})")
-    return out
-
-
 class BoundProduct:
-    """``product`` for one checked blocks tensor, what it can compute once computed once: a
-    decode step calls ~7 products a layer, each a few microseconds of Python otherwise."""
+    """The product of one blocks tensor, checked once (``check_blocks``) and what can be computed
+    once computed once: a decode step calls ~7 products a layer, each a few microseconds of Python
+    otherwise. ``isa`` forces an instruction set (default: the best this CPU has)."""
 
-    def __init__(self, blocks: Tensor, f: BlockFormat, k: int) -> None:
-        lib = library()
-        if lib is None:
-            raise LmcliError(f"native kernels are not available: {_load()[1]}")
-        self.blocks, self.f, self.k, self.n = blocks, f, k, blocks.size(0)  # (blocks kept alive)
-        self.lib, self.fn, self.isa = lib, lib.lib.lmcli_native_matmul, lib.best_index
+    def __init__(self, blocks: Tensor, fmt: str, k: int, isa: str | None = None) -> None:
+        lib = _loaded()
+        self.format = check_blocks(blocks, fmt, k)
+        align = lib.report.formats[fmt].align  # (the kernels read a block's fields as its struct's)
+        if blocks.data_ptr() % align:
+            raise LmcliError(f"{fmt} blocks must start at a multiple of {align} bytes")
+        self.blocks, self.k, self.n = blocks, k, blocks.size(0)  # (blocks kept alive)
+        self.lib, self.fn, self.isa = lib, lib.lib.lmcli_native_matmul, lib.isa_index(isa)
         self.dequant = lib.lib.lmcli_native_dequantize
         self.ptr = blocks.data_ptr()
 
-    def __call__(self, x: Tensor, threads: int) -> Tensor:
-        """(m, k) float32 contiguous CPU x -> (m, n); any other x goes through ``product``'s checks."""
+    def __call__(self, x: Tensor, threads: int = 1) -> Tensor:
+        """x (..., k) float CPU -> (..., n) float32; ``threads`` share W's rows. (m, k) float32
+        contiguous rows (a decode step's) go straight to the kernel; any other x is checked,
+        reshaped and converted first."""
         if (
             x.dtype is not torch.float32
             or x.dim() != 2
@@ -258,10 +222,17 @@ class BoundProduct:
             or not x.is_cpu
             or not x.is_contiguous()
         ):
-            return product(x, self.blocks, self.f, self.k, threads)
+            if not x.is_floating_point() or not x.is_cpu or x.dim() < 1 or x.size(-1) != self.k:
+                what = f"{x.dtype} {tuple(x.shape)}"
+                raise LmcliError(
+                    f"{self.format.name} product: inputs must be float CPU (..., {self.k}), not {what}"
+                )
+            x2 = x.reshape(-1, self.k).to(torch.float32).contiguous()  # (..., k) -> (m, k)
+            return self(x2, threads).reshape(*x.shape[:-1], self.n)
+        _check_threads(threads)
         y = torch.empty(x.size(0), self.n)  # (m, n) float32
         rc = self.fn(
-            self.f.ggml_type,
+            self.format.ggml_type,
             self.ptr,
             self.n,
             self.k,
@@ -272,8 +243,22 @@ class BoundProduct:
             self.isa,
         )
         if rc != 0:
-            raise LmcliError(f"native {self.f.name} product refused its sizes (n={self.n}, k={self.k})")
+            raise LmcliError(f"native {self.format.name} product refused its sizes (n={self.n}, k={self.k})")
         return y
+
+    def _dequantize(self, first: int, rows: int, out: Tensor, threads: int) -> None:
+        """Weight rows first..first + rows into ``out`` (rows, k) bfloat16, by the kernels."""
+        w = self.ptr + first * self.format.row_bytes(self.k)
+        if self.dequant(self.format.ggml_type, w, rows, self.k, out.data_ptr(), threads, self.isa) != 0:
+            raise LmcliError(f"native {self.format.name} dequantize refused its sizes (n={rows}, k={self.k})")
+
+    def weight(self, threads: int = 1) -> Tensor:
+        """The (n, k) weight in bfloat16 as a prompt's GEMM reads it: bit for bit
+        ``native.blocks.dequantize_blocks(...).bfloat16()`` (a NaN may differ in its bits)."""
+        _check_threads(threads)
+        out = torch.empty(self.n, self.k, dtype=torch.bfloat16)
+        self._dequantize(0, self.n, out, threads)
+        return out
 
     def gemm(self, x: Tensor, threads: int, chunk_values: int = GEMM_CHUNK_VALUES) -> Tensor:
         """A prompt's product: (m, k) float CPU x -> (m, n) bfloat16, the weight dequantized to
@@ -281,7 +266,9 @@ class BoundProduct:
         buffer, each slice of rows one GEMM (torch's, on its own threads)."""
         if not x.is_floating_point() or x.dim() != 2 or x.size(1) != self.k or not x.is_cpu:
             what = f"{x.dtype} {tuple(x.shape)}"
-            raise LmcliError(f"{self.f.name} product: inputs must be float CPU (m, {self.k}), not {what}")
+            raise LmcliError(
+                f"{self.format.name} product: inputs must be float CPU (m, {self.k}), not {what}"
+            )
         _check_threads(threads)
         xb = x.to(torch.bfloat16)
         slices = -(-self.n * self.k // max(chunk_values, self.k))
@@ -289,13 +276,10 @@ class BoundProduct:
         buf = self.lib.gemm_buffer(rows, self.k)  # (rows, k)
         if torch.is_grad_enabled() and x.requires_grad:  # autograd keeps the weight for the backward
             buf = torch.empty(rows, self.k, dtype=torch.bfloat16)  # so it gets a buffer of its own
-        row_bytes = self.f.row_bytes(self.k)
         y = None if rows == self.n else torch.empty(x.size(0), self.n, dtype=torch.bfloat16)  # (m, n)
         for j in range(0, self.n, rows):
             r = min(rows, self.n - j)
-            w = self.ptr + j * row_bytes
-            if self.dequant(self.f.ggml_type, w, r, self.k, buf.data_ptr(), threads, self.isa) != 0:
-                raise LmcliError(f"native {self.f.name} dequantize refused its sizes (n={r}, k={self.k})")
+            self._dequantize(j, r, buf, threads)
             if y is None:
                 return F.linear(xb, buf)  # (m, n): the whole weight in one slice
             y[:, j : j + r] = F.linear(xb, buf[:r])
