@@ -1,4 +1,5 @@
-"""Compile the kernels (kernels.cpp and its .inc bodies) into a shared library, cached by hash.
+"""Compile the native sources (the kernels, kernels.cpp and its .inc bodies; the quantizer,
+quantize.cpp and its parts) into one shared library, cached by hash.
 
 The library lands in ``$LMCLI_NATIVE_DIR`` or ``~/.cache/lmcli/native``, named by a hash of the
 sources, the compiler and its flags, so an edited source or another compiler builds anew and a
@@ -17,7 +18,11 @@ from pathlib import Path
 from lmcli.errors import LmcliError
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("formats.h", "kernels.cpp", "simd_body.inc", "neon_body.inc", "layer.inc", "layer_math.inc")
+UNITS = ("kernels.cpp", "quantize.cpp")  # the translation units, compiled together
+SOURCES = (
+    *("formats.h", "simd_body.inc", "neon_body.inc", "layer.inc", "layer_math.inc"),
+    *("quantize_k.inc", "quantize_iq4.inc", *UNITS),
+)  # every file the library is built from: each is hashed into its name
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 SANITIZE_FLAGS = (
     "-O1",
@@ -69,7 +74,7 @@ def build(sanitize: bool = False, force: bool = False) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # builders racing each rename a whole file
-    cmd = [cxx, *flags(sanitize), "-o", str(tmp), str(HERE / "kernels.cpp")]
+    cmd = [cxx, *flags(sanitize), "-o", str(tmp), *(str(HERE / unit) for unit in UNITS)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
