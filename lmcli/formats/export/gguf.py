@@ -171,7 +171,7 @@ def write_source(
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for name, t in _mapped(source, family, shapes):
+        for name, t in mapped_tensors(source, family, shapes):
             weights = imatrix.weights(name) if imatrix is not None and types[name] else None
             w.write_tensor_data(encode_tensor(t, types[name], p, weights, threads)[0])
         w.close()
@@ -187,7 +187,7 @@ def write_source(
     return out
 
 
-def _mapped(
+def mapped_tensors(
     source: ExportSource, family: FamilyAdapter, shapes: dict[str, tuple[int, ...]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The source's tensors under GGUF's names, in the planned order, a group at a time."""
