@@ -79,12 +79,12 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
 def _load_preset(run_dir: Path | None, cfg: DeviceConfig) -> Any:
     """``--quantize PRESET``: the model loaded in floats on the CPU, then its matrices made the
     preset's blocks (``formats.export.in_memory``)."""
+    import torch
+
     from lmcli.device import pick_device
     from lmcli.formats.export.in_memory import check_preset, quantized_as_preset
     from lmcli.formats.sources import DTYPES, load_model
     from lmcli.model.quant import default_kv_dtype, products_line
-
-    import torch
 
     device = pick_device(cfg.device)
     check_preset(cfg.quantize, device)

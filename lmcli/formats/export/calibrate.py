@@ -120,6 +120,10 @@ def imatrix_of_text(
     except OSError as exc:
         raise LmcliError(f"cannot read {path}: {exc.strerror or exc}") from None
     context = context or model.config.block_size
+    if context > model.config.block_size:
+        raise LmcliError(f"context {context} exceeds the model's block size {model.config.block_size}")
+    if not text.strip():
+        raise LmcliError(f"{path}: the calibration text is empty")
     windows = calibration_ids(tokenizer, text, context)
     model.eval()
     return collect_imatrix(model, family, windows, batch_size=batch_size, dataset=path.name)

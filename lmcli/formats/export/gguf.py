@@ -174,6 +174,7 @@ def write_source(
         for name, t in mapped_tensors(source, family, shapes):
             weights = imatrix.weights(name) if imatrix is not None and types[name] else None
             w.write_tensor_data(encode_tensor(t, types[name], p, weights, threads)[0])
+            del t  # (before the next group is read)
         w.close()
         os.chmod(tmp, 0o644)  # a file to share, not the private temporary it was written as
         os.replace(tmp, out)
@@ -193,12 +194,15 @@ def mapped_tensors(
     """The source's tensors under GGUF's names, in the planned order, a group at a time."""
     order = iter(shapes.items())
     for group in source.groups():
-        for name, t in family.to_gguf(group, source.config).items():
+        mapped = family.to_gguf(group, source.config)
+        group.clear()  # this group's floats go once each is written, before the next is read
+        for name in list(mapped):
+            t = mapped.pop(name)
             expected = next(order, None)
             if expected != (name, tuple(t.shape)):  # the plan and the weights disagree: a bug
                 raise RuntimeError(f"export: {name} {tuple(t.shape)} where the plan has {expected}")
             yield name, t
-        group.clear()  # this group's floats go before the next is read
+            del t
     if next(order, None) is not None:
         raise RuntimeError("export: the source ended before the plan")
 
