@@ -45,7 +45,8 @@ lint:
 bench:
 	$(BIN)/python -m bench.run
 
-# llama.cpp's own check of `lmcli export --format gguf`: llama-cpp-python is built from its
+# llama.cpp's own check of `lmcli export --format gguf` (check_gguf.py: llama.cpp reads the files;
+# check_quant.py: every preset's tensors byte for byte llama-quantize's): llama-cpp-python is built from its
 # source package (the C++ compile takes a while) into a venv outside the project, kept and reused.
 # Only llama-cpp-python is built from source: --no-binary :all: would also compile numpy and the
 # build tools (cmake, ninja, scikit-build-core). LLAMA_VENV=DIR uses a venv that has llama_cpp.
@@ -60,6 +61,7 @@ llama-venv:
 
 check-gguf: llama-venv
 	$(BIN)/python tests/formats/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
+	$(BIN)/python tests/formats/check_quant.py --llama-python $(LLAMA_VENV)/bin/python
 
 # lmcli's CUDA paths on this machine's GPU (< 10 min): GPT-2-small training with --compile (tokens/s,
 # MFU, peak memory vs the pre-flight estimate), NCCL torchrun + resume, eval/sample/beam in bf16

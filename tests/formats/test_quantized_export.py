@@ -313,3 +313,62 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, capsys, case: 
         if p.name.startswith((".m.gguf", "m.gguf")) and p.read_bytes() != b"keep"
     ]
     assert written == []
+
+
+def test_calibration_and_imatrix_refusals(tmp_path: Path, capsys, monkeypatch) -> None:
+    src = run(tmp_path)
+    texts = {"empty.txt": b"  \n", "latin1.txt": "caf\xe9 ".encode("latin-1") * 40, "short.txt": b"the cat"}
+    for name, data in texts.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "calib.txt").write_text(TEXT)
+    bad = ImportanceMatrix(datasets=["x"], chunk_count=1, chunk_size=16)
+    bad.add("blk.0.attn_q.weight", np.full(256, np.inf, np.float32), 16)
+    write_imatrix(bad, tmp_path / "inf.gguf")
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (["imatrix", str(src), "empty.txt"], "the calibration text is empty"),
+        (["imatrix", str(src), "latin1.txt"], "a calibration text must be UTF-8 text"),
+        (["imatrix", str(src), "short.txt", "--context", "32"], "a window needs 32"),
+        (["imatrix", str(src), "calib.txt", "--context", "4096"], "exceeds the model's block size 32"),
+        (
+            ["export", str(src), "o.gguf", "--format", "gguf", "--imatrix", "inf.gguf"],
+            "holds a non-finite value",
+        ),
+        (["export", str(src), "o", "--imatrix", "calib.txt"], "--imatrix applies to --format gguf only"),
+    ]
+    for argv, message in cases:
+        code, _, err = run_cli([*argv, *(["--out", "i.gguf"] if argv[0] == "imatrix" else [])], capsys)
+        assert_one_line_error(code, err, message)
+    assert (
+        not list(tmp_path.glob("i.gguf"))
+        and not list(tmp_path.glob("o*"))
+        and not list(tmp_path.glob(".*lmtmp"))
+    )
+
+
+@native
+def test_quantize_preset_refusals(tmp_path: Path, capsys, monkeypatch) -> None:
+    src = run(tmp_path)
+    code, _, err = run_cli(
+        ["sample", str(src), "-p", "the", "--max-new-tokens", "2", "--quantize", "Q2_K"], capsys
+    )
+    assert_one_line_error(code, err, "--quantize Q2_K")
+    code, _, err = run_cli(
+        ["sample", str(src), "-p", "the", "--max-new-tokens", "2", "--quantize", "Q9_K"], capsys
+    )
+    assert_one_line_error(code, err, "invalid quantize 'Q9_K': choose one of none, int8, int4, q8_0, q4_0")
+    try:
+        monkeypatch.setenv("LMCLI_NATIVE", "0")
+        ops._load.cache_clear()
+        argv = ["sample", str(src), "-p", "the", "--max-new-tokens", "2", "--quantize", "q4_k_m"]
+        code, _, err = run_cli(argv, capsys)
+        assert_one_line_error(
+            code, err, "--quantize Q4_K_M needs lmcli's native kernels, which are not available"
+        )
+        code, _, err = run_cli(
+            ["export", str(src), str(tmp_path / "k.gguf"), "--format", "gguf", "--dtype", "Q4_K_M"], capsys
+        )
+        assert_one_line_error(code, err, "writing q4_K, q6_K blocks needs lmcli's native library")
+        assert not (tmp_path / "k.gguf").exists()
+    finally:
+        ops._load.cache_clear()

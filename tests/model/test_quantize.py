@@ -163,7 +163,7 @@ def test_without_the_library_k_quants_say_so_and_q8_0_still_writes(monkeypatch) 
     try:
         monkeypatch.setenv("LMCLI_NATIVE", "0")
         ops._load.cache_clear()
-        with pytest.raises(LmcliError, match="q4_K blocks needs lmcli's native library"):
+        with pytest.raises(LmcliError, match="writing q4_K blocks needs lmcli's native library"):
             quantize_blocks(w, "q4_K")
         with pytest.raises(LmcliError, match="native library"):
             quantize_blocks(w, "q4_0", torch.ones(256))

@@ -56,7 +56,7 @@ from lmcli.formats.families import FamilyAdapter, for_export
 from lmcli.formats.gguf.imatrix import ImportanceMatrix, check_against
 from lmcli.formats.gguf.vocab import gguf_vocab, write_vocab
 from lmcli.formats.weights import DISK_NAMES
-from lmcli.model.native.blocks import block_shape, quantize_blocks
+from lmcli.model.native.blocks import block_shape, check_writable, quantize_blocks
 from lmcli.model.skeleton import skeleton
 from lmcli.safe_io import temp_file, write_error
 from lmcli.text.tokenizer import Tokenizer
@@ -155,6 +155,7 @@ def write_source(
     shape = ModelShape(family.gguf_arch or "", cfg.n_layer, cfg.n_head, cfg.n_kv_head)
     types = tensor_types(p, shapes, shape, imatrix=imatrix is not None)
     check_quantizes(p, types, shapes)
+    check_writable([t for t in types.values() if t and t not in ("f16", "f32")], imatrix is not None)
     if imatrix is not None:
         check_against(imatrix, {n: s[-1] for n, s in shapes.items() if types[n] is not None}, "--imatrix")
     out = Path(out)

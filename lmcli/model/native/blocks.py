@@ -83,17 +83,26 @@ def quantize_blocks(w: Tensor, fmt: str, imatrix: Tensor | None = None, threads:
     out = torch.empty(w.size(0), w.size(1) // block * block_bytes, dtype=torch.uint8)
     lib = ops.library()
     if lib is None:
-        if fmt not in QUANTIZABLE or (imatrix is not None and fmt != "q8_0"):
-            why = ops.backend_line().removeprefix("quantized products: torch ")
-            raise LmcliError(
-                f"writing {fmt} blocks needs lmcli's native library, which is not available {why}"
-            )
+        check_writable([fmt], imatrix is not None)
         rows = max(1, CHUNK_VALUES // w.size(1))
         for i in range(0, w.size(0), rows):
             out[i : i + rows] = _quantize_rows(w[i : i + rows], fmt)
         return out
     _native_quantize(lib.lib, w, fmt, imatrix, out, threads or torch.get_num_threads())
     return out
+
+
+def check_writable(formats: list[str], weighted: bool = False) -> None:
+    """One line unless every one of ``formats`` can be written here (``weighted``: with
+    importance weights): the native library writes them all, torch's code q8_0 and q4_0."""
+    if ops.library() is not None:
+        return
+    need = [f for f in sorted(set(formats)) if f not in QUANTIZABLE or (weighted and f != "q8_0")]
+    if need:
+        why = ops.backend_line().removeprefix("quantized products: torch ")
+        raise LmcliError(
+            f"writing {', '.join(need)} blocks needs lmcli's native library, which is not available {why}"
+        )
 
 
 @functools.cache
