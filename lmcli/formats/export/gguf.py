@@ -51,9 +51,10 @@ import torch
 from lmcli.config.model import ModelConfig
 from lmcli.errors import LmcliError
 from lmcli.formats.export.presets import ModelShape, Preset, check_quantizes, preset, tensor_types
-from lmcli.formats.export.stream import ExportSource, in_groups, model_source, open_source
+from lmcli.formats.export.stream import ExportSource, in_groups, model_source, open_source, stored_values
 from lmcli.formats.families import FamilyAdapter, for_export
 from lmcli.formats.gguf.imatrix import ImportanceMatrix, check_against
+from lmcli.formats.gguf.load import GgufTensor
 from lmcli.formats.gguf.vocab import gguf_vocab, write_vocab
 from lmcli.formats.weights import DISK_NAMES
 from lmcli.model.native.blocks import block_shape, check_writable, quantize_blocks
@@ -172,7 +173,13 @@ def write_source(
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for name, t in mapped_tensors(source, family, shapes):
+        for name, t in source_tensors(source, family, shapes):
+            if isinstance(t, GgufTensor) and t.quantized and t.kind.lower() == (types[name] or "").lower():
+                w.write_tensor_data(
+                    t.data
+                )  # the type it has: its blocks as they are, as llama.cpp copies them
+                continue
+            t = stored_values(t) if isinstance(t, GgufTensor) else t
             weights = imatrix.weights(name) if imatrix is not None and types[name] else None
             w.write_tensor_data(encode_tensor(t, types[name], p, weights, threads)[0])
             del t  # (before the next group is read)
@@ -187,6 +194,22 @@ def write_source(
         tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def source_tensors(
+    source: ExportSource, family: FamilyAdapter, shapes: dict[str, tuple[int, ...]]
+) -> Iterator[tuple[str, torch.Tensor | GgufTensor]]:
+    """The tensors to write, in the planned order: a GGUF file read through the family that writes
+    it hands its tensors over as stored, by name (no map there and back); any other source's are
+    mapped a group at a time (``mapped_tensors``)."""
+    header = source.header
+    if header is not None and header.family is family and set(header.tensors) == set(shapes):
+        for name, shape in shapes.items():
+            if header.tensors[name].shape != shape:  # the map would not move it: a bug
+                raise RuntimeError(f"export: {name} {header.tensors[name].shape} where the plan has {shape}")
+            yield name, header.tensors[name]
+        return
+    yield from mapped_tensors(source, family, shapes)
 
 
 def mapped_tensors(

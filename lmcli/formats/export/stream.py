@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lmcli.config.model import ModelConfig
 from lmcli.formats.checkpoint import ADAPTERS, WEIGHTS, is_sharded, read_configs, resolve_checkpoint
-from lmcli.formats.gguf.load import is_gguf_file, read_gguf_header
+from lmcli.formats.gguf.load import GgufHeader, GgufTensor, is_gguf_file, read_gguf_header
 from lmcli.formats.hf.load import is_hf_folder, open_hf_folder, read_blocks
 from lmcli.formats.sources import load_model
 from lmcli.formats.weights import check_header, clean_state_dict, logical_state, read_header, read_tensors
@@ -47,6 +47,7 @@ class ExportSource:
     tokenizer: Tokenizer
     name: str
     groups: Callable[[], Iterator[dict[str, Tensor]]]
+    header: GgufHeader | None = None  # a GGUF file's: its tensors as stored, by GGUF name
 
 
 def block_of(name: str, pattern: re.Pattern[str] = _BLOCK) -> int | None:
@@ -65,15 +66,17 @@ def in_groups(names: list[str], pattern: re.Pattern[str] = _BLOCK) -> list[list[
 
 
 def logical(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """A group as export writes it: float32, the vocabulary's rows cut to the logical size, no
-    tied head."""
+    """A group as export writes it: the vocabulary's rows cut to the logical size, no tied head;
+    matrices in float32, float16 or bfloat16 as they come (the quantizer reads each), vectors
+    in float32."""
     out = {}
     for name, t in state.items():
         if name == "lm_head.weight" and cfg.tie_embeddings:
             continue
         if name in VOCABULARY and t.size(0) != cfg.vocab_size:
             t = t[: cfg.vocab_size]  # (padded V, C) -> (V, C)
-        out[name] = t.float()
+        keep = t.dim() > 1 and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        out[name] = t if keep else t.float()
     return out
 
 
@@ -142,7 +145,13 @@ def _gguf_source(path: Path) -> ExportSource:
 
     def groups() -> Iterator[dict[str, Tensor]]:
         for names in in_groups(list(header.tensors), _GGUF_BLOCK):
-            state = {n: header.tensors[n].dequantized(torch.float32) for n in names}
+            state = {n: stored_values(header.tensors[n]) for n in names}
             yield logical(header.family.from_gguf(state, header.config), header.config)
 
-    return ExportSource(header.config, header.tokenizer, header.name, groups)
+    return ExportSource(header.config, header.tokenizer, header.name, groups, header)
+
+
+def stored_values(t: GgufTensor) -> Tensor:
+    """A GGUF tensor's values: an F32, F16 or BF16 matrix as stored (a view of the file), vectors
+    and quantized matrices in float32."""
+    return t.dequantized(None if len(t.shape) > 1 and not t.quantized else torch.float32)

@@ -28,8 +28,13 @@ from lmcli.model.native import ops
 # of the chunk) stay a few MB for any shape; 1024 rows of an MLP's 4864-wide down projection
 # took 108 MB at once (Qwen2.5-0.5B shape, --quantize int8)
 CHUNK_VALUES = 1 << 20
-# the library's chunks: a K-quant row takes ~50x the time of q8_0's, so fewer, larger calls
-NATIVE_CHUNK_VALUES = 1 << 22
+# the library's calls: a few large ones (its threads split each), float32 copies of a chunk at most
+NATIVE_CHUNK_VALUES = 1 << 24
+SOURCE_TYPES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 30,
+}  # rows the library reads (GGML's numbers)
 QUANTIZABLE = ("q8_0", "q4_0")  # formats torch's code writes (without the library)
 # formats quantize_blocks writes with the native library (GGML's names)
 WRITES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs")
@@ -110,7 +115,7 @@ def _quantizer(lib: ctypes.CDLL) -> Any:
     """The library's ``lmcli_native_quantize`` with its argument types set."""
     fn = lib.lmcli_native_quantize
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ctypes.c_int]
+    fn.argtypes = [ctypes.c_int, ptr, ctypes.c_int, i64, i64, ptr, ptr, ctypes.c_int]
     fn.restype = i64
     return fn
 
@@ -118,15 +123,20 @@ def _quantizer(lib: ctypes.CDLL) -> Any:
 def _native_quantize(
     lib: ctypes.CDLL, w: Tensor, fmt: str, imatrix: Tensor | None, out: Tensor, threads: int
 ) -> None:
-    """The library's quantizer over ``w``, a chunk of rows at a time (a float32 copy of a chunk)."""
+    """The library's quantizer over ``w``, a chunk of rows at a time: float32, float16 and bfloat16
+    rows as they are (the library widens each row as it takes it), others as float32 copies."""
     qw = None if imatrix is None else imatrix.detach().cpu().to(torch.float32).contiguous()
     qtype = int(gguf.GGMLQuantizationType[fmt.upper()])
     rows = max(1, NATIVE_CHUNK_VALUES // w.size(1))
     for i in range(0, w.size(0), rows):
-        chunk = w[i : i + rows].to(torch.float32).contiguous()  # (r, k)
+        chunk = w[i : i + rows]  # (r, k)
+        if chunk.dtype not in SOURCE_TYPES:
+            chunk = chunk.to(torch.float32)
+        chunk = chunk.contiguous()
         dst = out[i : i + rows]
         qw_ptr = qw.data_ptr() if qw is not None else None
-        done = _quantizer(lib)(qtype, chunk.data_ptr(), *chunk.shape, qw_ptr, dst.data_ptr(), threads)
+        x_type = SOURCE_TYPES[chunk.dtype]
+        done = _quantizer(lib)(qtype, chunk.data_ptr(), x_type, *chunk.shape, qw_ptr, dst.data_ptr(), threads)
         if done != dst.numel():  # the sizes were checked here: a library that disagrees is a bug
             raise RuntimeError(f"the native quantizer wrote {done} bytes of {fmt}, not {dst.numel()}")
 

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 UNITS = ("kernels.cpp", "quantize.cpp")  # the translation units, compiled together
 SOURCES = (
     *("formats.h", "simd_body.inc", "neon_body.inc", "layer.inc", "layer_math.inc"),
-    *("quantize_k.inc", "quantize_iq4.inc", *UNITS),
+    *("quantize_k.inc", "quantize_iq4.inc", "quantize_x8.inc", *UNITS),
 )  # every file the library is built from: each is hashed into its name
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 SANITIZE_FLAGS = (

@@ -11,6 +11,7 @@
 // Rows are independent: a call splits its rows over `threads` threads (each row's bytes are the
 // same whatever the split).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -321,6 +322,58 @@ float fit_positive(int n, int nmax, const float* x, uint8_t* L, const float* qw)
   return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
 }
 
+// the searches eight groups at a time (quantize_x8.inc) where the CPU has AVX2, else one by one
+#if defined(__x86_64__) || defined(__i386__)
+namespace avx2 {
+#define LQ_TARGET __attribute__((target("avx2")))
+#include "quantize_x8.inc"
+#undef LQ_TARGET
+}  // namespace avx2
+
+inline bool side_by_side() {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+}
+#else
+inline bool side_by_side() { return false; }
+#endif
+
+// groups 0 .. 7 of `per` values (group g at x + g * per) as (per, 8): lane g group g's
+inline void transpose8(const float* x, int per, float* xt) {
+  for (int g = 0; g < 8; ++g)
+    for (int i = 0; i < per; ++i) xt[8 * i + g] = x[g * per + i];
+}
+
+// fit_scale_min of groups 0 .. 7 of `per` values at x (weights w, levels L, all at g * per)
+inline void scale_min_8(int per, int nmax, const float* x, const float* w, uint8_t* L, float* the_min, float* scale,
+                        float rmin, float rdelta, int nstep, bool use_mad) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (side_by_side()) {
+    float xt[32 * 8], wt[32 * 8];
+    transpose8(x, per, xt);
+    transpose8(w, per, wt);
+    return avx2::fit_scale_min_x8(per, nmax, xt, wt, L, per, the_min, scale, rmin, rdelta, nstep, use_mad);
+  }
+#endif
+  uint8_t Laux[32];
+  for (int g = 0; g < 8; ++g)
+    scale[g] = fit_scale_min(per, nmax, x + g * per, w + g * per, L + g * per, &the_min[g], Laux, rmin, rdelta,
+                             nstep, use_mad);
+}
+
+// fit_symmetric of groups 0 .. 7 of `per` values at x (qw: their weights, or null for x^2)
+inline void symmetric_8(int per, int nmax, const float* x, const float* qw, int8_t* L, float* scale) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (side_by_side()) {
+    float xt[32 * 8], wt[32 * 8];
+    transpose8(x, per, xt);
+    if (qw) transpose8(qw, per, wt);
+    return avx2::fit_symmetric_x8(per, nmax, xt, qw ? wt : nullptr, L, per, scale);
+  }
+#endif
+  for (int g = 0; g < 8; ++g) scale[g] = fit_symmetric(per, nmax, x + g * per, L + g * per, qw ? qw + g * per : nullptr);
+}
+
 // the importance weights of one row's group: qw[j] sqrt(sigma2 + x[j]^2)
 inline void importance(int n, const float* qw, const float* x, float sigma2, float* out) {
   for (int j = 0; j < n; ++j) out[j] = qw[j] * std::sqrt(sigma2 + x[j] * x[j]);
@@ -504,27 +557,47 @@ bool quantizable(int wtype) {
   }
 }
 
+// x's rows as float32: a float32 row itself, an f16 or bf16 row converted into `buf` (exactly)
+inline const float* row_floats(const void* x, int x_type, int64_t r, int64_t n, float* buf) {
+  if (x_type == F32) return (const float*)x + r * n;
+  const uint16_t* h = (const uint16_t*)x + r * n;
+  if (x_type == F16)
+    for (int64_t j = 0; j < n; ++j) buf[j] = float_of_half(h[j]);
+  else
+    for (int64_t j = 0; j < n; ++j) buf[j] = float_of((uint32_t)h[j] << 16);
+  return buf;
+}
+
 }  // namespace lmquant
 
 extern "C" {
 
-// x (nrows, n_per_row) float32 -> out (nrows, row bytes) in GGUF block layout `wtype`, as ggml's
-// ggml_quantize_chunk writes it; imatrix: n_per_row importance weights (one a column) or null.
-// Returns the bytes written, or -1 for a type it does not write or a row not a whole number of
-// blocks (every other size is the caller's to check).
-int64_t lmcli_native_quantize(int wtype, const float* x, int64_t nrows, int64_t n_per_row, const float* imatrix,
-                              uint8_t* out, int threads) {
+// x (nrows, n_per_row) of ggml type x_type (F32, F16 or BF16) -> out (nrows, row bytes) in GGUF
+// block layout `wtype`, as ggml's ggml_quantize_chunk writes it (from x's values as float32);
+// imatrix: n_per_row importance weights (one a column) or null. Threads take chunks of rows in
+// turn (about 16K values a chunk, as llama-quantize's), so a slow thread delays no other.
+// Returns the bytes written, or -1 for a type it does not write or read, or a row not a whole
+// number of blocks (every other size is the caller's to check).
+int64_t lmcli_native_quantize(int wtype, const void* x, int x_type, int64_t nrows, int64_t n_per_row,
+                              const float* imatrix, uint8_t* out, int threads) {
   using namespace lmquant;
   if (!quantizable(wtype) || nrows < 0 || n_per_row <= 0 || n_per_row % block_values(wtype) != 0) return -1;
+  if (x_type != F32 && x_type != F16 && x_type != BF16) return -1;
   if (wtype == Q8_0) imatrix = nullptr;  // ggml's q8_0 ignores it
   const int64_t row_bytes = n_per_row / block_values(wtype) * block_bytes(wtype);
-  auto part = [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) quantize_row(wtype, x + r * n_per_row, out + r * row_bytes, n_per_row, imatrix);
+  const int64_t chunk = std::max<int64_t>(1, 16384 / n_per_row);
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    std::vector<float> buf(x_type == F32 ? 0 : (size_t)n_per_row);
+    for (int64_t lo; (lo = next.fetch_add(chunk)) < nrows;)
+      for (int64_t r = lo; r < std::min(nrows, lo + chunk); ++r)
+        quantize_row(wtype, row_floats(x, x_type, r, n_per_row, buf.data()), out + r * row_bytes, n_per_row,
+                     imatrix);
   };
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, nrows));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (nrows + chunk - 1) / chunk));
   std::vector<std::thread> workers;
-  for (int64_t t = 1; t < parts; ++t) workers.emplace_back(part, nrows * t / parts, nrows * (t + 1) / parts);
-  part(0, nrows / parts);
+  for (int64_t t = 1; t < parts; ++t) workers.emplace_back(work);
+  work();
   for (std::thread& w : workers) w.join();
   return nrows * row_bytes;
 }
