@@ -58,13 +58,12 @@ def test_divergence_equals_a_hand_computation() -> None:
     want = hand(model, reference, ids)
     for key, value in want.items():
         assert found[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key  # (float32 logits)
-    # windows and batches change nothing but the left context: the same with stride = context,
-    # 64-token windows in batches of 3 agree with those windows computed one by one
+    # 64-token windows (the last one shorter) in batches of 3, padded, score as one by one
     windowed = divergence(model, reference, [ids], 64, 64, batch_size=3).report()
-    one_by_one = divergence(model, reference, [ids], 64, 64, batch_size=1).report()
-    assert windowed == pytest.approx(one_by_one, rel=1e-5)
-    same = divergence(model, model, [ids], 64, 64).report()
-    assert same["kld_max"] < 1e-9 and same["top1_agreement"] == 1.0 and same["perplexity_ratio"] == 1.0
+    assert windowed == pytest.approx(
+        divergence(model, reference, [ids], 64, 64, batch_size=1).report(), rel=1e-5
+    )
+    assert windowed["tokens"] == found["tokens"] and windowed["kld_mean"] != found["kld_mean"]  # less context
 
 
 def run(tmp: Path, seed: int, kind: str = "char") -> Path:

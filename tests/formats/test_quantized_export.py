@@ -181,6 +181,7 @@ def test_imatrix_files_round_trip_in_llama_cpps_layouts(tmp_path: Path) -> None:
 
 
 @native
+@pytest.mark.slow
 def test_export_with_imatrix_uses_each_tensors_weights(tmp_path: Path, capsys) -> None:
     src = run(tmp_path)
     (tmp_path / "calib.txt").write_text(TEXT)
