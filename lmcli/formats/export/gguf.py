@@ -94,26 +94,30 @@ def planned_tensors(family: FamilyAdapter, cfg: ModelConfig) -> dict[str, tuple[
     return plan
 
 
+def written_as(kind: str | None, ndim: int, p: Preset) -> str:
+    """The type a tensor is written in: ``kind``, or for one llama-quantize leaves alone (None) what
+    lmcli writes: vectors f32, matrices f16 (f32 in an F32 file)."""
+    return kind or ("f32" if ndim == 1 or p.default == "f32" else "f16")
+
+
 def encode_tensor(
     t: torch.Tensor, kind: str | None, p: Preset, weights: np.ndarray | None, threads: int | None
 ) -> tuple[np.ndarray, Any]:
-    """(data, raw GGML type or None) of one tensor of type ``kind`` (None: as lmcli writes what
-    llama-quantize leaves alone: vectors f32, matrices f16, everything f32 in an F32 file)."""
-    gguf = _gguf()
-    if kind is None:
-        kind = "f32" if t.dim() == 1 or p.default == "f32" else "f16"
-    if kind in ("f32", "f16"):
-        data = t.detach().cpu().float().numpy()
-        return (data if kind == "f32" else data.astype(np.float16)), None
+    """(data, raw GGML type or None) of one tensor of type ``kind`` (``written_as``)."""
+    kind = written_as(kind, t.dim(), p)
+    t = t.detach().cpu()
+    if kind == "f32":
+        return t.float().numpy(), None
+    if kind == "f16":  # (rounded to nearest even, as ggml's conversion; an f16 source as it is)
+        return (t if t.dtype == torch.float16 else t.float().half()).numpy(), None
     qw = torch.from_numpy(weights) if weights is not None else None
     blocks = quantize_blocks(t, kind, qw, threads)
-    return blocks.numpy(), gguf.GGMLQuantizationType[kind.upper()]
+    return blocks.numpy(), _gguf().GGMLQuantizationType[kind.upper()]
 
 
 def _info(shape: tuple[int, ...], kind: str | None, p: Preset) -> tuple[tuple[int, ...], Any, int, Any]:
     """(shape as the writer takes it, numpy dtype, bytes, raw GGML type) of a planned tensor."""
-    if kind is None:
-        kind = "f32" if len(shape) == 1 or p.default == "f32" else "f16"
+    kind = written_as(kind, len(shape), p)
     if kind in ("f32", "f16"):
         dtype = np.dtype(np.float32 if kind == "f32" else np.float16)
         return shape, dtype, int(np.prod(shape)) * dtype.itemsize, None
