@@ -21,7 +21,8 @@ NATIVE_CXX ?= g++
 check-native:
 	CXX=$(NATIVE_CXX) $(BIN)/python -m lmcli.model.native build --sanitize
 	CXX=$(NATIVE_CXX) LMCLI_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
-		LD_PRELOAD=$$($(NATIVE_CXX) -print-file-name=libasan.so) $(BIN)/python -m pytest tests/model/test_native.py tests/model/test_native_gguf.py tests/model/test_native_layer.py tests/model/test_native_nonfinite.py
+		LD_PRELOAD=$$($(NATIVE_CXX) -print-file-name=libasan.so) $(BIN)/python -m pytest tests/model/test_native.py tests/model/test_native_gguf.py tests/model/test_native_layer.py \
+		tests/model/test_native_nonfinite.py tests/model/test_quantize.py
 
 # Debian's chromium for the chat page's browser test (tests/serve/test_page.py skips without it)
 browser:
@@ -44,7 +45,8 @@ lint:
 bench:
 	$(BIN)/python -m bench.run
 
-# llama.cpp's own check of `lmcli export --format gguf`: llama-cpp-python is built from its
+# llama.cpp's own check of `lmcli export --format gguf` (check_gguf.py: llama.cpp reads the files;
+# check_quant.py: every preset's tensors byte for byte llama-quantize's): llama-cpp-python is built from its
 # source package (the C++ compile takes a while) into a venv outside the project, kept and reused.
 # Only llama-cpp-python is built from source: --no-binary :all: would also compile numpy and the
 # build tools (cmake, ninja, scikit-build-core). LLAMA_VENV=DIR uses a venv that has llama_cpp.
@@ -68,6 +70,7 @@ llama-venv:
 
 check-gguf: llama-venv
 	$(BIN)/python tests/formats/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
+	$(BIN)/python tests/formats/check_quant.py --llama-python $(LLAMA_VENV)/bin/python
 
 # lmcli's CUDA paths on this machine's GPU (< 10 min): GPT-2-small training with --compile (tokens/s,
 # MFU, peak memory vs the pre-flight estimate), NCCL torchrun + resume, eval/sample/beam in bf16

@@ -17,7 +17,7 @@ from bench.common import RESULTS, Row, cpu_name, table
 SUITES = (
     *("train", "eval", "eval_memory", "sample", "speculative"),
     *("beam", "tokenize", "load", "serve", "prefix", "lora", "cpu_decode", "tasks", "fsdp", "structured"),
-    "quant_quality",
+    *("quant_quality", "quant_kld"),
 )
 ROOT = Path(__file__).resolve().parents[1]
 

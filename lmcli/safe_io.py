@@ -303,3 +303,17 @@ def check_text(text: str, where: str) -> str:
         code = ord(text[exc.start])
         raise LmcliError(f"{where} holds a lone surrogate (U+{code:04X}): not text") from None
     return text
+
+
+def new_file(out: str | Path) -> Path:
+    """``out`` if a new file can be written there: it does not exist yet and its folder takes a
+    file (tried with a temporary, removed at once); one line naming why not, before any work."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise LmcliError(f"{out} already exists: choose a new file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LmcliError(cannot_create(out, exc)) from None
+    temp_file(out).unlink()
+    return out

@@ -77,6 +77,7 @@ def _root(
     lmcli sample  [RUN_DIR]     generate text (temperature, top-k, top-p, ...)
     lmcli beam    [RUN_DIR]     beam search, e.g. translation
     lmcli export  RUN_DIR OUT   a Hugging Face folder (GPT-2, Llama or Qwen2) or a GGUF file
+    lmcli imatrix RUN_DIR TEXT  an importance matrix for quantized GGUF export
     lmcli average RUN_DIR       average a run's last saved checkpoints into a new one
     lmcli serve   [RUN_DIR]     an OpenAI-compatible server and a chat page
     lmcli chat    [RUN_DIR]     chat in the terminal, or answer messages JSON on stdin
@@ -91,6 +92,7 @@ app.command()(decode.sample)
 app.command()(decode.beam)
 app.command("eval")(evaluate.eval_command)
 app.command()(files.export)
+app.command()(files.imatrix)
 app.command()(train.average)
 app.command()(serve.serve)
 app.command()(chat.chat)

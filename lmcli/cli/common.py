@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lmcli.config.commands import (
+    QUANTIZE_MODES,
     DeviceConfig,
     DraftConfig,
 )
@@ -56,6 +57,8 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
 
     cfg = build(DeviceConfig, options)
     set_threads(cfg.threads)
+    if cfg.quantize not in QUANTIZE_MODES:  # a GGUF preset: llama-quantize's blocks, as stored
+        return _load_preset(run_dir, cfg)
     # a GGUF file's quantized matrices run as stored unless --quantize asks for lmcli's own; a
     # Hugging Face folder is quantized as it is read (never whole in floats)
     ckpt = load_model(
@@ -67,6 +70,27 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
         group_size=cfg.group_size,
     )
     # auto: float16 for GGUF blocks on the native kernels, else None (the dtype it computes in)
+    ckpt.model.kv_dtype = DTYPES.get(cfg.kv_dtype) or default_kv_dtype(ckpt.model)
+    if cfg.verbose:
+        print(products_line(ckpt.model), file=sys.stderr)
+    return ckpt
+
+
+def _load_preset(run_dir: Path | None, cfg: DeviceConfig) -> Any:
+    """``--quantize PRESET``: the model loaded in floats on the CPU, then its matrices made the
+    preset's blocks (``formats.export.in_memory``)."""
+    import torch
+
+    from lmcli.device import pick_device
+    from lmcli.formats.export.in_memory import check_preset, quantized_as_preset
+    from lmcli.formats.sources import DTYPES, load_model
+    from lmcli.model.quant import default_kv_dtype, products_line
+
+    device = pick_device(cfg.device)
+    check_preset(cfg.quantize, device)
+    # float32 unless told (a quantized file's norms load so): an f16 file's are not half here
+    ckpt = load_model(run_dir, device, DTYPES.get(cfg.dtype) or torch.float32)
+    ckpt.model = quantized_as_preset(ckpt.model, ckpt.tokenizer, cfg.quantize)
     ckpt.model.kv_dtype = DTYPES.get(cfg.kv_dtype) or default_kv_dtype(ckpt.model)
     if cfg.verbose:
         print(products_line(ckpt.model), file=sys.stderr)

@@ -41,6 +41,9 @@ def eval_command(
     if tasks.wanted:
         _eval_tasks(run_dir, paths or [], cfg, tasks, json_out, options)
         return
+    if cfg.kl_divergence is not None:
+        _eval_divergence(run_dir, tuple(paths or ()), cfg, json_out, options)
+        return
     if cfg.preferences is not None:
         if paths or cfg.per_line or cfg.dataset or cfg.source or cfg.target:
             raise LmcliError("--preferences scores pairs: give no text to evaluate with it")
@@ -136,6 +139,45 @@ def _eval_preferences(run_dir: Path, cfg: EvalConfig, json_out: bool, options: d
     typer.echo(
         f"{cfg.preferences}{against}: preference accuracy {scores['accuracy']:.4f}, "
         f"mean margin {scores['margin']:.4f} nats ({scores['pairs']} pairs)"
+    )
+
+
+def _eval_divergence(
+    run_dir: Path, paths: tuple[str, ...], cfg: EvalConfig, json_out: bool, options: dict[str, Any]
+) -> None:
+    """``lmcli eval MODEL TEXT --kl-divergence REFERENCE``: the model's next-token distributions
+    against the reference's (float32) on the text: KL divergence, top-1 agreement, perplexities."""
+    import torch
+
+    from lmcli.data.corpus import open_corpus
+    from lmcli.eval.divergence import divergence, text_ids
+    from lmcli.formats.sources import load_model
+
+    assert cfg.kl_divergence is not None
+    if not (paths or cfg.dataset):
+        raise LmcliError("--kl-divergence: give the text to compare the models on (files or --dataset)")
+    corpus = open_corpus(paths, cfg.dataset, cfg.split, cfg.text_column)
+    with loaded_source(run_dir, options) as ckpt:
+        param = next(ckpt.model.parameters())
+        ref = load_model(cfg.kl_divergence, param.device, torch.float32)
+        if ref.tokenizer.fingerprint != ckpt.tokenizer.fingerprint:
+            raise LmcliError(f"--kl-divergence {cfg.kl_divergence} has another tokenizer than the model")
+        context = cfg.context or min(ckpt.model.config.block_size, ref.model.config.block_size)
+        chunks = (chunk for doc in corpus.documents() for chunk in doc)
+        ids = text_ids(ckpt.tokenizer, chunks)
+        found = divergence(ckpt.model, ref.model, ids, context, cfg.stride or context, cfg.batch_size)
+    report = found.report()
+    if json_out:
+        what = {"evaluated": corpus.description, "reference": cfg.kl_divergence}
+        typer.echo(json.dumps({**what, **report}))
+        return
+    typer.echo(
+        f"{corpus.description}, {report['tokens']:,} tokens, against {cfg.kl_divergence}:\n"
+        f"  KL divergence  mean {report['kld_mean']:.6f}  median {report['kld_median']:.6f}  "
+        f"p90 {report['kld_p90']:.6f}  p99 {report['kld_p99']:.6f}  max {report['kld_max']:.6f} nats\n"
+        f"  top-1 agreement {100 * report['top1_agreement']:.2f}%\n"
+        f"  perplexity {report['perplexity']:.4f} (reference {report['reference_perplexity']:.4f}), "
+        f"ratio {report['perplexity_ratio']:.4f}"
     )
 
 

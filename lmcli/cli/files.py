@@ -1,4 +1,4 @@
-"""``lmcli export`` and ``lmcli verify``."""
+"""``lmcli export``, ``lmcli imatrix`` and ``lmcli verify``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from lmcli.cli.common import build
 from lmcli.cli.options import config_options
 from lmcli.config.commands import (
     ExportConfig,
+    ImatrixConfig,
 )
 from lmcli.errors import LmcliError
+from lmcli.safe_io import new_file
 
 
 @config_options(ExportConfig)
@@ -48,15 +50,46 @@ def export(
         typer.echo(f"wrote {export_checkpoint(run_dir, target)}")
         return
     if cfg.format == "gguf":
+        from lmcli.device import set_threads
+        from lmcli.formats.export.calibrate import importance_matrix
         from lmcli.formats.export.gguf import export_gguf
 
-        typer.echo(f"wrote {export_gguf(run_dir, target, cfg.gguf_type)}")
+        set_threads(cfg.threads)
+        if target is not None:
+            new_file(target)  # (before an importance matrix is computed)
+        imatrix = importance_matrix(cfg.imatrix, run_dir) if cfg.imatrix else None
+        typer.echo(f"wrote {export_gguf(run_dir, target, cfg.gguf_type, imatrix)}")
         return
     from lmcli.formats.export.hf import export_hf
 
     if target is None:
         raise LmcliError("give the folder to write (OUT or --out)")
     typer.echo(f"wrote {export_hf(run_dir, target)}")
+
+
+@config_options(ImatrixConfig)
+def imatrix(
+    run_dir: Path = typer.Argument(..., help="Run or checkpoint folder, Hugging Face folder or GGUF file."),
+    text: Path = typer.Argument(
+        ..., help="Calibration text (UTF-8), e.g. a few hundred KB of what the model reads."
+    ),
+    *,
+    options: dict[str, Any],
+) -> None:
+    """An importance matrix: per matrix of the model, the per-column sums of squares of its inputs
+    over a calibration text, in llama.cpp's imatrix GGUF layout (export --imatrix and
+    llama-quantize --imatrix take it)."""
+    from lmcli.device import pick_device, set_threads
+    from lmcli.formats.export.calibrate import imatrix_of_source
+    from lmcli.formats.gguf.imatrix import write_imatrix
+
+    cfg = build(ImatrixConfig, options)
+    set_threads(cfg.threads)
+    new_file(cfg.out)  # (before the model runs)
+    matrix = imatrix_of_source(run_dir, text, pick_device(cfg.device), cfg.context, cfg.batch_size)
+    out = write_imatrix(matrix, cfg.out)
+    windows = f"{matrix.chunk_count} windows of {matrix.chunk_size} tokens"
+    typer.echo(f"wrote {out} ({len(matrix.sums)} matrices, {windows})")
 
 
 def verify(

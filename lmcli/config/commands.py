@@ -24,10 +24,32 @@ from lmcli.errors import LmcliError
 ExportFormat = Literal["hf", "gguf", "lmcli"]
 
 
-GgufType = Literal["f32", "f16", "q8_0", "q4_0"]
+# llama-quantize's presets, as `export --dtype` and `--quantize` take them (any case: q4_k_m is
+# Q4_K_M); lmcli's own four keep their lower-case names. Each one's types: formats/export/presets.py
+GGUF_PRESETS = (
+    *("f32", "f16", "q8_0", "q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L"),
+    *("Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"),
+)
+QUANTIZE_MODES = ("none", "int8", "int4")  # --quantize besides the presets (int8: q8_0, int4: q4_0 blocks)
 
 
-Quantize = Literal["none", "int8", "int4"]
+def parse_gguf_type(value: str) -> str:
+    """A preset's name in any case, as ``GGUF_PRESETS`` spells it."""
+    found = next((p for p in GGUF_PRESETS if p.upper() == value.strip().upper()), None)
+    if found is None:
+        raise LmcliError(f"invalid dtype {value!r}: choose one of {', '.join(GGUF_PRESETS)}")
+    return found
+
+
+def parse_quantize(value: str) -> str:
+    """--quantize: none, int8, int4 or a preset (any case)."""
+    if value.strip().lower() in QUANTIZE_MODES:
+        return value.strip().lower()
+    try:
+        return parse_gguf_type(value)
+    except LmcliError:
+        listed = ", ".join((*QUANTIZE_MODES, *GGUF_PRESETS[2:]))
+        raise LmcliError(f"invalid quantize {value!r}: choose one of {listed}") from None
 
 
 GROUP_SIZES = (32, 64, 128, 256)  # the int4 kernels' group sizes
@@ -146,11 +168,22 @@ class EvalConfig:
         "log-ratios to it, DPO's implicit reward.",
         path=True,
     )
+    kl_divergence: str | None = option(
+        None,
+        "A reference model (the model's tokenizer; float32): what quantizing cost, as "
+        "llama-perplexity --kl-divergence says it: KL(reference || model) per token (mean, median, "
+        "99th percentile), top-1 agreement, perplexity ratio. docs/quantization.md.",
+        path=True,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.reference and not self.preferences:
             raise LmcliError("--reference needs --preferences: the pairs to compare the models on")
+        if self.kl_divergence and (self.preferences or self.per_line):
+            raise LmcliError(
+                "--kl-divergence compares the models on text: not with --preferences or --per-line"
+            )
         if self.context and self.stride and self.stride > self.context:
             raise LmcliError(f"stride must be between 1 and the context ({self.context}), got {self.stride}")
 
@@ -200,10 +233,13 @@ class DeviceConfig:
         "under bf16 autocast (float16 without native bf16); float32: no autocast.",
     )
     threads: int | None = threads_option()
-    quantize: Quantize = option(
+    quantize: str = option(
         "none",
-        "Weight-only quantization of the linear layers after loading: int8 (per output channel) "
-        "or int4 (groups of --group-size; the vocabulary head stays int8). docs/quantization.md.",
+        "Weight-only quantization of the linear layers after loading: int8 (per output channel), "
+        "int4 (groups of --group-size; the vocabulary head stays int8), or a GGUF preset "
+        "(q8_0, q4_0, Q4_K_M, ...: each matrix in llama-quantize's type, on a CPU). "
+        "docs/quantization.md.",
+        parse=parse_quantize,
     )
     group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
     kv_dtype: Dtype = option(
@@ -298,21 +334,48 @@ class ExportConfig:
         "hf: a Hugging Face folder; gguf: one GGUF file for llama.cpp; lmcli: a checkpoint folder.",
     )
     merge: bool = option(False, "Fold a LoRA run's adapters into its base's weights (a LoRA run needs it).")
-    dtype: GgufType | None = option(
+    dtype: str | None = option(
         None,
-        "GGUF: type of the weight matrices (q8_0: 8-bit blocks; q4_0: 4-bit blocks, the vocabulary "
-        "q8_0; norms and biases stay f32).",
+        "GGUF: f32, f16, or a llama-quantize preset, any case (q8_0, q4_0, Q4_K_M, Q5_K_M, Q6_K, "
+        "IQ4_XS, ...: each matrix in the type llama-quantize gives it; norms and biases stay f32). "
+        "docs/quantization.md.",
         default_help="f16",
+        parse=parse_gguf_type,
     )
+    imatrix: str | None = option(
+        None,
+        "GGUF: an importance matrix (lmcli's or llama.cpp's, GGUF or .dat) for the quantized "
+        "types, or a calibration text to compute one from on the way (`lmcli imatrix`).",
+        path=True,
+    )
+    threads: int | None = threads_option()
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.dtype is not None and self.format != "gguf":
             raise LmcliError("--dtype applies to --format gguf only")
+        if self.imatrix is not None and self.format != "gguf":
+            raise LmcliError("--imatrix applies to --format gguf only")
 
     @property
     def gguf_type(self) -> str:
         return self.dtype or "f16"
+
+
+@dataclass(frozen=True)
+class ImatrixConfig:
+    """Settings of `lmcli imatrix`: where the importance matrix goes and the windows it runs."""
+
+    out: str = option(
+        "imatrix.gguf", "The importance matrix file to write (GGUF, llama.cpp's layout).", path=True
+    )
+    context: int | None = option(None, "Tokens per window.", gt=0, default_help="the model's block size")
+    batch_size: int = option(1, "Windows per forward pass.", gt=0)
+    device: Device = option("auto", DEVICE_HELP)
+    threads: int | None = threads_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
