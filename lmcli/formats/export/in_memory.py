@@ -70,5 +70,6 @@ def quantized_as_preset(
         else:
             data = t.detach().float().numpy().copy()
             tensors[gguf_name] = GgufTensor(gguf_name, "F32", tuple(t.shape), data)
-    header = GgufHeader(Path(f"--quantize {name}"), HFConfig({}, "--quantize"), tensors, family, cfg, tok, {})
+    where = Path(f"--quantize {name}")
+    header = GgufHeader(where, HFConfig({}, "--quantize"), tensors, family, cfg, tok, {}, [])
     return load_as_stored(header, dtype)
