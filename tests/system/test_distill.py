@@ -234,6 +234,16 @@ def test_bad_options_are_one_line(setup: Path, tmp_path: Path, capsys) -> None:
         out,
     )
     refused(capsys, [*base, "--student-layers", "3"], "--student-layers 3: the teacher", out)
+    both = [*base, "--student-layers", "1", "--init-from-teacher-layers", "0"]
+    refused(capsys, both, "give --init-from-teacher-layers or --student-layers, not both", out)
+    refused(
+        capsys,
+        [*base, "--on-policy-tokens", "4"],
+        "--on-policy-tokens needs --on-policy FRACTION above 0",
+        out,
+    )
+    masked = [*base, "--on-policy", "0.5", "--document-mask"]
+    refused(capsys, masked, "--on-policy: the student's samples are not split into documents", out)
     refused(capsys, [*base, "--init-from-teacher-layers", "0,5"], "has blocks 0 to 1", out)
     refused(
         capsys,

@@ -6,6 +6,8 @@ of the teacher run beside the student (to float16's rounding) on the windows a r
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from helpers import TINY_TEXT, make_run, tiny_model, tiny_tokenizer, train_confi
 
 from lmcli.config.commands import TokenizeConfig
 from lmcli.config.files import from_dict
-from lmcli.data.logit_shards import bytes_per_token, gather
+from lmcli.data.logit_shards import bytes_per_token, gather, open_logit_folder
+from lmcli.data.token_shards import file_check, open_token_folder
 from lmcli.data.windows import WindowSampler
 from lmcli.errors import LmcliError
 from lmcli.formats.checkpoint import save_checkpoint
@@ -144,3 +147,66 @@ def test_offline_equals_online_for_k_equal_to_the_vocabulary(tmp_path: Path) -> 
         a = distill_loss(student, targets, offline, kind=kind, temperature=1.0).loss
         b = distill_loss(student, targets, online, kind=kind, temperature=1.0).loss
         assert a.item() == pytest.approx(b.item(), rel=2e-3), kind
+
+
+def test_the_logits_writer_resumes_and_damaged_or_foreign_logits_are_one_line(tmp_path: Path) -> None:
+    run = peaked_run(tmp_path / "teacher")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 10)  # pieces of 4 KiB: a shard each
+    options = dict(corpus=(str(corpus),), teacher=str(run), top_k=4, block_size=16, shard_tokens=1000)
+    cfg = from_dict(TokenizeConfig, {**options, "out": str(tmp_path / "tok")})
+    folder, first = tokenize_with_teacher(cfg, progress=False, info=quiet)
+    assert len(folder.index["shards"]) >= 3
+    written = {p.name: p.read_bytes() for p in (tmp_path / "tok").glob("shard-*.top-*")}
+    # a writer killed in the third shard: the record, its files and the next shards' are gone
+    (tmp_path / "tok" / "teacher.json").unlink()
+    for p in (tmp_path / "tok").glob("shard-0000[2-9].top*"):
+        p.unlink()
+    with pytest.raises(LmcliError, match="are unfinished: run the same lmcli tokenize --teacher again"):
+        open_logit_folder(open_token_folder(tmp_path / "tok"))
+    said: list[str] = []
+    _, again = tokenize_with_teacher(cfg, progress=False, info=said.append)
+    assert said == [f"teacher logits in {tmp_path / 'tok'}: resuming, 2 finished shard(s) kept"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tok").glob("shard-*.top-*")} == written
+    assert again.record == first.record
+    # logits of other tokens (the same text tokenized into another folder) and damaged files
+    other = from_dict(TokenizeConfig, {**options, "shard_tokens": 10_000, "out": str(tmp_path / "other")})
+    tokenize_with_teacher(other, progress=False, info=quiet)
+    shutil.copy(tmp_path / "tok" / "teacher.json", tmp_path / "other" / "teacher.json")
+    with pytest.raises(LmcliError, match="are of other tokens than its shards"):
+        open_logit_folder(open_token_folder(tmp_path / "other"))
+    # an id past the vocabulary, its checksums made to match (a crafted folder)
+    ids = tmp_path / "tok" / "shard-00000.top-ids"
+    ids.write_bytes(np.full(ids.stat().st_size // 2, 60_000, dtype="<u2").tobytes())
+    record = json.loads((tmp_path / "tok" / "teacher.json").read_text())
+    record["shards"][0]["check"]["top-ids"] = file_check(ids)
+    (tmp_path / "tok" / "teacher.json").write_text(json.dumps(record))
+    crafted = open_logit_folder(open_token_folder(tmp_path / "tok"))
+    with pytest.raises(LmcliError, match="shard-00000 holds token id 60000, outside the vocabulary of 25"):
+        crafted.check_ids(25)
+    logp = tmp_path / "tok" / "shard-00001.top-logp"
+    logp.write_bytes(logp.read_bytes()[:-2] + b"\x00\x7c")  # the last value now +inf
+    with pytest.raises(LmcliError, match=r"are damaged \(shard-00001.top-logp: size or checksum mismatch\)"):
+        open_logit_folder(open_token_folder(tmp_path / "tok"))
+
+
+def test_the_progress_bar_shows_the_fields_each_method_declares() -> None:
+    from lmcli.train.display import TrainProgress
+    from lmcli.train.post.distill import Distill
+    from lmcli.train.post.dpo import DPO
+
+    shown: list[str] = []
+    record = {"train_loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "elapsed": 1.0, "mfu": None}
+    for method, fields, words in (
+        (Distill, {"kl": 0.25, "on_policy_kl": 0.5}, "kl 0.2500  on-policy kl 0.5000"),
+        (DPO, {"margin": 1.5, "accuracy": 0.75}, "margin 1.500  acc 0.75"),
+    ):
+        bar = TrainProgress(console=None)
+        bar.shown = method.shown
+        bar.progress = type(
+            "P",
+            (),
+            {"tasks": [type("T", (), {"total": 4})()], "update": lambda s, t, **k: shown.append(k["stats"])},
+        )()
+        bar.update(2, {**record, **fields})
+        assert words in shown[-1]
