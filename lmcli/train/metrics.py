@@ -87,7 +87,10 @@ def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
         lines = _curves(records, "reward", "val_reward")
         _plot(plt, lines, "reward", out)
         return None
-    lines = _curves(records, "train_loss", "val_loss")
+    # a distill run's loss is its divergence from the teacher: its text's cross-entropy (ce) is
+    # what compares with the validation loss, and the divergence is drawn beside it
+    train_key = "ce" if any("ce" in r for r in records) else "train_loss"
+    lines = _curves(records, train_key, "val_loss")
     if not lines:
         return "no metrics to plot"
     for key, label in (("margin", "margin"), ("kl", "kl from the teacher")):  # dpo's margin, distill's kl
