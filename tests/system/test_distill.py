@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from helpers import (
     train_config,
 )
 from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "formats"))
+from families import hf_folder  # noqa: E402
 
 from lmcli.cli.app import main
 from lmcli.config.model import ModelConfig
@@ -192,6 +196,13 @@ def test_a_lora_student_a_gguf_teacher_and_a_cut_student_train(setup: Path, tmp_
     code, _, err = run_cli(distill_args(setup, tmp_path / "lora", *lora), capsys)
     assert code == 0, err
     assert (tmp_path / "lora" / "last" / "adapters.safetensors").exists()
+    # a LoRA run and a Hugging Face folder as teachers (their own tokenizers)
+    folder = hf_folder(tmp_path, "llama-tied")
+    for teacher in (tmp_path / "lora", folder):
+        args = distill_args(setup, tmp_path / f"from-{teacher.name}", "--max-steps", "2")
+        args[args.index(str(setup / "teacher"))] = str(teacher)
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
     gguf = tmp_path / "teacher-q8.gguf"
     code, _, err = run_cli(
         ["export", str(setup / "teacher"), "--format", "gguf", "--dtype", "q8_0", "-o", str(gguf)], capsys

@@ -25,9 +25,11 @@ from torch import Tensor
 
 from lmcli.config.files import to_dict
 from lmcli.errors import LmcliError
+from lmcli.formats.checkpoint import ADAPTERS, BASE, sha256_of
 from lmcli.formats.model_source import ModelSource, model_source
 from lmcli.formats.sources import load_model
 from lmcli.model.transformer import Transformer
+from lmcli.safe_io import checked_file
 from lmcli.text.tokenizer import Tokenizer
 
 
@@ -49,6 +51,14 @@ def source_tokenizer(source: ModelSource) -> Tokenizer:
         raise LmcliError(f"--teacher {source.path}: {exc}") from None
 
 
+def digests(source: ModelSource) -> dict[str, str]:
+    """The sha256 of a teacher's weight files; a LoRA run's: its adapters and its base's record
+    (which holds the base's own sha256)."""
+    if source.kind == "lora":
+        return {name: sha256_of(checked_file(source.folder / name)) for name in (ADAPTERS, BASE)}
+    return source.digests()
+
+
 def identity(source: ModelSource, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a run and logit shards record of their teacher: where it was (for messages), its
     weights (each file's sha256), its tokenizer's fingerprint and its shape (a hash of its
@@ -60,7 +70,7 @@ def identity(source: ModelSource, tokenizer: Tokenizer) -> dict[str, Any]:
     return {
         "path": str(source.path.resolve()),
         "kind": source.kind,
-        "sha256": source.digests(),
+        "sha256": digests(source),
         "tokenizer": tokenizer.fingerprint,
         "config": hashlib.sha256(shape.encode()).hexdigest()[:16],
     }
