@@ -111,8 +111,9 @@ class DistillSettings:
 @dataclass
 class Micro:
     """One micro-batch: the windows (data rows first, then the student's own samples), the
-    flat positions the loss reads (``batch.index``: every data position, then each sample's),
-    the teacher's side of each, and the share of the rows that are samples."""
+    flat positions the loss reads (``batch.index``: every data position, then each sample's;
+    None without samples: every position), the teacher's side of each, and the share of the
+    rows that are samples."""
 
     batch: Batch
     n_data: int  # positions of the data rows (the first of the index)
@@ -228,26 +229,25 @@ class Distill(Method[Micro]):
         """A micro-batch's windows laid out for the loss: its last ``own`` rows replaced by the
         student's samples, the positions read, the teacher's side of each, on the device."""
         size, T = batch.x.shape
-        n_rows = size - own
-        rows = [batch.x[:n_rows], batch.y[:n_rows]]
-        index = [torch.arange(n_rows * T)]
-        if own:
+        n_rows, n_data = size - own, (size - own) * T
+        if own:  # the scored positions: every data row's, then the samples'
             sampled_x, sampled_y, positions = self.samples(run, batch.x[n_rows:], seed)
-            rows = [torch.cat([rows[0], sampled_x]), torch.cat([rows[1], sampled_y])]
-            index.append(positions + n_rows * T)
-        laid = Batch(rows[0], rows[1], index=torch.cat(index), document=batch.document).to(
-            run.device, run.staging
-        )
-        n_data = n_rows * T
+            index = torch.cat([torch.arange(n_data), positions + n_data])
+            batch = Batch(
+                torch.cat([batch.x[:n_rows], sampled_x]),
+                torch.cat([batch.y[:n_rows], sampled_y]),
+                index=index,
+            )
+        laid = batch.to(run.device, run.staging)  # without samples: every position, no index
         teacher = sampled = None
         if self.logits is not None:
             teacher = self.offline(starts[:n_rows], T, run.device) if n_rows else None
             if own:
                 sampled = self.online(laid.x[n_rows:], laid.index[n_data:] - n_data, None)
         else:
-            both = self.online(laid.x, laid.index, laid.document)
-            teacher = Targets(both.logp[:n_data]) if n_rows else None
-            sampled = Targets(both.logp[n_data:]) if own else None
+            both = self.online(laid.x, laid.index, laid.document).logp.view(-1, self.vocab)
+            teacher = Targets(both[:n_data]) if n_rows else None
+            sampled = Targets(both[n_data:]) if own else None
         return Micro(laid, n_data, teacher, sampled, own / size)
 
     def online(self, x: Tensor, index: Tensor, document: Tensor | None) -> Targets:
@@ -289,8 +289,9 @@ class Distill(Method[Micro]):
     def loss(self, model: nn.Module, micro: Micro) -> Tensor:
         """The micro-batch's share of the step's loss (``divergence.distill_loss`` / grad_accum)."""
         batch = micro.batch
-        logits = model(batch.x, output_index=batch.index, document=batch.document)[:, : self.vocab]  # (N, V)
-        targets = batch.y.reshape(-1).index_select(0, batch.index[: micro.n_data])  # (N_d,)
+        logits = model(batch.x, output_index=batch.index, document=batch.document)
+        logits = logits[..., : self.vocab].reshape(-1, self.vocab)  # (B, T, V) or (N, V) -> (N, V)
+        targets = batch.y.reshape(-1)[: micro.n_data]  # (N_d,): the data rows' every position
         s = self.settings
         out = distill_loss(
             logits,
