@@ -38,6 +38,11 @@ GRPO_OPTIONS = (
     "reward", "group_size", "kl_coef", "ratio_clip", "grpo_steps",
     "max_new_tokens", "temperature", "top_k", "top_p", "stop",
 )  # fmt: skip
+# the distillation options (TrainConfig.distill) only --task distill reads
+DISTILL_OPTIONS = (
+    "teacher", "distill_loss", "distill_beta", "distill_temperature", "distill_alpha",
+    "on_policy", "on_policy_tokens", "init_from_teacher_layers", "student_layers",
+)  # fmt: skip
 
 
 class TextPrompt:
@@ -119,6 +124,7 @@ class Task:
     own_split: ClassVar[bool] = True  # lmcli eval RUN alone scores the run's validation examples
     post_options: ClassVar[tuple[str, ...]] = ()  # the TrainConfig.post options it reads
     metrics: ClassVar[tuple[str, ...]] = ()  # the --select values only it computes
+    whole: ClassVar[str] = ""  # what needs whole weights on every rank (--parallel fsdp refused)
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg  # the TrainConfig
@@ -146,7 +152,13 @@ class Task:
         self.check_post()
 
     def check_post(self) -> None:
-        """Refuse post-training options and metrics of another task (``--reward`` with sft)."""
+        """Refuse post-training and distillation options and metrics of another task
+        (``--reward`` with sft, ``--teacher`` with lm)."""
+        distill = self.cfg.distill
+        if self.name != "distill":
+            changed = [o for o in DISTILL_OPTIONS if getattr(distill, o) != getattr(type(distill)(), o)]
+            if changed:
+                raise LmcliError(f"--{changed[0].replace('_', '-')} needs --task distill")
         post, select = self.cfg.post, self.cfg.validation.select
         for name, task, options in (("dpo", Preference, DPO_OPTIONS), ("grpo", Reinforcement, GRPO_OPTIONS)):
             if self.name == name:
@@ -252,6 +264,7 @@ class PostTraining(Task):
     val_hint = "--val FILE"
     scored = "reply"
     own_split = False
+    whole = "its reference and rollouts"
 
     def check(self) -> None:
         super().check()
@@ -305,12 +318,49 @@ class Reinforcement(PostTraining):
         return "val_reward"
 
 
+class Distillation(LanguageModel):
+    """``--task distill``: windows of a token stream, as a language model, the loss against a
+    teacher's next-token distributions (``--teacher``) instead of (or beside, ``--distill-alpha``)
+    the data's next token; the student takes the teacher's tokenizer."""
+
+    name = "distill"
+    described = "a distilled language model"
+    whole = "its teacher and on-policy samples"
+
+    def check(self) -> None:
+        super().check()
+        distill, cfg = self.cfg.distill, self.cfg
+        if not distill.teacher:
+            raise LmcliError(
+                "--task distill needs --teacher MODEL (a run folder, a Hugging Face folder or a GGUF file)"
+            )
+        if distill.init_from_teacher_layers and distill.student_layers:
+            raise LmcliError("give --init-from-teacher-layers or --student-layers, not both")
+        if distill.cut and cfg.init_from:
+            raise LmcliError(
+                "--init-from-teacher-layers and --student-layers start the student from the teacher: "
+                "drop --init-from"
+            )
+        if distill.distill_loss != "jsd" and distill.distill_beta != type(distill)().distill_beta:
+            raise LmcliError("--distill-beta weighs the teacher in jsd: give --distill-loss jsd")
+        if distill.on_policy_tokens and not distill.on_policy:
+            raise LmcliError("--on-policy-tokens needs --on-policy FRACTION above 0")
+
+    def default_optimizer(self) -> str:
+        """Muon for a student from scratch; AdamW for one that starts from weights."""
+        return "adamw" if self.cfg.init_from or self.cfg.distill.cut else "muon"
+
+    def default_schedule(self) -> str:
+        return "cosine" if self.cfg.init_from or self.cfg.distill.cut else "wsd"
+
+
 TASKS: dict[str, type[Task]] = {
     "lm": LanguageModel,
     "translation": Translation,
     "sft": Supervised,
     "dpo": Preference,
     "grpo": Reinforcement,
+    "distill": Distillation,
 }
 
 

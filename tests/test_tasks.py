@@ -1,4 +1,4 @@
-"""Tasks as objects: the one place that knows lm, translation, sft, dpo and grpo apart."""
+"""Tasks as objects: the one place that knows lm, translation, sft, dpo, grpo and distill apart."""
 
 from __future__ import annotations
 
@@ -27,7 +27,11 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-NEEDS = {"dpo": dict(init_from="m"), "grpo": dict(init_from="m", reward=("number",))}  # post-training's own
+NEEDS = {
+    "dpo": dict(init_from="m"),
+    "grpo": dict(init_from="m", reward=("number",)),
+    "distill": dict(teacher="t"),
+}  # post-training's and distillation's own
 
 
 def test_every_task_option_has_its_class() -> None:

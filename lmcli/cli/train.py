@@ -53,7 +53,13 @@ def train(
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)
 
 
-@config_options(TokenizeConfig, exclude=("val", "val_fraction", "align_documents", "document_mask"))
+@config_options(
+    TokenizeConfig,
+    exclude=(
+        *("val", "val_fraction", "align_documents", "document_mask", "distill_loss", "distill_beta"),
+        *("distill_alpha", "on_policy", "on_policy_tokens", "init_from_teacher_layers", "student_layers"),
+    ),
+)
 def tokenize(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
     *,
@@ -71,7 +77,13 @@ def tokenize(
 
     t0 = time.perf_counter()
     cfg = build(TokenizeConfig, options)
-    folder = tokenize_to(cfg, progress=not quiet)
+    logits = None
+    if cfg.distill.teacher:  # the teacher's tokenizer, then its logits beside the shards
+        from lmcli.train.post.teacher_logits import tokenize_with_teacher
+
+        folder, logits = tokenize_with_teacher(cfg, progress=not quiet)
+    else:
+        folder = tokenize_to(cfg, progress=not quiet)
     if quiet:
         return
     index, seconds = folder.index, time.perf_counter() - t0
@@ -81,6 +93,12 @@ def tokenize(
         f"in {len(index['shards'])} shard(s) of {index['dtype']}: {folder.path} ({done})",
         file=sys.stderr,
     )
+    if logits is not None:
+        print(
+            f"teacher logits: top-{logits.top_k} of every position in chunks of {logits.context} tokens, "
+            f"{logits.bytes_per_token} bytes a token ({time.perf_counter() - t0:.1f} s in all)",
+            file=sys.stderr,
+        )
 
 
 @config_options(AverageConfig)

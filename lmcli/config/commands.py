@@ -18,7 +18,7 @@ from lmcli.config.fields import (
     parse_size,
     threads_option,
 )
-from lmcli.config.train import DataConfig
+from lmcli.config.train import DataConfig, DistillConfig
 from lmcli.errors import LmcliError
 
 ExportFormat = Literal["hf", "gguf", "lmcli"]
@@ -398,9 +398,36 @@ class TokenizeConfig:
     )
     workers: int = option(0, "Processes that tokenize (0: one per core).", ge=0, default_help="one per core")
     shard_tokens: int = option(100_000_000, "Tokens per shard (about: a shard ends with a whole job).", gt=0)
+    top_k: int = option(
+        64,
+        "With --teacher: keep each position's K most likely next tokens (their log-probs after the "
+        "softmax over the whole vocabulary) and the mass left to the others.",
+        gt=0,
+    )
+    block_size: int = option(
+        128,
+        "With --teacher: it reads the corpus in chunks of this many tokens (train the student with "
+        "this --block-size: its windows then see what the teacher saw).",
+        gt=0,
+    )
+    batch_size: int = option(8, "With --teacher: chunks it reads at once.", gt=0)
+    device: Device = option("auto", "With --teacher: the device it runs on (auto: cuda, then mps, then cpu).")
+    threads: int | None = threads_option()
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)
         if not self.out:
             raise LmcliError("give --out DIR: the folder the token shards go to")
+        defaults = {f.name: f.default for f in fields(self)}
+        if not self.distill.teacher:
+            for name in ("top_k", "block_size", "batch_size", "device"):
+                if getattr(self, name) != defaults[name]:
+                    raise LmcliError(f"--{name.replace('_', '-')} needs --teacher")
+            if self.distill.distill_temperature != DistillConfig().distill_temperature:
+                raise LmcliError("--distill-temperature needs --teacher")
+        elif self.data.tokenizer != DataConfig().tokenizer:
+            raise LmcliError(
+                "--tokenizer: with --teacher the corpus is tokenized with the teacher's tokenizer: drop it"
+            )

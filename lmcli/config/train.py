@@ -45,10 +45,13 @@ TOKENIZER_KINDS = ("char", "byte", "bpe")
 TRACKERS = ("tensorboard", "wandb")  # --log-to: lmcli.train.tracking's backends beside metrics.jsonl
 
 
-Task = Literal["lm", "translation", "sft", "dpo", "grpo"]
+Task = Literal["lm", "translation", "sft", "dpo", "grpo", "distill"]
 
 
 PreferenceLoss = Literal["dpo", "ipo", "simpo"]
+
+
+DistillLoss = Literal["forward_kl", "reverse_kl", "jsd"]
 
 
 @dataclass(frozen=True)
@@ -310,6 +313,84 @@ class PostTrainConfig(Section):
     stop: tuple[str, ...] = option((), "GRPO: a reply ends at this text (repeatable).")
 
 
+def parse_layers(value: str | list[int] | tuple[int, ...]) -> str:
+    """``--init-from-teacher-layers``: layer numbers, comma-separated (``0,4,8``), as a string."""
+    if isinstance(value, list | tuple):
+        value = ",".join(str(v) for v in value)
+    if not isinstance(value, str):
+        raise LmcliError(f"invalid init-from-teacher-layers {value!r}: give layer numbers, e.g. 0,4,8")
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts):
+        raise LmcliError(f"invalid init-from-teacher-layers {value!r}: give layer numbers, e.g. 0,4,8")
+    return ",".join(str(int(p)) for p in parts)
+
+
+@dataclass(frozen=True)
+class DistillConfig(Section):
+    """``--task distill``: the student learns the teacher's next-token distribution
+    (docs/distillation.md); ``lmcli tokenize --teacher`` reads ``teacher`` and the temperature."""
+
+    TITLE: ClassVar[str] = "Distillation"
+
+    teacher: str | None = option(
+        None,
+        "Distill: the teacher (an lmcli run or checkpoint, a Hugging Face folder or a GGUF file); the "
+        "student takes its tokenizer.",
+        path=True,
+    )
+    distill_loss: DistillLoss = option(
+        "forward_kl",
+        "Distill: forward_kl (the teacher's distribution covered), reverse_kl (its modes sought) or "
+        "jsd (the generalized Jensen-Shannon divergence of --distill-beta).",
+    )
+    distill_beta: float = option(
+        0.5, "Distill, jsd: the teacher's weight in the mixture both are compared with.", gt=0, lt=1
+    )
+    distill_temperature: float = option(
+        1.0,
+        "Distill: both distributions are softened by this temperature (the loss scaled by its square).",
+        gt=0,
+    )
+    distill_alpha: float = option(
+        1.0,
+        "Distill: the weight of the divergence; 1 - alpha is the weight of the data's cross-entropy.",
+        ge=0,
+        le=1,
+    )
+    on_policy: float = option(
+        0.0,
+        "Distill: the fraction of each batch's rows the student samples itself (from the start of "
+        "the row's window), scored token by token by the teacher (reverse KL), as in GKD.",
+        ge=0,
+        le=1,
+    )
+    on_policy_tokens: int = option(
+        0, "Distill: tokens the student samples per on-policy row.", ge=0, default_help="half the context"
+    )
+    init_from_teacher_layers: str = option(
+        "",
+        "Distill: start the student from the teacher's embedding, these blocks (e.g. 0,4,8) and head.",
+        parse=parse_layers,
+        resume="fixed",
+    )
+    student_layers: int = option(
+        0,
+        "Distill: start the student from this many of the teacher's blocks, evenly spaced.",
+        ge=0,
+        resume="fixed",
+    )
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The numbers ``--init-from-teacher-layers`` gives."""
+        return tuple(int(p) for p in self.init_from_teacher_layers.split(",") if p)
+
+    @property
+    def cut(self) -> bool:
+        """Whether the student starts from the teacher's layers."""
+        return bool(self.init_from_teacher_layers or self.student_layers)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything about a training run except the model's shape: the run's own options, then
@@ -322,8 +403,8 @@ class TrainConfig:
     task: Task = option(
         "lm",
         "lm (language modelling), translation (source <sep> target), sft (prompt/response or "
-        "chat rows; the loss on the replies only), dpo (preference pairs) or grpo (prompts and "
-        "rewards): docs/post-training.md.",
+        "chat rows; the loss on the replies only), dpo (preference pairs), grpo (prompts and "
+        "rewards): docs/post-training.md; distill (a teacher's distributions): docs/distillation.md.",
         resume="fixed",
     )
     init_from: str | None = option(
@@ -369,6 +450,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     parallelism: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     post: PostTrainConfig = dataclasses.field(default_factory=PostTrainConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -94,10 +94,13 @@ def tokenizer_for(data: DataConfig, corpus: Corpus | ExampleSource, cache_dir: P
     return tok
 
 
-def tokenize_to(cfg: TokenizeConfig, *, progress: bool = True) -> TokenFolder:
+def tokenize_to(
+    cfg: TokenizeConfig, *, progress: bool = True, tokenizer: Tokenizer | None = None
+) -> TokenFolder:
     """``lmcli tokenize``: the corpus of ``cfg.data`` tokenized into the folder ``cfg.out`` (a
     finished one of the same corpus and tokenizer reused, an interrupted one finished); a folder
-    that holds anything else is refused before any work."""
+    that holds anything else is refused before any work. ``tokenizer``: the one to use (a
+    teacher's) instead of ``--tokenizer``'s."""
     data, out = cfg.data, Path(cfg.out or "")
     for path in data.corpus:
         if is_token_folder(Path(path)):
@@ -109,7 +112,10 @@ def tokenize_to(cfg: TokenizeConfig, *, progress: bool = True) -> TokenFolder:
     corpus = open_corpus(data.corpus, data.dataset, data.split, data.text_column)
     if corpus.is_empty():
         raise LmcliError(f"corpus is empty: {corpus.description}")
-    tokenizer = tokenizer_for(data, corpus, Path(data.cache_dir) if data.cache_dir else default_cache_dir())
+    if tokenizer is None:
+        tokenizer = tokenizer_for(
+            data, corpus, Path(data.cache_dir) if data.cache_dir else default_cache_dir()
+        )
     plan = plan_of(corpus.key, corpus.description, tokenizer)
     for name in (INDEX, PLAN):
         there = read_cache_json(out / name)

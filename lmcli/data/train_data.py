@@ -200,7 +200,7 @@ def _check_folder_tokenizer(
     resumed run, ``--tokenizer`` other than the default) is refused."""
     if given is not None and given.fingerprint != own.fingerprint:
         raise LmcliError(
-            f"{folder.path} was tokenized with another tokenizer than this run's (--init-from or "
+            f"{folder.path} was tokenized with another tokenizer than this run's (--init-from, --teacher or "
             "the resumed run): tokenize the corpus with that tokenizer"
         )
     if option in ("byte", "bpe") or (

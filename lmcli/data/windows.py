@@ -111,7 +111,9 @@ class WindowSampler(EpochStream):
     shard). Window ``k`` of a piece starts at ``k*T + jitter``, a seeded random shift in
     ``[0, T)`` that is new every epoch, so a token meets many positions and contexts across
     epochs. With ``align``, windows start at documents' starts instead (``aligned_starts``),
-    without jitter. With ``documents``, each batch numbers the documents of its windows.
+    without jitter; with ``grid``, at the starts of each piece's chunks of ``grid`` tokens and
+    every ``T`` tokens within a chunk (``grid_starts``: where a teacher's logits were computed
+    from), without jitter. With ``documents``, each batch numbers the documents of its windows.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class WindowSampler(EpochStream):
         *,
         align: bool = False,
         documents: bool = False,
+        grid: int = 0,
     ) -> None:
         stream = tokens if isinstance(tokens, TokenStream) else TokenStream.of(tokens)
         require_window(len(stream), block_size)
@@ -131,9 +134,17 @@ class WindowSampler(EpochStream):
         lengths = np.array([len(p) for p in stream.pieces], dtype=np.int64)
         self.last_start = lengths - 1 - block_size  # per piece: the latest start with a full window
         self.aligned: np.ndarray | None = None
-        if align:
+        if align or grid:
             self.aligned = np.concatenate(
-                [offset + aligned_starts(p.eos, len(p), block_size) for p, offset in self._pieces()]
+                [
+                    offset
+                    + (
+                        grid_starts(len(p), block_size, grid)
+                        if grid
+                        else aligned_starts(p.eos, len(p), block_size)
+                    )
+                    for p, offset in self._pieces()
+                ]
             )
             counts = np.array([len(self.aligned)], dtype=np.int64)
         else:
@@ -187,6 +198,15 @@ def aligned_starts(eos: np.ndarray, n_tokens: int, block_size: int) -> np.ndarra
         b = bounds[bisect.bisect_right(bounds, s + block_size) - 1]
         s = b if b > s else s + block_size
     return np.array(starts, dtype=np.int64)
+
+
+def grid_starts(n_tokens: int, block_size: int, grid: int) -> np.ndarray:
+    """Window starts in ``n_tokens`` tokens read in chunks of ``grid`` (``grid >= block_size``):
+    each chunk's start and every ``block_size`` tokens after it while a window fits in the chunk's
+    inputs; a window needs ``block_size + 1`` tokens of the piece."""
+    per_chunk = np.arange(grid // block_size, dtype=np.int64) * block_size  # (W,)
+    starts = (np.arange(0, n_tokens, grid, dtype=np.int64)[:, None] + per_chunk[None, :]).reshape(-1)
+    return starts[starts <= n_tokens - 1 - block_size]
 
 
 def document_ids(eos: np.ndarray, start: int, block_size: int) -> np.ndarray:

@@ -11,7 +11,7 @@ says what the path holds, in this order:
 
 A path that is none of them is one line (``resolve_checkpoint``'s: no such run or checkpoint
 folder, not an lmcli run or checkpoint folder). What the source holds is answered without
-building a model: ``config()`` (its ``ModelConfig``, from configs or a header), ``digests()``
+building a model: ``config()`` (its ``ModelConfig``, from configs or a header), ``tokenizer()``, ``digests()``
 (the sha256 of its weight files, which a LoRA run records of its base) and ``tensors()`` (its
 weights under lmcli's names, one at a time, for a reader that never holds the whole model).
 Loading a model is ``lmcli.formats.sources`` (``load_model``), by the source's kind.
@@ -44,6 +44,7 @@ from lmcli.formats.gguf.load import is_gguf_file, read_gguf_header
 from lmcli.formats.hf.load import is_hf_folder, open_hf_folder, read_blocks, read_hf_config
 from lmcli.formats.weights import check_header, read_header, read_tensors
 from lmcli.safe_io import checked_file
+from lmcli.text.tokenizer import Tokenizer
 
 Kind = Literal["hf", "gguf", "run", "checkpoint", "lora"]
 GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.")  # the block number of a GGUF tensor's name
@@ -71,6 +72,14 @@ class ModelSource:
         if self.kind == "gguf":
             return read_gguf_header(self.path).config
         return read_configs(self.folder, verify=False)[1]
+
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, from its files or header alone (no weight is read)."""
+        if self.kind == "hf":
+            return open_hf_folder(self.path).tokenizer
+        if self.kind == "gguf":
+            return read_gguf_header(self.path).tokenizer
+        return read_configs(self.folder, verify=False)[3]
 
     def digests(self) -> dict[str, str]:
         """The sha256 of each weight file: a GGUF file's own, an lmcli checkpoint's

@@ -24,9 +24,18 @@ class TrainProgress:
         self.progress: Progress | None = None
         self.task: Any = None
         self.max_time: float | None = None
+        self.shown: tuple[tuple[str, str, str], ...] = ()
 
-    def start(self, total: int | None, step: int, max_time: float | None = None) -> None:
-        self.max_time = max_time
+    def start(
+        self,
+        total: int | None,
+        step: int,
+        max_time: float | None = None,
+        shown: tuple[tuple[str, str, str], ...] = (),
+    ) -> None:
+        """Start at ``step`` of ``total``; ``shown``: the method's logged fields the bar shows
+        (``Method.shown``: field, label, format)."""
+        self.max_time, self.shown = max_time, shown
         self.progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
@@ -46,10 +55,9 @@ class TrainProgress:
         total = self.progress.tasks[0].total
         tok_s = record["tokens_per_s"]
         stats = f"loss {record['train_loss']:.4f}  lr {record['lr']:.2e}  {fmt_rate(tok_s)} tok/s"
-        if "margin" in record:  # --task dpo
-            stats += f"  margin {record['margin']:.3f}  acc {record['accuracy']:.2f}"
-        if "reward" in record:  # --task grpo
-            stats += f"  reward {record['reward']:.3f}"
+        for field, label, fmt in self.shown:  # the method's: dpo's margin, grpo's reward, distill's KL
+            if record.get(field) is not None:
+                stats += f"  {label} {record[field]:{fmt}}"
         if record.get("mfu") is not None:
             stats += f"  MFU {100 * record['mfu']:.1f}%"
         remaining = []

@@ -138,7 +138,7 @@ def fit(run: Run, rep: Reporter) -> TrainResult:
     if run.method.baseline and state.step == 0:
         baseline(run)
     if bar is not None:
-        bar.start(run.max_steps, state.step, max_time)
+        bar.start(run.max_steps, state.step, max_time, run.method.shown)
     try:
         with StopSignal() as stop:
             while not run.done():

@@ -78,7 +78,8 @@ def _plot(plt: Any, lines: list[Curve], ylabel: str, out: Path) -> None:
 
 def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
     """Write train/validation loss against step to ``out`` (PNG); a reason string if impossible.
-    A dpo run's margin joins its loss; a grpo run plots its reward instead."""
+    A dpo run's margin and a distill run's divergence from its teacher join its loss; a grpo run
+    plots its reward instead."""
     plt = _pyplot()
     if plt is None:
         return "matplotlib is not installed (pip install 'lmcli[plot]'), so no loss.png"
@@ -86,15 +87,20 @@ def plot_loss_curve(records: list[dict[str, Any]], out: Path) -> str | None:
         lines = _curves(records, "reward", "val_reward")
         _plot(plt, lines, "reward", out)
         return None
-    lines = _curves(records, "train_loss", "val_loss")
+    # a distill run's loss is its divergence from the teacher: its text's cross-entropy (ce) is
+    # what compares with the validation loss, and the divergence is drawn beside it
+    train_key = "ce" if any("ce" in r for r in records) else "train_loss"
+    lines = _curves(records, train_key, "val_loss")
     if not lines:
         return "no metrics to plot"
-    if any("margin" in r for r in records):  # --task dpo: the loss falls as the margin rises
-        margins = _curves(records, "margin", "val_margin")
-        for _, style in margins:
-            style["label"] = f"{style['label']} margin"
-        _plot(plt, lines + margins, "loss, margin (nats)", out)
-        return None
+    for key, label in (("margin", "margin"), ("kl", "kl from the teacher")):  # dpo's margin, distill's kl
+        if any(key in r for r in records):
+            extra = _curves(records, key, f"val_{key}")
+            for _, style in extra:
+                style["label"] = f"{style['label']} {label}"
+                style["linestyle"] = "--"
+            _plot(plt, lines + extra, f"loss, {key} (nats)", out)
+            return None
     _plot(plt, lines, "loss (nats/token)", out)
     return None
 

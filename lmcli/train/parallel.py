@@ -70,10 +70,11 @@ def choose_parallel(cfg: TrainConfig, dist_info: Dist, need: int, available: int
             "--parallel fsdp cannot decode BLEU samples during training (rank 0 decodes alone); "
             "give --bleu-samples 0 and score the checkpoints with lmcli eval"
         )
-    if chosen == "fsdp" and make_task(cfg).post_options:  # dpo, grpo
+    whole = make_task(cfg).whole
+    if chosen == "fsdp" and whole:  # dpo, grpo, distill
         raise LmcliError(
-            f"--parallel fsdp does not run --task {cfg.task} yet (its reference and rollouts need "
-            "whole weights): use --parallel ddp, or LoRA (--lora-rank) to fit one device"
+            f"--parallel fsdp does not run --task {cfg.task} yet ({whole} need whole weights): use "
+            "--parallel ddp, or LoRA (--lora-rank) to fit one device"
         )
     return chosen if chosen == "fsdp" or dist_info.enabled else "none"
 

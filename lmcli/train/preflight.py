@@ -125,7 +125,7 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -165,9 +165,9 @@ def preflight_rows(p: Preflight, device: str, extra: dict[str, str]) -> list[tup
         rows.append(("steps", f"{p.max_steps:,} (= {p.epochs:.2f} epochs)"))
     if p.max_time is not None:
         rows.append(("time limit", fmt_duration(p.max_time)))
-    mem = f"~{_fmt_bytes(p.memory_bytes)}"
+    mem = f"~{fmt_bytes(p.memory_bytes)}"
     if p.available_bytes is not None:
-        mem += f" of {_fmt_bytes(p.available_bytes)} available"
+        mem += f" of {fmt_bytes(p.available_bytes)} available"
         if p.memory_bytes > p.available_bytes:
             mem += "  [!] may not fit: lower --batch-size (raise --grad-accum) or --block-size"
     rows.append(("estimated memory" + (" per process" if p.processes > 1 else ""), mem))

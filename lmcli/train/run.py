@@ -83,7 +83,9 @@ class Method(Generic[M]):
     logged. Between log points a method may gather its own fields (``logged``); its stateful
     parts (``parts``) are saved in ``trainer_state.pt`` and restored on resume (a record a
     resumed run must match, such as a teacher's identity, refuses a mismatch in its
-    ``load_state_dict``); the pre-flight asks ``describe`` and ``memory``.
+    ``load_state_dict``); the progress bar shows the logged fields it names (``shown``); the
+    windows or examples a step reads come from its ``sampler``; the pre-flight asks
+    ``describe``, ``memory`` and ``extra_seconds``.
     Every method is opened by one function (``train.post.open_method``) from the run's config,
     model, resumed checkpoint and data; a new one needs nothing of the loop (docs/post-training.md).
     """
@@ -91,6 +93,12 @@ class Method(Generic[M]):
     passes: int = 1  # optimizer steps over one step's micro-batches
     baseline: bool = False  # validate the starting model at step 0 (logged; it sets no best)
     probes: bool = True  # the pre-flight may time one plain step of the sampler's batches
+    # the logged fields the progress bar shows: (field, label, format), when a log point has them
+    shown: tuple[tuple[str, str, str], ...] = ()
+
+    def sampler(self, data: TrainData | PromptData, batch_size: int, seed: int) -> Any:
+        """What the run's steps read (``Run.sampler``): by default the data's own sampler."""
+        return data.sampler(batch_size, seed)
 
     def micro_batches(self, run: Run) -> Iterable[M]:
         """This step's ``grad_accum`` micro-batches of this rank, on the run's device; reading
@@ -127,9 +135,14 @@ class Method(Generic[M]):
     def begin(self, run: Run, fresh: bool) -> None:
         """Work before the first step, once the run is open (``fresh``: a new run, not a resume)."""
 
-    def describe(self) -> str | None:
-        """The pre-flight's line about the method (None: no line)."""
-        return None
+    def describe(self) -> dict[str, str]:
+        """The pre-flight's rows about the method (label -> value)."""
+        return {}
+
+    def extra_seconds(self, run: Run) -> float:
+        """Seconds a step spends beside the plain training step the pre-flight times (a
+        teacher's forward), measured or estimated once, before training."""
+        return 0.0
 
     def context(self, run: Run) -> int | None:
         """The longest sequence a micro-batch holds, in tokens (None: the model's context)."""

@@ -59,6 +59,7 @@ from lmcli.train.parallel import (
     per_process_memory,
 )
 from lmcli.train.post import open_method
+from lmcli.train.post.distill import student_start
 from lmcli.train.preflight import (
     Preflight,
     available_memory,
@@ -103,19 +104,16 @@ def open_run(
     run_dir, resumed = locate_run(model_config, cfg, resume, dist_info, held)
     cfg = replace(absolute_paths(cfg), out=str(run_dir))
     eval_tasks = load_eval_tasks(cfg) if dist_info.is_main else []  # a bad file stops the run here
-
-    source = init_source(cfg.init_from) if cfg.init_from and not resumed else None  # asked once
-    init = open_init(source, info, model_config.block_size) if source else None
+    source, init, tokenizer = starting_point(cfg, resumed, info, model_config.block_size)
     model_config = init.config if init else model_config
     base = resumed.base if resumed else base_reference(source) if cfg.lora.lora_rank and source else None
-    tokenizer = resumed.tokenizer if resumed else init.tokenizer if init else None
     data = open_data(cfg, model_config, tokenizer, progress, dist_info, device, info)
     model_config = run_model_config(model_config, cfg, data, resumed, init, device)
     parallel, model, trained, averages = place_model(model_config, cfg, resumed, init, dist_info, device, amp)
-    sampler = data.sampler(cfg.optim.batch_size, cfg.seed)
     seed_everything(cfg.seed + dist_info.rank)  # dropout differs per rank, the data never overlaps
-    method = open_method(cfg, model, resumed, data)  # dpo, grpo: the reference, the rewards
+    method = open_method(cfg, model, resumed, data)  # dpo, grpo: the reference, rewards; distill: the teacher
     closing.callback(method.close)
+    sampler = method.sampler(data, cfg.optim.batch_size, cfg.seed)
     optimizer, scaler, state, states = training_state(model, cfg, amp, dist_info, device, averages, method)
     if resumed is not None:
         parallel.restore(resumed, model, states)
@@ -163,6 +161,18 @@ def open_run(
             carry_history(run)
         trackers.start({"model": to_dict(model_config), "train": to_dict(cfg)}, facts)
     return run
+
+
+def starting_point(
+    cfg: TrainConfig, resumed: Any, info: Callable[[str], None], block_size: int
+) -> tuple[Any, Any, Any]:
+    """What a new run starts from: ``--init-from``'s source (asked once) and model, and the
+    tokenizer: the resumed run's, the imported model's, or (distill) the teacher's, whose blocks
+    the student may start from (``student_start``); None: one trained on the corpus."""
+    source = init_source(cfg.init_from) if cfg.init_from and not resumed else None
+    init = open_init(source, info, block_size) if source else None
+    init, tokenizer = student_start(cfg, resumed, init, info, block_size)
+    return source, init, tokenizer
 
 
 def place_model(
@@ -382,7 +392,9 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
         max_time=cfg.schedule.max_time,
         memory_bytes=preflight_memory(run, probe is not None, trainable),
         available_bytes=per_process_memory(available_memory(run.device), run.device),
-        step_seconds=probe * cfg.optim.grad_accum if probe is not None else None,
+        step_seconds=probe * cfg.optim.grad_accum + run.method.extra_seconds(run)
+        if probe is not None
+        else None,
         processes=run.dist.world_size,
     )
     amp = f"{str(run.amp).removeprefix('torch.')} autocast" if run.amp else "float32"
@@ -403,9 +415,7 @@ def show_preflight(run: Run, rep: Reporter) -> dict[str, str]:
         facts["processes"] = run.parallel.describe()
     if cfg.parallelism.activation_checkpointing != "none":
         facts["activation checkpointing"] = f"{cfg.parallelism.activation_checkpointing}, per block"
-    described = run.method.describe()
-    if described is not None:
-        facts["post-training"] = described
+    facts.update(run.method.describe())  # dpo, grpo: a post-training row; distill: the teacher's
     if cfg.lora.lora_rank:
         facts["LoRA"] = (
             f"rank {cfg.lora.lora_rank} on {cfg.lora.lora_targets}: {fmt_count(trainable)} trainable "

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from families import VARIANTS, hf_folder  # noqa: E402
 from gguf_files import KINDS, TEXTS, field, reference_logits, source_tokenizer, write_gguf_model  # noqa: E402
-from helpers import TINY_TEXT, assert_one_line_error, run_cli  # noqa: E402
+from helpers import TINY_TEXT, assert_one_line_error, make_run, run_cli  # noqa: E402
 
 from lmcli.formats.gguf.load import read_gguf_header  # noqa: E402
 from lmcli.formats.gguf.vocab import gguf_vocab  # noqa: E402
@@ -58,6 +58,23 @@ def test_weights_as_stored_memory_mapped_where_the_type_allows(tmp_path: Path) -
         assert load_model(path).model.h[0].mlp.c_fc.weight.dtype == dtype  # as stored; dequantized: f32
     q8 = read_gguf_header(write_gguf_model(tmp_path / "q8.gguf", "llama", "Q8_0")).tensors
     assert q8["blk.0.ffn_up.weight"].quantized and q8["blk.0.ffn_up.weight"].rows().shape == (512, 8 * 34)
+
+
+def test_a_learned_position_table_in_blocks_runs_as_stored(tmp_path: Path, capsys) -> None:
+    """lmcli's own q8_0 export of a GPT-2-shaped model quantizes the position table too: run as
+    stored it stays a table, looked up (it became a linear layer: "missing positions.wpe.weight",
+    then a shape error), and the logits are those of the dequantized file's."""
+    make_run(tmp_path / "run", kind="byte", n_layer=2)
+    gguf = tmp_path / "m.gguf"
+    code, _, err = run_cli(
+        ["export", str(tmp_path / "run"), "--format", "gguf", "--dtype", "q8_0", "-o", str(gguf)], capsys
+    )
+    assert code == 0, err
+    assert read_gguf_header(gguf).tensors["position_embd.weight"].quantized
+    stored, plain = load_model(gguf, as_stored=True), load_model(gguf, dtype=torch.float32)
+    ids = plain.tokenizer.with_bos(plain.tokenizer.encode(TEXT))[:32]
+    ours, ref = logits(stored, ids), logits(plain, ids)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0.02 * ref.abs().max().item())  # q8 activations
 
 
 # ----------------------------------------------------------------------------- the tokenizer

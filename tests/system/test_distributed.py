@@ -192,6 +192,22 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(runs: dict) -> None:
     assert_close_runs(run, runs["single"])
 
 
+def test_distillation_under_two_ranks_equals_one_process(tmp_path: Path) -> None:
+    """--task distill: each rank runs the teacher beside its student on its own windows; the
+    global batch's loss, gradients and validation (its KL from the teacher too) are one
+    process's. (On-policy rows are sampled by each rank with its own seeds: not compared.)"""
+    teacher = make_run(tmp_path / "teacher", text=TINY_TEXT * 2, n_layer=2, block_size=32)
+    runs = train_both(tmp_path, ["--task", "distill", "--teacher", str(teacher), "--distill-alpha", "0.5"])
+    run = ddp_run(runs)
+    assert_close_runs(run, runs["single"])
+    val = [
+        (a["val_kl"], b["val_kl"])
+        for a, b in zip(read_metrics(run), read_metrics(runs["single"]), strict=True)
+        if "val_kl" in a
+    ]
+    assert len(val) == 2 and all(a == pytest.approx(b, rel=METRIC_RTOL) for a, b in val)
+
+
 def test_muon_with_ema_under_two_ranks_equals_one_process(tmp_path: Path) -> None:
     """--optimizer muon: DDP averages the gradients before Muon orthogonalizes its momentum, so
     both ranks take the one process's step (and keep the same moving average).

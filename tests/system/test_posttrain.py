@@ -153,7 +153,7 @@ class CrashAt:
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def start(self, total, step, max_time=None) -> None:
+    def start(self, total, step, max_time=None, shown=()) -> None:
         pass
 
     def update(self, step: int, record: dict) -> None:

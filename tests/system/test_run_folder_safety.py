@@ -366,7 +366,7 @@ class SignalAt:
     def __init__(self, step: int, count: int) -> None:
         self.step, self.count = step, count
 
-    def start(self, total, step, max_time=None) -> None:
+    def start(self, total, step, max_time=None, shown=()) -> None:
         pass
 
     def update(self, step: int, record: dict) -> None:

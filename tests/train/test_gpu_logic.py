@@ -250,7 +250,7 @@ def test_sigterm_saves_first_and_never_validates(tmp_path: Path, monkeypatch) ->
     monkeypatch.setattr(loop, "validate", lambda run: validated.append(run.state.step) or real_validate(run))
 
     class TermAt:
-        def start(self, total, step, max_time=None) -> None:
+        def start(self, total, step, max_time=None, shown=()) -> None:
             pass
 
         def update(self, step: int, record: dict) -> None:

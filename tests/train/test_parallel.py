@@ -31,9 +31,16 @@ def test_fsdp_refuses_bleu_samples_decoded_by_rank_0_alone() -> None:
         choose_parallel(cfg, TWO, need=0, available=None)
 
 
-@pytest.mark.parametrize("task", [dict(task="dpo"), dict(task="grpo", reward=("number",))])
-def test_fsdp_refuses_post_training(task: dict) -> None:
-    cfg = train_config(corpus=("x",), init_from="m", **task)
+@pytest.mark.parametrize(
+    "task",
+    [
+        dict(task="dpo", init_from="m"),
+        dict(task="grpo", init_from="m", reward=("number",)),
+        dict(task="distill", teacher="t"),
+    ],
+)
+def test_fsdp_refuses_post_training_and_distillation(task: dict) -> None:
+    cfg = train_config(corpus=("x",), **task)
     with pytest.raises(LmcliError, match=f"--parallel fsdp does not run --task {task['task']} yet"):
         choose_parallel(replace_options(cfg, parallel="fsdp"), TWO, need=0, available=None)
     assert choose_parallel(cfg, TWO, need=10, available=100) == "ddp"

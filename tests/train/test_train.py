@@ -80,7 +80,7 @@ class CrashAt:
     def __init__(self, step: int, sig: int | None = None) -> None:
         self.step, self.sig = step, sig
 
-    def start(self, total, step, max_time=None) -> None:
+    def start(self, total, step, max_time=None, shown=()) -> None:
         pass
 
     def update(self, step: int, record: dict) -> None:

@@ -32,6 +32,7 @@ from lmcli.formats.gguf.load import (
     read_gguf_header,
     tell,
 )
+from lmcli.formats.weights import MODULE_NAMES
 from lmcli.model.native import ops
 from lmcli.model.quant import BlockEmbedding, BlockLinear, StackedBlockLinear
 from lmcli.model.skeleton import skeleton
@@ -39,6 +40,7 @@ from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
 
 KINDS = {k.upper(): k for k in ops.FORMATS}  # GGML's type names -> the kernels' formats
+POSITIONS = "position_embd.weight"  # GPT-2's learned position table
 
 
 def keeps_blocks(t: GgufTensor) -> bool:
@@ -81,7 +83,8 @@ def _layer(parts: list[BlockLinear], bias: Tensor | None) -> nn.Module:
 def load_as_stored(header: GgufHeader, dtype: torch.dtype) -> Transformer:
     """The model of ``header``'s file with every ``keeps_blocks`` matrix as stored and the rest
     converted to ``dtype``; eval mode, on the CPU."""
-    sources = [t for t in header.tensors.values() if keeps_blocks(t)]
+    # a learned position table is looked up, not multiplied: dequantized like the vectors
+    sources = [t for t in header.tensors.values() if keeps_blocks(t) and t.name != POSITIONS]
     starts = torch.tensor([0, *torch.tensor([t.shape[0] for t in sources]).cumsum(0).tolist()])
     state, first = {}, dict(zip((t.name for t in sources), starts.tolist(), strict=False))
     for name, t in header.tensors.items():  # (vectors as stored until mapped: see load_gguf)
@@ -89,8 +92,8 @@ def load_as_stored(header: GgufHeader, dtype: torch.dtype) -> Transformer:
             state[name] = torch.arange(first[name], first[name] + t.shape[0])
         else:
             state[name] = t.dequantized(dtype if len(t.shape) > 1 else None)
-    state = header.family.from_gguf(state, header.config)
-    state = {n: v if v.dtype == torch.int64 else v.to(dtype) for n, v in state.items()}
+    state = header.family.from_gguf(state, header.config)  # names as on disk: wpe.weight, ...
+    state = {MODULE_NAMES.get(n, n): v if v.dtype == torch.int64 else v.to(dtype) for n, v in state.items()}
     cfg = header.config
     blocks = {name: state.pop(name) for name in [n for n, v in state.items() if v.dtype == torch.int64]}
     model = skeleton(cfg)

@@ -9,7 +9,10 @@ loop asks as it asks any task's (``train.run.Method``), with its options in ``Po
   run in a process of its own: ``reward_worker.py``);
 - ``reference.py``: the model as training starts, as a method keeps it (the LoRA base, a frozen
   copy, a precomputed table);
-- ``base.py``: ``PostMethod``, what the methods share (the reference, logged means, its memory).
+- ``base.py``: ``PostMethod``, what the methods share (the reference, logged means, its memory);
+- ``distill.py``: ``Distill`` (``--task distill``): a student learns a teacher's distributions,
+  run beside it or read from logit shards (``teacher_logits.py`` writes them); its losses, pure:
+  ``divergence.py``; the teacher: ``teacher.py``.
 
 ``open_method`` gives a run its method: the task's own (``OPENERS``, by task class), else
 ``NextToken``. A new method is a module here with a ``Method`` subclass and an ``open``, one line
@@ -26,8 +29,9 @@ from lmcli.data.preferences import PromptData
 from lmcli.data.train_data import TrainData
 from lmcli.formats.checkpoint import Checkpoint
 from lmcli.model.transformer import Transformer
-from lmcli.tasks import Preference, Reinforcement, Task, make_task
+from lmcli.tasks import Distillation, Preference, Reinforcement, Task, make_task
 from lmcli.train.losses import NextToken
+from lmcli.train.post.distill import Distill
 from lmcli.train.post.dpo import DPO
 from lmcli.train.post.grpo import GRPO
 from lmcli.train.run import Method
@@ -37,6 +41,7 @@ Opener = Callable[[TrainConfig, Transformer, Checkpoint | None, TrainData | Prom
 OPENERS: dict[type[Task], Opener] = {
     Preference: DPO.open,
     Reinforcement: GRPO.open,
+    Distillation: Distill.open,
 }  # a task -> what opens its method (the others learn the next token: NextToken)
 
 

@@ -126,6 +126,8 @@ class DPO(PostMethod[PairBatch]):
     on held-out pairs. With ``--precompute-reference`` the reference's log-probs are a table
     computed before the first step (``begin``) and saved with the trainer state (``parts``)."""
 
+    shown = (("margin", "margin", ".3f"), ("accuracy", "acc", ".2f"))
+
     def __init__(
         self, reference: Reference, settings: PreferenceSettings, data: PreferenceData, cfg: TrainConfig
     ):
@@ -191,9 +193,9 @@ class DPO(PostMethod[PairBatch]):
     def context(self, run: Run) -> int | None:
         return self.data.longest_example()
 
-    def describe(self) -> str:
+    def describe(self) -> dict[str, str]:
         s = self.settings
-        return f"{s.loss.upper()}, beta {s.beta:g}; {self.reference_words()}"
+        return {"post-training": f"{s.loss.upper()}, beta {s.beta:g}; {self.reference_words()}"}
 
 
 def pair_batches(data: PreferenceData, sequences: ExampleSet, size: int, run: Run) -> Iterator[PairBatch]:

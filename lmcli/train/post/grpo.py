@@ -97,6 +97,7 @@ class GRPO(PostMethod[Group]):
 
     baseline = True
     probes = False  # a step samples first: the pre-flight times no plain step
+    shown = (("reward", "reward", ".3f"),)
 
     def __init__(
         self,
@@ -232,12 +233,12 @@ class GRPO(PostMethod[Group]):
         decoding = rows * (kv_bytes(c, self.context(run), itemsize) + 4 * c.padded_vocab_size * 4)
         return step + self.reference.nbytes + decoding
 
-    def describe(self) -> str:
+    def describe(self) -> dict[str, str]:
         s = self.settings
         what = (
             f"GRPO, {s.group} replies per prompt, rewards {', '.join(self.rewards.names)}, KL {s.kl_coef:g}"
         )
-        return f"{what}; {self.reference_words()}"
+        return {"post-training": f"{what}; {self.reference_words()}"}
 
     def close(self) -> None:
         self.rewards.close()

@@ -1,0 +1,212 @@
+"""Distillation's parts on tiny models: a student cut from a teacher holds exactly the chosen blocks
+(any family: lmcli's own names of a Hugging Face folder's weights), each block keeping its kind;
+the teacher logits ``lmcli tokenize --teacher`` stores are the top-K of the full softmax and the
+mass left, 4 K + 2 bytes a token; with K = the vocabulary, the loss read from them equals the loss
+of the teacher run beside the student (to float16's rounding) on the windows a run reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_TEXT, make_run, tiny_model, tiny_tokenizer, train_config
+
+from lmcli.config.commands import TokenizeConfig
+from lmcli.config.files import from_dict
+from lmcli.data.logit_shards import bytes_per_token, gather, open_logit_folder
+from lmcli.data.token_shards import file_check, open_token_folder
+from lmcli.data.windows import WindowSampler
+from lmcli.errors import LmcliError
+from lmcli.formats.checkpoint import save_checkpoint
+from lmcli.formats.model_source import model_source
+from lmcli.formats.sources import load_model
+from lmcli.train.init_from import open_cut, spaced_layers
+from lmcli.train.post.divergence import Targets, distill_loss, top_k
+from lmcli.train.post.teacher import TeacherModel
+from lmcli.train.post.teacher_logits import tokenize_with_teacher
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "formats"))
+from families import hf_folder  # noqa: E402
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+def test_evenly_spaced_blocks_keep_the_first_and_the_last() -> None:
+    assert spaced_layers(8, 4) == (0, 2, 5, 7)
+    assert spaced_layers(6, 3) == (0, 3, 5)  # 2.5 rounds up
+    assert spaced_layers(4, 4) == (0, 1, 2, 3) and spaced_layers(5, 1) == (0,)
+
+
+def test_a_cut_student_copies_exactly_the_chosen_blocks(tmp_path: Path) -> None:
+    teacher = load_model(make_run(tmp_path / "teacher", n_layer=4)).model
+    student = open_cut(model_source(tmp_path / "teacher"), (0, 3), 0, quiet, None).load(False)[0]
+    assert student.config.n_layer == 2 and student.config.n_embd == teacher.config.n_embd
+    mine, theirs = student.state_dict(), teacher.state_dict()
+    for name, value in mine.items():
+        source = name.replace("h.1.", "h.3.") if name.startswith("h.1.") else name
+        assert torch.equal(value, theirs[source]), name
+    kept = {n for n in theirs if not n.startswith(("h.1.", "h.2.", "h.3."))}
+    assert set(mine) == kept | {n.replace("h.3.", "h.1.") for n in theirs if n.startswith("h.3.")}
+
+
+def test_a_cut_of_a_windowed_hugging_face_family_keeps_each_blocks_kind(tmp_path: Path) -> None:
+    folder = hf_folder(tmp_path, "gemma3-window-scaled")
+    source = model_source(folder)
+    teacher = load_model(folder).model
+    layers = tuple(range(teacher.config.n_layer))[-2:]  # the last two: a local and a global block
+    student = open_cut(source, layers, 0, quiet, None).load(False)[0]
+    for j, i in enumerate(layers):
+        assert student.config.is_local(j) == teacher.config.is_local(i)
+        assert student.config.is_rotary(j) == teacher.config.is_rotary(i)
+        for name, value in student.h[j].state_dict().items():
+            torch.testing.assert_close(value, teacher.h[i].state_dict()[name], rtol=0, atol=0)
+    assert {teacher.config.is_local(i) for i in layers} == {True, False}
+    assert torch.equal(student.wte.weight, teacher.wte.weight)
+
+
+def test_blocks_the_teacher_does_not_have_are_one_line(tmp_path: Path) -> None:
+    source = model_source(make_run(tmp_path / "teacher", n_layer=2))
+    with pytest.raises(LmcliError, match="the teacher .* has blocks 0 to 1"):
+        open_cut(source, (0, 2), 0, quiet, None)
+    with pytest.raises(LmcliError, match="give each block once, in increasing order"):
+        open_cut(source, (1, 0), 0, quiet, None)
+    with pytest.raises(LmcliError, match="--student-layers 3: the teacher .* has 2 blocks"):
+        open_cut(source, (), 3, quiet, None)
+
+
+def peaked_run(out: Path) -> Path:
+    """A tiny teacher whose (tied) embedding is scaled up: peaked distributions, no near-ties."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tok.vocab_size, n_layer=2, block_size=32)
+    with torch.no_grad():
+        model.wte.weight.mul_(30)
+    for name in ("last", "best"):
+        save_checkpoint(out / name, model, train_config(), tok, meta={"step": 0})
+    return out
+
+
+def logits_of(tmp_path: Path, k: int, block: int = 16):
+    """A tiny teacher and its logits of a corpus."""
+    run = peaked_run(tmp_path / "teacher")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT)
+    cfg = from_dict(
+        TokenizeConfig,
+        dict(corpus=(str(corpus),), out=str(tmp_path / "tok"), teacher=str(run), top_k=k, block_size=block),
+    )
+    folder, logits = tokenize_with_teacher(cfg, progress=False, info=quiet)
+    return TeacherModel.open(model_source(run), torch.device("cpu")), folder, logits
+
+
+def test_stored_logits_are_the_top_k_of_the_full_softmax_and_the_rest(tmp_path: Path) -> None:
+    teacher, folder, logits = logits_of(tmp_path, k=5)
+    V = teacher.vocab
+    assert logits.bytes_per_token == bytes_per_token(5, V) == 4 * 5 + 2  # uint16 ids, float16 log-probs
+    assert (tmp_path / "tok" / "shard-00000.top-ids").stat().st_size == folder.n_tokens * 5 * 2
+    piece = logits.pieces()[0]
+    tokens = folder.stream().pieces[0].tokens
+    x = torch.from_numpy(np.asarray(tokens[16:48], dtype=np.int64)).view(2, 16)  # chunks 1 and 2
+    exact = teacher.logprobs(x).view(32, V)
+    ids, values, rest = top_k(exact, 5)
+    assert torch.equal(torch.from_numpy(np.asarray(piece.ids[16:48], dtype=np.int64)), ids)
+    torch.testing.assert_close(
+        torch.from_numpy(np.asarray(piece.logp[16:48], dtype=np.float32)), values, atol=4e-3, rtol=1e-3
+    )
+    left = 1 - values.exp().sum(-1)  # the rest: the mass the five leave
+    torch.testing.assert_close(
+        torch.from_numpy(np.asarray(piece.rest[16:48], dtype=np.float32)).exp(), left, atol=1e-3, rtol=2e-3
+    )
+
+
+def test_offline_equals_online_for_k_equal_to_the_vocabulary(tmp_path: Path) -> None:
+    """On the windows an offline run reads (on the logits' grid), the loss from the stored logits
+    (K = V) equals the loss against the teacher run beside the student, to float16's rounding."""
+    teacher, folder, logits = logits_of(tmp_path, k=tiny_tokenizer().vocab_size)
+    stream = folder.stream()
+    sampler = WindowSampler(stream, 16, seed=3, grid=logits.context)
+    starts = sampler.window_starts(0, 6)
+    assert all(s % 16 == 0 for s in starts)  # chunk starts: the teacher's context is the window's
+    batch = sampler.batch(0, 6)
+    ids, logp, rest = gather(logits.pieces(), stream, starts, 16)
+    K = ids.shape[-1]
+    offline = Targets(
+        torch.from_numpy(logp).view(-1, K), torch.from_numpy(ids).view(-1, K), torch.from_numpy(rest).view(-1)
+    )
+    online = Targets(teacher.logprobs(batch.x).view(-1, teacher.vocab))
+    torch.manual_seed(0)
+    student = torch.randn(6 * 16, teacher.vocab)
+    targets = batch.y.reshape(-1)
+    for kind in ("forward_kl", "reverse_kl", "jsd"):
+        a = distill_loss(student, targets, offline, kind=kind, temperature=1.0).loss
+        b = distill_loss(student, targets, online, kind=kind, temperature=1.0).loss
+        assert a.item() == pytest.approx(b.item(), rel=2e-3), kind
+
+
+def test_the_logits_writer_resumes_and_damaged_or_foreign_logits_are_one_line(tmp_path: Path) -> None:
+    run = peaked_run(tmp_path / "teacher")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 10)  # pieces of 4 KiB: a shard each
+    options = dict(corpus=(str(corpus),), teacher=str(run), top_k=4, block_size=16, shard_tokens=1000)
+    cfg = from_dict(TokenizeConfig, {**options, "out": str(tmp_path / "tok")})
+    folder, first = tokenize_with_teacher(cfg, progress=False, info=quiet)
+    assert len(folder.index["shards"]) >= 3
+    written = {p.name: p.read_bytes() for p in (tmp_path / "tok").glob("shard-*.top-*")}
+    # a writer killed in the third shard: the record, its files and the next shards' are gone
+    (tmp_path / "tok" / "teacher.json").unlink()
+    for p in (tmp_path / "tok").glob("shard-0000[2-9].top*"):
+        p.unlink()
+    with pytest.raises(LmcliError, match="are unfinished: run the same lmcli tokenize --teacher again"):
+        open_logit_folder(open_token_folder(tmp_path / "tok"))
+    said: list[str] = []
+    _, again = tokenize_with_teacher(cfg, progress=False, info=said.append)
+    assert said == [f"teacher logits in {tmp_path / 'tok'}: resuming, 2 finished shard(s) kept"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tok").glob("shard-*.top-*")} == written
+    assert again.record == first.record
+    # logits of other tokens (the same text tokenized into another folder) and damaged files
+    other = from_dict(TokenizeConfig, {**options, "shard_tokens": 10_000, "out": str(tmp_path / "other")})
+    tokenize_with_teacher(other, progress=False, info=quiet)
+    shutil.copy(tmp_path / "tok" / "teacher.json", tmp_path / "other" / "teacher.json")
+    with pytest.raises(LmcliError, match="are of other tokens than its shards"):
+        open_logit_folder(open_token_folder(tmp_path / "other"))
+    # an id past the vocabulary, its checksums made to match (a crafted folder)
+    ids = tmp_path / "tok" / "shard-00000.top-ids"
+    ids.write_bytes(np.full(ids.stat().st_size // 2, 60_000, dtype="<u2").tobytes())
+    record = json.loads((tmp_path / "tok" / "teacher.json").read_text())
+    record["shards"][0]["check"]["top-ids"] = file_check(ids)
+    (tmp_path / "tok" / "teacher.json").write_text(json.dumps(record))
+    crafted = open_logit_folder(open_token_folder(tmp_path / "tok"))
+    with pytest.raises(LmcliError, match="shard-00000 holds token id 60000, outside the vocabulary of 25"):
+        crafted.check_ids(25)
+    logp = tmp_path / "tok" / "shard-00001.top-logp"
+    logp.write_bytes(logp.read_bytes()[:-2] + b"\x00\x7c")  # the last value now +inf
+    with pytest.raises(LmcliError, match=r"are damaged \(shard-00001.top-logp: size or checksum mismatch\)"):
+        open_logit_folder(open_token_folder(tmp_path / "tok"))
+
+
+def test_the_progress_bar_shows_the_fields_each_method_declares() -> None:
+    from lmcli.train.display import TrainProgress
+    from lmcli.train.post.distill import Distill
+    from lmcli.train.post.dpo import DPO
+
+    shown: list[str] = []
+    record = {"train_loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, "elapsed": 1.0, "mfu": None}
+    for method, fields, words in (
+        (Distill, {"kl": 0.25, "on_policy_kl": 0.5}, "kl 0.2500  on-policy kl 0.5000"),
+        (DPO, {"margin": 1.5, "accuracy": 0.75}, "margin 1.500  acc 0.75"),
+    ):
+        bar = TrainProgress(console=None)
+        bar.shown = method.shown
+        bar.progress = type(
+            "P",
+            (),
+            {"tasks": [type("T", (), {"total": 4})()], "update": lambda s, t, **k: shown.append(k["stats"])},
+        )()
+        bar.update(2, {**record, **fields})
+        assert words in shown[-1]
