@@ -252,10 +252,10 @@ def test_the_library_reports_what_lmcli_binds() -> None:
     assert lib.lib.lmcli_native_version() == abi.VERSION
     assert report.isas[:4] == ("scalar", "avx2", "avx_vnni", "avx512_vnni") and "neon_dotprod" in report.isas
     assert report.acts == ("silu", "gelu_tanh")
-    assert report.cache_types == ("float32", "bfloat16", "float16")
+    assert report.cache_types == ("float32", "bfloat16", "float16", "q8_0", "q4_0")
     assert lib.best in lib.isas
     runs = {name for name, f in report.formats.items() if f.products}
-    assert runs == set(ops.FORMATS)
+    assert runs == set(ops.FORMATS) | {"f32", "f16", "bf16"}
     for name, f in report.formats.items():
         kind = QT[name.upper()]
         assert (f.ggml_type, (f.block, f.block_bytes)) == (kind, gguf.GGML_QUANT_SIZES[kind]), name
