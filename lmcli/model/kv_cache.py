@@ -48,6 +48,13 @@ def value_bytes(dtype: KVDtype) -> float:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def kv_dtype(name: str) -> KVDtype | None:
+    """``--kv-dtype``'s value as a cache holds it: a float dtype, a block format, or None (auto)."""
+    if name in FORMATS or name == "auto":
+        return None if name == "auto" else name
+    return getattr(torch, name)
+
+
 def check_format(dtype: KVDtype, head_dim: int) -> None:
     """One line unless a cache of ``dtype`` can hold heads of ``head_dim`` values."""
     if isinstance(dtype, str) and (dtype not in FORMATS or head_dim % BLOCK):
