@@ -72,6 +72,10 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
     check_format(ckpt.model.kv_dtype, ckpt.model.config.head_dim)
     if cfg.verbose:
         print(products_line(ckpt.model), file=sys.stderr)
+        if next(ckpt.model.parameters()).device.type == "cpu":  # (the one-call decoding step's)
+            from lmcli.model.fastpath.native_step import step_line
+
+            print(step_line(ckpt.model), file=sys.stderr)
     return ckpt
 
 

@@ -145,21 +145,30 @@ def native_blocks(model: Transformer) -> list[native_layer.NativeLayer | None]:
 def float_weights(natives: list[native_layer.NativeLayer | None]) -> list[Tensor]:
     """The float weights (float32, bfloat16, float16) the native blocks read as they are: they
     must keep their plain layout while the blocks step (a scope packs the others)."""
-    found: dict[int, Tensor] = {}
-    for n in natives:
-        w = n.weights if n is not None else None
-        for p in () if w is None else (*w.qkv, w.out, w.gate, w.up, w.down):
-            if p.fmt in ops.FLOATS:
-                found.setdefault(p.blocks.data_ptr(), p.blocks)
+    found = {p.blocks.data_ptr(): p.blocks for p in _products(natives) if p.fmt in ops.FLOATS}
     return list(found.values())
 
 
+def _products(natives: list[native_layer.NativeLayer | None]) -> list[native_layer.Product]:
+    """Every product of the native blocks."""
+    return [
+        p
+        for n in natives
+        if n is not None
+        for p in (*n.weights.qkv, n.weights.out, n.weights.gate, n.weights.up, n.weights.down)
+    ]
+
+
 def step_line(model: Transformer) -> str:
-    """One line saying how many blocks step in one native call (``--verbose``), e.g. "native
-    step: 18 of 18 layers (15 windowed)", and why the others do not where none does."""
+    """One line saying how many blocks decode in one native call each (``--verbose``), e.g.
+    "native step: 18 of 18 layers (15 windowed)", the float weights' formats where the kernels
+    multiply them, and why no block does where none does."""
     natives = native_blocks(model)
     n, local = sum(x is not None for x in natives), sum(x is not None and x.window > 0 for x in natives)
-    line = f"native step: {n} of {len(natives)} layers" + (f" ({local} windowed)" if local else "")
+    floats = sorted({p.fmt for p in _products(natives) if p.fmt in ops.FLOATS})
+    notes = [f"{local} windowed"] if local else []
+    notes += [f"{'/'.join(floats)} weights by the kernels, prompts by torch's GEMM"] if floats else []
+    line = f"native step: {n} of {len(natives)} layers" + (f" ({'; '.join(notes)})" if notes else "")
     if n == 0:
         why = "off (LMCLI_NATIVE_LAYER=0)" if os.environ.get("LMCLI_NATIVE_LAYER") == "0" else None
         why = why or (None if ops.available() else "no native kernels")
