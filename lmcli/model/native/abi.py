@@ -54,6 +54,8 @@ SIGNATURES = {
     "lmcli_native_matmul": ([i32, ptr, i64, i64, ptr, i64, ptr, i32, i32], i32),
     # (type, blocks, n, k, out, threads, instruction set)
     "lmcli_native_dequantize": ([i32, ptr, i64, i64, ptr, i32, i32], i32),
+    # (type, blocks, rows, k, ids, n, out)
+    "lmcli_native_weight_rows": ([i32, ptr, i64, i64, ptr, i64, ptr], i32),
     # (layer, x, rows, cos rows, sin rows, start, k, v, cache type, columns, column, threads, instruction set)
     "lmcli_native_layer_step": (
         [ctypes.POINTER(LmLayer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32],

@@ -244,6 +244,23 @@ int float_matmul(const Kernels& kern, const uint8_t* w, int64_t n, int64_t row_b
   return 0;
 }
 
+// rows ids[0..n-1] of a weight of format T (rows of row_bytes, k values) -> out (n, k) float32:
+// gguf's values, float32 operation for operation (dequant.inc)
+template <int T>
+void rows_f32(const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* ids, int64_t n, float* out) {
+  constexpr int B = block_values(T);
+  if constexpr (B > 1)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t b = 0; b < k / B; ++b)
+        scalar::dequant_block<T>(w + ids[i] * row_bytes + b * block_bytes(T), out + i * k + b * B);
+}
+using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const int64_t*, int64_t, float*);
+const RowsFn kRowsF32[] = {
+#define LM_ROWS_ROW(e, t, n, s, b) block_values(t) > 1 ? rows_f32<t> : nullptr,
+    LM_FORMAT_LIST(LM_ROWS_ROW)
+#undef LM_ROWS_ROW
+};
+
 }  // namespace
 
 extern "C" {
@@ -363,6 +380,20 @@ int lmcli_native_dequantize(int wtype, const uint8_t* w, int64_t n, int64_t k, u
     const int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
     kern->dequantize(w + lo * nb * bb, (hi - lo) * nb, out + lo * k);
   });
+  return 0;
+}
+
+// rows ids[0..n-1] of w (rows rows of k values in GGUF block layout `wtype`) -> out (n, k) float32,
+// each value as gguf's dequantize gives it (a token embedding's lookups). Returns 0, or -1 for an
+// unknown type or size or an id outside 0..rows-1.
+int lmcli_native_weight_rows(int wtype, const uint8_t* w, int64_t rows, int64_t k, const int64_t* ids, int64_t n,
+                             float* out) {
+  const int i = format_index(wtype);
+  const int block = block_values(wtype);
+  if (i < 0 || kRowsF32[i] == nullptr || rows < 0 || n < 0 || k <= 0 || k % block != 0) return -1;
+  for (int64_t j = 0; j < n; ++j)
+    if (ids[j] < 0 || ids[j] >= rows) return -1;
+  kRowsF32[i](w, k / block * block_bytes(wtype), k, ids, n, out);
   return 0;
 }
 

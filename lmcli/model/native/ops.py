@@ -270,6 +270,20 @@ class BoundProduct:
         if self.dequant(self.format.ggml_type, w, rows, self.k, out.data_ptr(), threads, self.isa) != 0:
             raise LmcliError(f"native {self.format.name} dequantize refused its sizes (n={rows}, k={self.k})")
 
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (n,) of the weight as float32 (n, k): gguf's dequantized values, exactly
+        (a token embedding's lookups in a table of blocks)."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.dim() != 1 or not ids.is_cpu:
+            raise LmcliError(f"weight rows: ids must be a 1-D CPU tensor, not {tuple(ids.shape)}")
+        out = torch.empty(ids.numel(), self.k)  # (n, k)
+        rc = self.lib.lib.lmcli_native_weight_rows(
+            self.format.ggml_type, self.ptr, self.n, self.k, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        if rc != 0:
+            raise LmcliError(f"weight rows: ids outside the {self.n} rows of this {self.format.name} weight")
+        return out
+
     def weight(self, threads: int = 1) -> Tensor:
         """The (n, k) weight in bfloat16 as a prompt's GEMM reads it: bit for bit
         ``native.blocks.dequantize_blocks(...).bfloat16()`` (a NaN may differ in its bits)."""
