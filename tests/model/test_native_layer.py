@@ -118,13 +118,17 @@ def test_rows_of_a_batch_and_padded_rows(monkeypatch) -> None:
     [{}, {"window_slack": 0}, {"window_slack": 2}, {"start": torch.tensor([0, 3])}],
     ids=["whole-cache", "ring", "ring-slack", "padded"],
 )
-def test_sliding_window_layers_step_natively_past_the_window(cache, monkeypatch) -> None:
+@pytest.mark.parametrize("pattern", ["LG", ""], ids=["gemma3", "mistral"])
+def test_sliding_window_layers_step_natively_past_the_window(pattern: str, cache, monkeypatch) -> None:
     """Gemma 3's block (QK-norm, its local rotary base, soft-capped scores for good measure) with a
-    window of 4 on every other layer, 12 steps: each local layer attends to its last 4 columns,
-    read from the whole cache or from the ring (a slot each column modulo its size), a padded
-    row's window never reaching before its text."""
-    window = dict(sliding_window=4, layer_pattern="LG", rope_local_base=100.0, attn_softcap=5.0)
+    window of 4 on every other layer, or on every layer (Mistral's: the ring holds them all), 12
+    steps: each local layer attends to its last 4 columns, read from the whole cache or from the
+    ring (a slot each column modulo its size), a padded row's window never reaching before its
+    text."""
+    window = dict(sliding_window=4, layer_pattern=pattern, rope_local_base=100.0, attn_softcap=5.0)
     gemma3 = dict(norm="rmsnorm1p", mlp="geglu", norm_placement="sandwich", qk_norm=True, head_size=32)
+    if not pattern:  # Mistral's block otherwise
+        gemma3, window = {}, dict(sliding_window=4)
     model = quantize(spread(tiny_model(vocab_size=80, n_layer=3, **{**LLAMA, **gemma3, **window})), "int8")
     idx = torch.randint(0, 80, (2, STEPS), generator=torch.Generator().manual_seed(4))
     native = steps(model, idx, True, monkeypatch, **cache)
