@@ -22,7 +22,7 @@ check-native:
 	CXX=$(NATIVE_CXX) $(BIN)/python -m lmcli.model.native build --sanitize
 	CXX=$(NATIVE_CXX) LMCLI_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
 		LD_PRELOAD=$$($(NATIVE_CXX) -print-file-name=libasan.so) $(BIN)/python -m pytest tests/model/test_native.py tests/model/test_native_gguf.py tests/model/test_native_layer.py \
-		tests/model/test_native_nonfinite.py tests/model/test_quantize.py
+		tests/model/test_native_nonfinite.py tests/model/test_quantize.py tests/model/test_native_float.py tests/model/test_kv_blocks.py
 
 # Debian's chromium for the chat page's browser test (tests/serve/test_page.py skips without it)
 browser:

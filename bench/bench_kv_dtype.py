@@ -1,4 +1,5 @@
-"""Decode tokens/s with a float32 against a bfloat16 KV cache (``--kv-dtype``), at a long context.
+"""Decode tokens/s with a float32 against a bfloat16 KV cache (``--kv-dtype``), at a long context;
+``BENCH_KV`` names the caches (default float32,bfloat16; also float16, q8_0, q4_0).
 
 A Qwen2.5-0.5B-shaped model (24 x 896, 14 heads, 2 key/value heads, MLP 4864, vocabulary
 151936, tied; random float32 weights, nothing downloaded) decodes ``NEW`` tokens one at a time
@@ -10,6 +11,7 @@ shared machine.
 
     python -m bench.bench_kv_dtype                    # 1 thread, a 1024-column context
     BENCH_CONTEXT=4096 BENCH_THREADS=2 python -m bench.bench_kv_dtype
+    BENCH_CONTEXT=4096 BENCH_KV=float16,q8_0,q4_0 python -m bench.bench_kv_dtype
 """
 
 from __future__ import annotations
@@ -22,21 +24,22 @@ import torch
 from lmcli.config.model import ModelConfig
 from lmcli.device import set_threads
 from lmcli.model.fastpath import inference
-from lmcli.model.kv_cache import KVCache
+from lmcli.model.kv_cache import KVCache, KVDtype, kv_dtype
 from lmcli.model.transformer import Transformer
 
 NEW = 16
 QWEN = dict(n_layer=24, n_embd=896, n_head=14, n_kv_head=2, d_ff=4864, vocab_size=151936, qkv_bias=True)
 
 
-def decode_speed(model: Transformer, dtype: torch.dtype, context: int) -> tuple[float, int]:
+def decode_speed(model: Transformer, dtype: KVDtype, context: int) -> tuple[float, int]:
     """Tokens/s of ``NEW`` one-token steps after ``context`` filled columns, and the cache's bytes."""
     model.kv_dtype = dtype
     cache = KVCache.for_model(model, 1)
     cache.reserve(context + NEW)
     g = torch.Generator().manual_seed(0)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))  # (layers, 1, KV, columns, D)
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    shape = (*cache.k.shape[:4], model.config.head_dim)  # (layers, 1, KV, columns, D)
+    cache.k.copy_(cache.rows.stored(torch.randn(shape, generator=g)))  # (as the cache holds them)
+    cache.v.copy_(cache.rows.stored(torch.randn(shape, generator=g)))
     cache.length = context
     token = torch.tensor([[5]])
     model(token, cache)  # a first step: buffers and tables made outside the timing
@@ -60,17 +63,19 @@ def main() -> None:
         **QWEN,
     )
     model = Transformer(cfg).eval()
-    best: dict[torch.dtype, float] = {}
-    size: dict[torch.dtype, int] = {}
+    names = os.environ.get("BENCH_KV", "float32,bfloat16").split(",")
+    best: dict[str, float] = {}
+    size: dict[str, int] = {}
     with torch.no_grad(), inference(model):
         for _ in range(2):
-            for dtype in (torch.float32, torch.bfloat16):
-                speed, size[dtype] = decode_speed(model, dtype, context)
-                best[dtype] = max(best.get(dtype, 0.0), speed)
+            for name in names:
+                speed, size[name] = decode_speed(model, kv_dtype(name), context)
+                best[name] = max(best.get(name, 0.0), speed)
     print(f"Qwen2.5-0.5B shape, float32 weights, {context}-column context, {threads} thread(s), best of 2:")
-    for dtype, speed in best.items():
-        print(f"  KV cache {str(dtype)[6:]:>8}: {speed:6.2f} tokens/s, cache {size[dtype] / 2**20:6.1f} MiB")
-    print(f"  bfloat16 / float32: {best[torch.bfloat16] / best[torch.float32]:.3f}x")
+    for name, speed in best.items():
+        print(f"  KV cache {name:>8}: {speed:6.2f} tokens/s, cache {size[name] / 2**20:6.1f} MiB")
+    for name in names[1:]:
+        print(f"  {name} / {names[0]}: {best[name] / best[names[0]]:.3f}x")
 
 
 if __name__ == "__main__":

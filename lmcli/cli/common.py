@@ -53,6 +53,7 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
     cache's dtype (``--kv-dtype``)."""
     from lmcli.device import pick_device, set_threads
     from lmcli.formats.sources import DTYPES, load_model
+    from lmcli.model.kv_cache import check_format, kv_dtype
     from lmcli.model.quant import default_kv_dtype, products_line
 
     cfg = build(DeviceConfig, options)
@@ -70,9 +71,14 @@ def load_source(run_dir: Path | None, options: dict[str, Any]) -> Any:
         group_size=cfg.group_size,
     )
     # auto: float16 for GGUF blocks on the native kernels, else None (the dtype it computes in)
-    ckpt.model.kv_dtype = DTYPES.get(cfg.kv_dtype) or default_kv_dtype(ckpt.model)
+    ckpt.model.kv_dtype = kv_dtype(cfg.kv_dtype) or default_kv_dtype(ckpt.model)
+    check_format(ckpt.model.kv_dtype, ckpt.model.config.head_dim)
     if cfg.verbose:
         print(products_line(ckpt.model), file=sys.stderr)
+        if next(ckpt.model.parameters()).device.type == "cpu":  # (the one-call decoding step's)
+            from lmcli.model.fastpath.native_step import step_line
+
+            print(step_line(ckpt.model), file=sys.stderr)
     return ckpt
 
 
@@ -118,11 +124,13 @@ def load_draft(options: dict[str, Any], ckpt: Any) -> Any:
         return None
     from lmcli.formats.sources import load_model
     from lmcli.generate.speculative import Draft, check_draft
+    from lmcli.model.kv_cache import check_format
 
     param = next(ckpt.model.parameters())
     draft = load_model(cfg.draft, param.device, param.dtype, as_stored=True)
     check_draft(ckpt.tokenizer, draft.tokenizer, cfg.draft)
     draft.model.kv_dtype = ckpt.model.kv_dtype  # the draft's cache as the model's (--kv-dtype)
+    check_format(draft.model.kv_dtype, draft.model.config.head_dim)
     return Draft(draft.model, draft.tokenizer, cfg.draft_tokens)
 
 

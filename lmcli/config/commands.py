@@ -52,6 +52,9 @@ def parse_quantize(value: str) -> str:
         raise LmcliError(f"invalid quantize {value!r}: choose one of {listed}") from None
 
 
+KvDtype = Literal["auto", "float32", "bfloat16", "float16", "q8_0", "q4_0"]
+
+
 GROUP_SIZES = (32, 64, 128, 256)  # the int4 kernels' group sizes
 
 
@@ -242,12 +245,14 @@ class DeviceConfig:
         parse=parse_quantize,
     )
     group_size: int = option(64, "int4: weights per quantization group (32, 64, 128 or 256).")
-    kv_dtype: Dtype = option(
+    kv_dtype: KvDtype = option(
         "auto",
         "Dtype of the KV cache's keys and values (auto: the dtype the model computes in; float16 "
         "for GGUF blocks on lmcli's CPU kernels: a GGUF file, --quantize). "
-        "bfloat16 or float16 halves its memory and the bytes attention reads; attention still "
-        "computes in the model's dtype. docs/quantization.md.",
+        "bfloat16 or float16 halves its memory and the bytes attention reads; q8_0 (8.5 bits a "
+        "value) or q4_0 (4.5) keep each head's row as llama.cpp's --cache-type-k/-v blocks of 32 "
+        "(the head size a multiple of 32). Attention still computes in the model's dtype. "
+        "docs/quantization.md.",
     )
     verbose: bool = option(
         False,

@@ -175,15 +175,13 @@ class ChatSession:
     def _prefixes(self) -> Any:
         """The session's prefix cache: room for two context windows of keys and values."""
         if self.prefixes is None:
-            import torch
-
             from lmcli.generate.prefix_cache import PrefixCache
-            from lmcli.model.kv_cache import cache_dtype
+            from lmcli.model.kv_cache import cache_dtype, value_bytes
 
             cfg = self.model.config
-            itemsize = torch.empty((), dtype=cache_dtype(self.model)).element_size()
+            itemsize = value_bytes(cache_dtype(self.model))
             window = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * itemsize
-            self.prefixes = PrefixCache(2 * window)
+            self.prefixes = PrefixCache(int(2 * window))
         return self.prefixes
 
     def reply_seed(self) -> int:

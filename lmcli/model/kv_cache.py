@@ -5,6 +5,12 @@
 allocates or clears a whole context window, and a beam-search reorder copies little more than
 the filled part (only what follows the prompt, when the caller says the beams share it).
 
+The buffers hold floats (``--kv-dtype`` float32, bfloat16, float16), or each head's row of
+keys or values as ggml's 32-value blocks (``--kv-dtype q8_0|q4_0``, as llama.cpp's
+``--cache-type-k/-v`` keeps them: ``lmcli.model.small_blocks``): new keys and values are rounded
+to blocks as they are written, and a forward that attends reads them back as float32 values (a
+native decoding step reads the blocks themselves).
+
 A model with sliding-window layers may keep those layers' keys and values in a ring of a fixed
 number of columns instead (``windows``, ``WindowRing``): the last W positions, plus ``slack``
 columns a decoder may roll back (speculative decoding), so their memory stops growing with the
@@ -25,25 +31,52 @@ from torch import Tensor
 
 from lmcli.device import compute_dtype, memory_of
 from lmcli.errors import LmcliError
+from lmcli.model.small_blocks import BLOCK, BLOCK_BYTES, dequantize_rows, quantize_rows, row_bytes
 
 if TYPE_CHECKING:
     from lmcli.config.model import ModelConfig
 
 GROW = 16  # the least number of columns added to the buffers at a time
+FORMATS = ("q8_0", "q4_0")  # the quantized caches' block formats (--kv-dtype)
+KVDtype = torch.dtype | str  # a float dtype, or one of FORMATS
 
 
-def kv_bytes(cfg: ModelConfig, columns: int, itemsize: int, slack: int | None = 0) -> int:
+def value_bytes(dtype: KVDtype) -> float:
+    """Bytes a cached value takes in ``dtype`` (a float dtype, or a block format: 34 / 32 for q8_0)."""
+    if isinstance(dtype, str):
+        return BLOCK_BYTES[dtype] / BLOCK
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_dtype(name: str) -> KVDtype | None:
+    """``--kv-dtype``'s value as a cache holds it: a float dtype, a block format, or None (auto)."""
+    if name in FORMATS or name == "auto":
+        return None if name == "auto" else name
+    return getattr(torch, name)
+
+
+def check_format(dtype: KVDtype, head_dim: int) -> None:
+    """One line unless a cache of ``dtype`` can hold heads of ``head_dim`` values."""
+    if isinstance(dtype, str) and (dtype not in FORMATS or head_dim % BLOCK):
+        raise LmcliError(
+            f"--kv-dtype {dtype} keeps each head's keys in blocks of {BLOCK} values: this model's "
+            f"heads have {head_dim}"
+        )
+
+
+def kv_bytes(cfg: ModelConfig, columns: int, itemsize: float, slack: int | None = 0) -> int:
     """Bytes of one row's keys and values over ``columns`` columns: ``n_kv_head * head_dim`` a
     column and layer, the sliding-window layers' ring (window + ``slack`` columns) where the
     cache keeps one (``KVCache.for_model`` with ``window_slack``; None: no ring)."""
     ring = cfg.sliding_window + (slack or 0)
     ringed = slack is not None and cfg.position != "alibi" and cfg.sliding_window > 0 and ring < columns
     cols = sum(ring if ringed and cfg.is_local(i) else columns for i in range(cfg.n_layer))
-    return 2 * cols * cfg.n_kv_head * cfg.head_dim * itemsize
+    return int(2 * cols * cfg.n_kv_head * cfg.head_dim * itemsize)
 
 
-def cache_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype ``KVCache.for_model`` gives ``model``'s cache (``--kv-dtype``, else the compute dtype)."""
+def cache_dtype(model: torch.nn.Module) -> KVDtype:
+    """The dtype ``KVCache.for_model`` gives ``model``'s cache (``--kv-dtype``, else the compute
+    dtype): a float dtype or a block format ("q8_0", "q4_0")."""
     param = next(model.parameters())
     return getattr(model, "kv_dtype", None) or compute_dtype(param.device, param.dtype)
 
@@ -54,7 +87,7 @@ def check_fits(model: torch.nn.Module, rows: int, what: str, columns: int | None
     fit in the device's memory, before allocating any."""
     cfg = model.config
     param = next(model.parameters())
-    itemsize = torch.empty((), dtype=cache_dtype(model)).element_size()
+    itemsize = value_bytes(cache_dtype(model))
     per_row = (
         kv_bytes(cfg, min(columns or cfg.block_size, cfg.block_size), itemsize)
         + 4 * cfg.padded_vocab_size * 4
@@ -118,6 +151,26 @@ class LeftPadding:
         return out
 
 
+class Rows:
+    """How a cache holds a head's row of ``head_dim`` values: as a float dtype's values, or as
+    ``fmt``'s blocks (``width`` bytes, uint8)."""
+
+    def __init__(self, dtype: KVDtype, head_dim: int) -> None:
+        check_format(dtype, head_dim)
+        self.fmt = dtype if isinstance(dtype, str) else None
+        self.head_dim = head_dim
+        self.dtype = torch.uint8 if self.fmt else dtype  # the buffers'
+        self.width = row_bytes(self.fmt, head_dim) if self.fmt else head_dim
+
+    def stored(self, x: Tensor) -> Tensor:
+        """New keys or values (..., D) as the buffers keep them."""
+        return quantize_rows(x, self.fmt) if self.fmt else x.to(self.dtype)
+
+    def values(self, b: Tensor) -> Tensor:
+        """Rows of the buffers (..., width) as values (..., D): float32 from blocks, else themselves."""
+        return dequantize_rows(b, self.fmt, self.head_dim) if self.fmt else b
+
+
 class WindowRing:
     """Keys and values of the sliding-window layers, ``(n_local, B, n_kv_head, size, head_dim)``:
     column c of the sequence in slot c % size, the newest ``size`` columns kept (size >= window).
@@ -128,9 +181,9 @@ class WindowRing:
     in order, the ring's last window - 1 columns and the new ones, and keeps the newest of them.
     """
 
-    def __init__(self, layers: list[int], window: int, size: int, like: Tensor) -> None:
+    def __init__(self, layers: list[int], window: int, size: int, like: Tensor, rows: Rows) -> None:
         self.slot = {layer: i for i, layer in enumerate(layers)}  # model layer -> ring index
-        self.window, self.size = window, size
+        self.window, self.size, self.rows = window, size, rows
         shape = (len(layers), like.size(1), like.size(2), size, like.size(4))
         self.k = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.v = torch.zeros_like(self.k)
@@ -169,17 +222,17 @@ class WindowRing:
         over, in the order of ``key_columns``."""
         i, T = self.slot[layer], k.size(2)
         keys, values = self.k[i], self.v[i]
-        k, v = k.to(keys.dtype), v.to(keys.dtype)  # rounded as the ring keeps them
+        k, v = self.rows.stored(k), self.rows.stored(v)  # rounded as the ring keeps them
         new, old = self.slots(length, T)
         if old is None:  # the ring itself
             keys.index_copy_(2, new, k)
             values.index_copy_(2, new, v)
-            return keys, values
-        all_k = torch.cat([keys.index_select(2, old), k], dim=2)  # (B, KV, S, D) in column order
+            return self.rows.values(keys), self.rows.values(values)
+        all_k = torch.cat([keys.index_select(2, old), k], dim=2)  # (B, KV, S, row) in column order
         all_v = torch.cat([values.index_select(2, old), v], dim=2)
         keys.index_copy_(2, new, k[:, :, T - new.numel() :])
         values.index_copy_(2, new, v[:, :, T - new.numel() :])
-        return all_k, all_v
+        return self.rows.values(all_k), self.rows.values(all_v)
 
     def mask(self, length: int, T: int, start: Tensor | None) -> Tensor:
         """Boolean (B or 1, 1, T, S): query column q sees key column c when q - window < c <= q,
@@ -220,13 +273,15 @@ class KVCache:
         head_dim: int,
         *,
         device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: KVDtype = torch.float32,
         start: Tensor | None = None,
         windows: tuple[list[int], int, int] | None = None,
     ) -> None:
-        """``windows``: (the sliding-window layers, the window, the slack), their keys and values
-        kept in a ring of window + slack columns."""
+        """``dtype``: a float dtype, or a block format of ``FORMATS`` (each head's row as its
+        blocks); ``windows``: (the sliding-window layers, the window, the slack), their keys and
+        values kept in a ring of window + slack columns."""
         self._max_len = max_len
+        self.rows = Rows(dtype, head_dim)
         self.ring: WindowRing | None = None
         self.index = list(range(n_layer))  # model layer -> row of k and v (-1: in the ring)
         if windows is not None:
@@ -235,9 +290,9 @@ class KVCache:
             for row, layer in enumerate(i for i in range(n_layer) if i not in local):
                 self.index[layer] = row
             n_layer -= len(local)
-        shape = (n_layer, batch_size, n_head, min(max_len, GROW), head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (n_layer, batch_size, n_head, min(max_len, GROW), self.rows.width)
+        self.k = torch.zeros(shape, device=device, dtype=self.rows.dtype)
+        self.v = torch.zeros(shape, device=device, dtype=self.rows.dtype)
         self._spare: tuple[Tensor, Tensor] | None = None  # reorder targets, reused while the shape holds
         self.length = 0  # filled columns, the same for every row
         if start is None:
@@ -245,7 +300,7 @@ class KVCache:
         self.padding = LeftPadding(start.to(device=device, dtype=torch.long), max_len)
         if windows is not None:
             local, window, slack = windows
-            self.ring = WindowRing(local, window, min(window + slack, max_len), self.k)
+            self.ring = WindowRing(local, window, min(window + slack, max_len), self.k, self.rows)
 
     @classmethod
     def for_model(
@@ -255,7 +310,7 @@ class KVCache:
         *,
         max_len: int | None = None,
         start: Tensor | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: KVDtype | None = None,
         window_slack: int | None = None,
     ) -> KVCache:
         """A cache sized for ``model`` (default length: its context window), holding keys and values
@@ -290,7 +345,7 @@ class KVCache:
         columns (their newest; the others' as they are), or itself when it has a ring already
         or ``for_model`` would make none."""
         out = KVCache.for_model(
-            model, self.batch_size, max_len=self._max_len, dtype=self.k.dtype, window_slack=slack
+            model, self.batch_size, max_len=self._max_len, dtype=self.dtype, window_slack=slack
         )
         if self.ring is not None or out.ring is None:
             return self
@@ -309,6 +364,16 @@ class KVCache:
     @property
     def batch_size(self) -> int:
         return self.k.size(1)
+
+    @property
+    def dtype(self) -> KVDtype:
+        """What the cache holds: a float dtype, or a block format ("q8_0", "q4_0")."""
+        return self.rows.fmt or self.k.dtype
+
+    @property
+    def fmt(self) -> str | None:
+        """The block format of a quantized cache, None for a float one."""
+        return self.rows.fmt
 
     @property
     def max_len(self) -> int:
@@ -357,14 +422,15 @@ class KVCache:
         if end > self.k.size(3):
             self._grow(end)
         keys, values = self.k[row], self.v[row]
-        keys.narrow(2, self.length, k.size(2)).copy_(k)
-        values.narrow(2, self.length, k.size(2)).copy_(v)
-        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+        keys.narrow(2, self.length, k.size(2)).copy_(self.rows.stored(k))
+        values.narrow(2, self.length, k.size(2)).copy_(self.rows.stored(v))
+        return self.rows.values(keys.narrow(2, 0, end)), self.rows.values(values.narrow(2, 0, end))
 
     def columns(self, row: int, first: int, end: int) -> tuple[Tensor, Tensor]:
-        """Keys and values ``(n_layer, n_kv_head, end - first, head_dim)`` of every layer, in
-        layer order, of filled columns ``first..end-1`` of row ``row`` (a sliding-window layer's
-        from its ring, which must still hold them)."""
+        """Keys and values ``(n_layer, n_kv_head, end - first, row)`` of every layer, in layer
+        order, of filled columns ``first..end-1`` of row ``row`` (a sliding-window layer's from
+        its ring, which must still hold them), as the buffers hold them (a row: ``head_dim``
+        values, or a quantized cache's blocks)."""
         if self.ring is None:
             return self.k[:, row, :, first:end], self.v[:, row, :, first:end]
         if first < self.length - self.ring.size:

@@ -224,3 +224,44 @@ def test_a_q8_0_file_runs_as_stored_as_it_reads_dequantized(tmp_path: Path, name
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(BlockLinear, "product", product)
         torch.testing.assert_close(stored(ids), plain(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_gemma3_file_steps_every_layer_natively_and_verbose_says_so(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A Gemma 3 file as stored (q8_0 matrices, the tied head's too): its five-of-six windowed
+    layers and the global ones all take the one-call step, the head and embedding read from the
+    file's blocks; the steps equal the per-operation steps past the window, through the ring."""
+    from lmcli.formats.gguf.as_stored import load_as_stored
+    from lmcli.formats.gguf.load import read_gguf_header
+    from lmcli.generate.decoding import prefill
+    from lmcli.model import fastpath
+    from lmcli.model.native import ops
+    from lmcli.model.quant import BlockEmbedding, BlockLinear
+
+    if not ops.available():
+        pytest.skip("native kernels not built here")
+    _, path = converted(tmp_path, "gemma3-gguf", "Q8_0")
+    model = load_as_stored(read_gguf_header(path), torch.float32)
+    assert type(model.lm_head) is BlockLinear and type(model.wte) is BlockEmbedding
+    assert model.wte.table is model.lm_head  # the tied embedding looks its rows up in the head's blocks
+    ids = torch.randint(
+        5, model.config.vocab_size, (1, 5 * WINDOW), generator=torch.Generator().manual_seed(0)
+    )
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("LMCLI_NATIVE_LAYER", flag)
+        with torch.no_grad(), fastpath.inference(model):
+            assert (model.fast_step.head is not None) == (flag == "1")
+            cache, first = prefill(model, [ids[0, :3].tolist()], 0, window_slack=0)
+            runs.append([first[0]] + [model(ids[:, t : t + 1], cache)[0, -1] for t in range(3, ids.size(1))])
+        assert cache.ring is not None and cache.ring.k.size(3) == WINDOW
+    native, per_op = torch.stack(runs[0]), torch.stack(runs[1])
+    assert (native - per_op).abs().max() <= 0.02 * per_op.abs().max()  # (int8 activations both ways)
+    assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+    monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1")
+    code, _, err = run_cli(
+        ["sample", str(path), "-p", "the cat", "--max-new-tokens", "3", "--verbose"], capsys
+    )
+    assert code == 0, err
+    assert "native step: 7 of 7 layers (6 windowed)" in err.splitlines()

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_one_line_error, run_cli, tiny_model, tiny_tokenizer, train_config
 
-from lmcli.errors import LmcliError
 from lmcli.formats.checkpoint import save_checkpoint
 from lmcli.formats.export import gguf as export
 from lmcli.formats.export.calibrate import calibration_ids, collect_imatrix

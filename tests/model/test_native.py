@@ -252,10 +252,10 @@ def test_the_library_reports_what_lmcli_binds() -> None:
     assert lib.lib.lmcli_native_version() == abi.VERSION
     assert report.isas[:4] == ("scalar", "avx2", "avx_vnni", "avx512_vnni") and "neon_dotprod" in report.isas
     assert report.acts == ("silu", "gelu_tanh")
-    assert report.cache_types == ("float32", "bfloat16", "float16")
+    assert report.cache_types == ("float32", "bfloat16", "float16", "q8_0", "q4_0")
     assert lib.best in lib.isas
     runs = {name for name, f in report.formats.items() if f.products}
-    assert runs == set(ops.FORMATS)
+    assert runs == set(ops.FORMATS) | {"f32", "f16", "bf16"}
     for name, f in report.formats.items():
         kind = QT[name.upper()]
         assert (f.ggml_type, (f.block, f.block_bytes)) == (kind, gguf.GGML_QUANT_SIZES[kind]), name
@@ -425,3 +425,17 @@ def test_block_linear_from_linear_and_fallback(monkeypatch) -> None:
         BlockLinear(layer.blocks[:, :-2].contiguous(), "q8_0", 64)
     with pytest.raises(LmcliError):
         quantize_blocks(torch.randn(4, 40), "q4_0")
+
+
+@pytest.mark.parametrize("fmt", list(ops.FORMATS))
+def test_weight_rows_are_gguf_values_exactly(fmt: str) -> None:
+    """A block embedding's lookups (``BoundProduct.rows``, ``BlockLinear.weight_rows``): rows of
+    the table as gguf dequantizes them, bit for bit; an id outside the table is refused."""
+    blocks = torch.from_numpy(random_blocks(fmt, 24, 512, seed=7))
+    ids = torch.tensor([[5, 0], [23, 5]])
+    expected = torch.from_numpy(dequantized(blocks.numpy(), fmt).astype(np.float32)).reshape(24, 512)[ids]
+    layer = BlockLinear(blocks, fmt, 512)
+    assert torch.equal(layer.weight_rows(ids), expected)  # (2, 2, 512)
+    for bad in (torch.tensor([24]), torch.tensor([-1])):
+        with pytest.raises(LmcliError, match="ids outside the 24 rows"):
+            layer.weight_rows(bad)

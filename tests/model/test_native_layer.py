@@ -1,6 +1,7 @@
 """A block's decoding step in one native call (lmcli.model.native.layer, fastpath.native_step)
-against the per-operation step it replaces, for each block variant it serves; the blocks it
-leaves to that step; and the checks in front of the call."""
+against the per-operation step it replaces, for each block variant it serves (sliding windows
+and their rings, soft-capped scores, padded rows among them); the blocks it leaves to that step;
+and the checks in front of the call."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ VARIANTS = {
     ),
     "sandwich": dict(norm_placement="sandwich"),
     "smollm3 (layers without rotary)": dict(rope_pattern="RN"),
+    "gemma2 (soft-capped scores and logits)": dict(
+        norm="rmsnorm1p", mlp="geglu", norm_placement="sandwich", attn_softcap=5.0, logit_softcap=3.0
+    ),
 }
 STEPS = 12
 
@@ -48,13 +52,19 @@ def spread(model: Transformer, seed: int = 0) -> Transformer:
 
 
 def steps(model: Transformer, idx: torch.Tensor, native: bool, monkeypatch, **cache) -> torch.Tensor:
-    """Logits (B, T, V) of the one-token steps over idx (B, T), the native call on or off."""
+    """Logits (B, T, V) of the one-token steps over idx (B, T), the native call on or off (on:
+    every layer of every step took it)."""
     monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1" if native else "0")
-    with torch.inference_mode(), fastpath.inference(model):
-        kv = KVCache.for_model(model, idx.size(0), **cache)
-        out = torch.cat([model.fast_step(idx[:, t : t + 1], kv) for t in range(idx.size(1))], 1)
-        natives = model.fast_step.natives
+    calls = []
+    with monkeypatch.context() as mp:
+        call = native_layer.NativeLayer.call
+        mp.setattr(native_layer.NativeLayer, "call", lambda *a: calls.append(1) or call(*a))
+        with torch.inference_mode(), fastpath.inference(model):
+            kv = KVCache.for_model(model, idx.size(0), **cache)
+            out = torch.cat([model.fast_step(idx[:, t : t + 1], kv) for t in range(idx.size(1))], 1)
+            natives = model.fast_step.natives
     assert all(n is not None for n in natives) == native  # (each block took the path asked for)
+    assert len(calls) == native * len(natives) * idx.size(1)
     return out
 
 
@@ -97,29 +107,41 @@ def test_rows_of_a_batch_and_padded_rows(monkeypatch) -> None:
     call = native_layer.NativeLayer.call
     monkeypatch.setattr(native_layer.NativeLayer, "call", lambda *a: calls.append(1) or call(*a))
     native = steps(model, idx, True, monkeypatch, start=start)
-    # every layer of every step once each row has a column of its own (from column 3 on)
-    assert len(calls) == 2 * (10 - 3)
+    # every layer of every step, those where row 1 is still all padding (columns 0-2) included:
+    # such a row sees its new column alone, as the model's mask lets it
+    assert len(calls) == 2 * 10
     assert_close_steps(native, steps(model, idx, False, monkeypatch, start=start))
 
 
-def test_sliding_window_layers_keep_their_ring_and_the_others_go_native(monkeypatch) -> None:
-    window = dict(
-        sliding_window=4, layer_pattern="LG", norm="rmsnorm1p", mlp="geglu", norm_placement="sandwich"
-    )
-    model = quantize(spread(tiny_model(vocab_size=80, n_layer=2, **{**LLAMA, **window})), "int8")
-    idx = torch.randint(0, 80, (1, STEPS), generator=torch.Generator().manual_seed(4))
-    ringed = dict(window_slack=2)
-    assert_close_steps(
-        steps(model, idx, True, monkeypatch, **ringed), steps(model, idx, False, monkeypatch, **ringed)
-    )
+@pytest.mark.parametrize(
+    "cache",
+    [{}, {"window_slack": 0}, {"window_slack": 2}, {"start": torch.tensor([0, 3])}],
+    ids=["whole-cache", "ring", "ring-slack", "padded"],
+)
+@pytest.mark.parametrize("pattern", ["LG", ""], ids=["gemma3", "mistral"])
+def test_sliding_window_layers_step_natively_past_the_window(pattern: str, cache, monkeypatch) -> None:
+    """Gemma 3's block (QK-norm, its local rotary base, soft-capped scores for good measure) with a
+    window of 4 on every other layer, or on every layer (Mistral's: the ring holds them all), 12
+    steps: each local layer attends to its last 4 columns, read from the whole cache or from the
+    ring (a slot each column modulo its size), a padded row's window never reaching before its
+    text."""
+    window = dict(sliding_window=4, layer_pattern=pattern, rope_local_base=100.0, attn_softcap=5.0)
+    gemma3 = dict(norm="rmsnorm1p", mlp="geglu", norm_placement="sandwich", qk_norm=True, head_size=32)
+    if not pattern:  # Mistral's block otherwise
+        gemma3, window = {}, dict(sliding_window=4)
+    model = quantize(spread(tiny_model(vocab_size=80, n_layer=3, **{**LLAMA, **gemma3, **window})), "int8")
+    idx = torch.randint(0, 80, (2, STEPS), generator=torch.Generator().manual_seed(4))
+    native = steps(model, idx, True, monkeypatch, **cache)
+    assert_close_steps(native, steps(model, idx, False, monkeypatch, **cache))
 
 
 def test_blocks_the_call_does_not_serve_keep_the_per_operation_step(monkeypatch) -> None:
     monkeypatch.setenv("LMCLI_NATIVE_LAYER", "1")
     for model in (
-        tiny_model(vocab_size=80, n_layer=1, **LLAMA),  # float weights
-        quantize(tiny_model(vocab_size=80, n_layer=1, **{**LLAMA, "attn_softcap": 20.0}), "int8"),
         quantize(tiny_model(vocab_size=80, n_layer=1, n_head=4, n_embd=64), "int8"),  # GPT-2: LayerNorm, GELU
+        tiny_model(vocab_size=80, n_layer=1, n_head=4, n_embd=64),  # GPT-2 in floats
+        tiny_model(vocab_size=80, n_layer=1, **{**LLAMA, "norm_placement": "post"}),  # post-norm
+        tiny_model(vocab_size=80, n_layer=1, **{**LLAMA, "mlp": "relu2"}),  # an MLP not gated
     ):
         with torch.inference_mode(), fastpath.inference(model):
             assert model.fast_step.natives == [None]
@@ -171,6 +193,9 @@ def test_sizes_are_checked_before_the_call() -> None:
             lambda: checked(rows=2),  # a cache of 1 row for 2 rows
             lambda: checked(keys=k.to(torch.int32)),
             lambda: checked(keys=k[0]),  # one layer's cache, not the model's
+            lambda: checked(fmt="q8_0"),  # float rows where blocks are said
+            lambda: checked(fmt="int8"),
+            lambda: checked(ring=(k[:, :, :1], k[:, :, :1])),  # a ring of other heads
         ],
         "rotary table": [
             lambda: checked(rotary=(rotary([0], table[0][:, :-1], table[1][:, :-1]), None)),
@@ -181,10 +206,7 @@ def test_sizes_are_checked_before_the_call() -> None:
             lambda: checked(rotary=(rotary([0, 1]), None)),
         ],
         "start must be int64": lambda: checked(column=3, start=torch.tensor([1], dtype=torch.int32)),
-        "a row starts outside": [
-            lambda: checked(column=3, start=torch.tensor([4])),
-            lambda: checked(column=3, start=torch.tensor([-1])),
-        ],
+        "a row starts before column 0": lambda: checked(column=3, start=torch.tensor([-1])),
         "threads": lambda: checked(threads=0),
     }
     for says, calls in cases.items():
@@ -197,6 +219,11 @@ def test_sizes_are_checked_before_the_call() -> None:
             args.run(native, x, row, 0, True)
     x = torch.randn(1, C)
     assert args.run(native, x, 0, 0, True) is x and torch.isfinite(x).all()  # (the call itself runs)
+    ringed = checked(column=3, ring=(torch.zeros(1, 1, KV, 4, D), torch.zeros(1, 1, KV, 4, D)))
+    with pytest.raises(LmcliError, match="window 0 does not fit a ring of 4"):  # (a layer without one)
+        ringed.run(native, x, 0, 0, True, ringed=True)
+    with pytest.raises(LmcliError, match="do not fit"):
+        checked(column=3).run(native, x, 0, 0, True, ringed=True)  # no ring at all
     x64 = torch.randn(1, C, dtype=torch.float64)  # other rows are converted
     assert args.run(native, x64, 0, 0, True).dtype == torch.float32
 

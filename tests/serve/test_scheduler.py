@@ -57,11 +57,14 @@ ARCHITECTURES = {
     # a 16-bit KV cache (--kv-dtype) in the batch as in generate's cache
     [(arch, "none", None) for arch in ARCHITECTURES]
     + [("rope-gqa-qkv-bias", "int8", None), ("rope-gqa-qkv-bias", "int4", None)]
-    + [("gemma-window", "none", torch.bfloat16), ("rope-gqa-qkv-bias", "none", torch.float16)],
+    + [("gemma-window", "none", torch.bfloat16), ("rope-gqa-qkv-bias", "none", torch.float16)]
+    # a cache of q8_0 blocks (--kv-dtype q8_0: heads of 32 values), the window's ring in blocks too
+    + [("gemma-window", "none", "q8_0")],
 )
 def test_joining_and_leaving_rows_keep_every_request_exact(arch: str, quant: str, kv_dtype) -> None:
     tok = tiny_tokenizer()
-    model = quantize(tiny_model(tok.vocab_size, block_size=64, **ARCHITECTURES[arch]), quant, 32)
+    heads = {"head_size": 32} if kv_dtype == "q8_0" else {}
+    model = quantize(tiny_model(tok.vocab_size, block_size=64, **ARCHITECTURES[arch], **heads), quant, 32)
     model.kv_dtype = kv_dtype
     sched = Scheduler(model, tok, max_batch=6, max_queue=8)
     plan = [  # (iteration at which it arrives, prompt, settings)
@@ -89,7 +92,7 @@ def test_joining_and_leaving_rows_keep_every_request_exact(arch: str, quant: str
         assert isinstance(r["end"], Done)
         assert [r.get(j, "") for j in range(cfg.num_samples)] == exp
     assert sched.stats()["active_rows"] == 0 and sched.stats()["kv_cache_bytes"] == 0
-    assert sched.engine.cache.k.dtype == (kv_dtype or torch.float32)
+    assert sched.engine.cache.dtype == (kv_dtype or torch.float32)
 
 
 def test_a_request_past_its_time_fails_and_frees_its_rows() -> None:

@@ -30,6 +30,7 @@ from lmcli.eval.downstream.scoring import Group, score_groups
 from lmcli.formats.checkpoint import Checkpoint
 from lmcli.formats.sources import DTYPES, load_model
 from lmcli.generate.sampling import BATCH_ROWS, generate
+from lmcli.model.kv_cache import check_format, kv_dtype
 from lmcli.text import chat_template
 
 
@@ -62,7 +63,8 @@ class LmcliLM(TemplateLM):
         self.ckpt = checkpoint
         self.model, self.tok = checkpoint.model, checkpoint.tokenizer
         if cfg.kv_dtype != "auto":  # (auto keeps what ``lmcli eval`` set, or the compute dtype)
-            self.model.kv_dtype = DTYPES[cfg.kv_dtype]
+            self.model.kv_dtype = kv_dtype(cfg.kv_dtype)
+            check_format(self.model.kv_dtype, self.model.config.head_dim)
         param = next(self.model.parameters())
         self._amp = inference_dtype(param.device, cfg.dtype, param.dtype)
         self._device = param.device

@@ -32,7 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmcli.model.fastpath.native_step import NativeHead, native_block, native_head, native_step
+from lmcli.model.fastpath.native_step import (
+    NativeHead,
+    float_weights,
+    native_blocks,
+    native_head,
+    native_step,
+    rotary_tables,
+)
 from lmcli.model.fastpath.packed import (
     IN_PLACE_MIN_BYTES,
     PACK_MIN_WEIGHT,
@@ -204,7 +211,7 @@ class Plan:
     natives: list[NativeLayer | None]
     final_norm: Norm
     head: LinearFn
-    native_head: NativeHead | None  # the head on the kernels' threads, for a native step
+    native_head: NativeHead | None  # the final norm and head on the kernels' threads, for a native step
 
     @property
     def first_native(self) -> NativeLayer | None:
@@ -220,15 +227,19 @@ def step_turns(model: Transformer, pos: Tensor, dtype: torch.dtype) -> Turns:
 class StepRunner:
     """``model.fast_step``: the logits (B, 1, V) of one new token per row, as ``forward`` gives."""
 
-    def __init__(self, model: Transformer, packs: PackCache) -> None:
-        self.model, self.packs = model, packs
+    def __init__(
+        self,
+        model: Transformer,
+        packs: PackCache,
+        natives: list[NativeLayer | None],
+        head: NativeHead | None,
+    ) -> None:
+        """``natives``: each block's one-call native step (None where the block does not
+        qualify); ``head``: the final norm and head for a native step, or None."""
+        self.model, self.packs, self.natives, self.head = model, packs, natives, head
+        self.tables = rotary_tables(model) if any(n is not None for n in natives) else None
         self.plans: dict[int, Plan] = {}  # by batch size
         self.kernel_threads: int | None = None  # the native step's threads while torch's are 1
-
-    @functools.cached_property
-    def natives(self) -> list[NativeLayer | None]:
-        """Each block's one-call native step, or None where the block does not qualify."""
-        return [native_block(block) for block in self.model.h]
 
     def _plan(self, rows: int) -> Plan:
         """Every layer's step for ``rows`` rows, the final norm and the head, large weights packed
@@ -260,18 +271,18 @@ class StepRunner:
                     attn.q_norm is None and attn.rotary,
                 )
             )
-        natives = self.natives
         head = self.model.lm_head
-        return Plan(
-            layers,
-            natives,
-            functional_norm(self.model.ln_f),
-            linear(head),
-            native_head(head) if any(n is not None for n in natives) else None,
-        )
+        return Plan(layers, self.natives, functional_norm(self.model.ln_f), linear(head), self.head)
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         return _absent, ()  # a copied or pickled model leaves the scope's step behind
+
+    def masks(self, cache: KVCache, dtype: torch.dtype, device: torch.device) -> Masks:
+        """A global and a sliding-window layer's mask of a one-token step."""
+        model = self.model
+        mask, _ = model.attention_mask(1, cache, None, dtype, device)
+        window = model.config.sliding_window
+        return mask, model.local_mask(mask, False, 1, cache, device)[0] if window else mask
 
     def __call__(self, idx: Tensor, cache: KVCache) -> Tensor:
         model = self.model
@@ -281,27 +292,30 @@ class StepRunner:
             plan = self.plans[B] = self._plan(B)
         pos = cache.positions(1)  # (B or 1, 1)
         x = model.embed(idx, pos).view(B, -1)  # (B, 1, C) -> (B, C)
+        dtype = x.dtype  # (the native blocks' residual stream is float32 between them)
         first = plan.first_native
-        native = None if first is None else native_step(model, x, cache, first, self.kernel_threads)
-        mask, _ = model.attention_mask(1, cache, None, x.dtype, idx.device)
-        window = model.config.sliding_window
-        masks: Masks = (mask, model.local_mask(mask, False, 1, cache, idx.device)[0] if window else mask)
-        turns: Turns | None = None  # (made once a step, for the first layer that is not native)
+        native = None
+        if first is not None:
+            native = native_step(model, x, cache, first, self.kernel_threads, self.tables)
+        masks: Masks | None = None  # (made once a step, for the first layer that is not native)
+        turns: Turns | None = None
         for layer, block in zip(plan.layers, plan.natives, strict=True):
-            row = cache.index[layer.layer]
-            # (a global layer's mask is no more than the rows' padding, which the call skips; a
-            # sliding-window layer's must be the same: no window yet)
-            if native is not None and block is not None and row >= 0 and masks[layer.local] is masks[0]:
-                x = native.run(block, x, row, layer.local, layer.heads.rotary)
+            if native is not None and block is not None:
+                row = cache.index[layer.layer]
+                ringed = row < 0  # a sliding-window layer's keys and values in the cache's ring
+                if ringed:
+                    row = cache.ring.slot[layer.layer]
+                x = native.run(block, x, row, layer.local, layer.heads.rotary, ringed)
                 continue
-            turns = turns or step_turns(model, pos, x.dtype)
+            x = x.to(dtype)
+            masks = masks or self.masks(cache, dtype, idx.device)
+            turns = turns or step_turns(model, pos, dtype)
             x = layer(x, pos, masks, model.positions.rotate, cache, turns)
         cache.advance(1)
-        h = plan.final_norm(x)
         if native is not None and plan.native_head is not None:
-            logits = plan.native_head(h, native.threads)
+            logits = plan.native_head(x.float(), native.threads).to(dtype)
         else:
-            logits = plan.head(h)
+            logits = plan.head(plan.final_norm(x.to(dtype)))
         return model.cap_logits(model.vocab_logits(logits)).view(B, 1, -1)
 
 
@@ -312,23 +326,25 @@ def _absent() -> None:
 # ----------------------------------------------------------------------------- the scope
 
 
-def _wide_weights(model: nn.Module) -> list[nn.Parameter]:
+def _wide_weights(model: nn.Module, plain: set[int]) -> list[nn.Parameter]:
     found: dict[int, nn.Parameter] = {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.out_features > module.in_features:
             w = module.weight
             # float32 only: the layout pays for MKL's float32 products; for another dtype the copy
             # made while laying out would only add to the memory of a large model
-            if w.numel() >= LAYOUT_MIN_WEIGHT and w.is_contiguous() and w.dtype == torch.float32:
+            big = w.numel() >= LAYOUT_MIN_WEIGHT and w.is_contiguous() and w.dtype == torch.float32
+            if big and w.data_ptr() not in plain:
                 found.setdefault(id(w), w)
     return list(found.values())
 
 
-def _in_place_weights(model: Transformer) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+def _in_place_weights(model: Transformer, plain: set[int]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """The weights to pack in place for a scope (``lmcli.model.fastpath.packed``): the large float32
     and bfloat16 weights of the linear layers, when they add up to ``IN_PLACE_MIN_BYTES``; and
-    the float32 ones among them that the token embedding shares (a tied head), which stay plain
-    (their rows are looked up) and are multiplied by oneDNN as they are."""
+    the float32 ones to multiply by oneDNN as they are: those the token embedding shares (a tied
+    head, whose rows are looked up) and those the native step reads (their data pointers:
+    ``plain``), which stay plain."""
     if not packing_available():
         return [], []
     dtypes = (torch.float32, torch.bfloat16) if bf16_packing_available() else (torch.float32,)
@@ -339,12 +355,13 @@ def _in_place_weights(model: Transformer) -> tuple[list[nn.Parameter], list[nn.P
             w = module.weight
             if w.numel() >= PACK_MIN_WEIGHT and w.dtype in dtypes and w.is_contiguous():
                 found.setdefault(id(w), w)
-    weights = list(found.values())
+    native = [w for w in found.values() if w.data_ptr() in plain and w.dtype == torch.float32]
+    weights = [w for w in found.values() if w.data_ptr() not in plain]
     if sum(w.numel() * w.element_size() for w in weights) < IN_PLACE_MIN_BYTES:
-        return [], []
+        return [], native
     # (a bfloat16 table gains nothing from oneDNN's plain-layout product here: MKL's is as fast)
     dense = [w for w in weights if id(w) in shared and w.dtype == torch.float32]
-    return [w for w in weights if id(w) not in shared], dense
+    return [w for w in weights if id(w) not in shared], dense + native
 
 
 def _swap(module: nn.Module, cls: type) -> None:
@@ -358,7 +375,12 @@ def inference(model: Transformer) -> Iterator[Transformer]:
         yield model  # nested, not on a CPU, or LoRA adapters in training (the step reads plain weights)
         return
     packs = PackCache()
-    packed, dense = _in_place_weights(model)  # (before the linear layers change class)
+    natives = native_blocks(model)  # (the float weights they read stay plain: none is packed)
+    head = native_head(model) if any(n is not None for n in natives) else None
+    plain = {w.data_ptr() for w in float_weights(natives)}
+    if head is not None:
+        plain.add(head.product.ptr)
+    packed, dense = _in_place_weights(model, plain)  # (before the linear layers change class)
     swapped: list[tuple[nn.Module, type]] = []
     for module in model.modules():
         if type(module) is nn.Linear:
@@ -370,14 +392,14 @@ def inference(model: Transformer) -> Iterator[Transformer]:
             _swap(module, SigmoidGeluMLP)
     # a model packed in place keeps its other weights' layout (its tied vocabulary table among
     # them): the transposed copy would hold the largest weight twice while it is made
-    laid_out = [] if packed or dense else _wide_weights(model)
+    laid_out = [] if packed or dense else _wide_weights(model, plain)
     try:  # (from here on, whatever fails, every weight gets its values and layout back)
         packs.pack_in_place(packed)
         packs.multiply_dense(dense)
         with torch.inference_mode(False), torch.no_grad():
             for w in laid_out:
                 w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) order in memory
-        model.fast_step = StepRunner(model, packs)
+        model.fast_step = StepRunner(model, packs, natives, head)
         yield model
     finally:
         model.fast_step = None

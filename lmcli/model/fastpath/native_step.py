@@ -1,22 +1,29 @@
 """Decoding steps of whole blocks in one native call each (``lmcli.model.native.layer``).
 
 A block qualifies when every product of it is GGUF blocks the native kernels run (``--quantize
-int8|int4``, a GGUF file as stored), its norms are RMSNorms in float32 placed before the sublayers
-(or sandwiched), its attention is plain (no soft-capping) and its MLP gated (SwiGLU, GeGLU). Its
-step is then one call instead of ~45 torch operations of a few microseconds each, which on a
-small model cost as much as the products themselves. Others take ``LayerStep`` (cpu.py), and so
-does a qualifying block in any step the call cannot serve (padded rows, a sliding window's mask or
-ring, a float16 residual stream): ``StepRunner`` decides per step and per block.
+int8|int4``, a GGUF file as stored) or a float weight (float32, bfloat16, float16: a Hugging Face
+folder, a float GGUF file, an lmcli run), its norms are RMSNorms placed before the sublayers (or
+sandwiched), its attention rotary or none (soft-capped or not, over a sliding window or not) and
+its MLP gated (SwiGLU, GeGLU). Its step is then one call instead of ~45 torch operations of a few
+microseconds each, which on a small model cost as much as the products themselves. The call
+reads a sliding window's ring of the cache (``WindowRing``: column c in slot c % size) as it is,
+skips each row's left padding and computes in float32 whatever the model's dtype (the residual
+stream of a bfloat16 model is float32 between the native blocks, as llama.cpp keeps it). Other
+blocks take ``LayerStep`` (cpu.py), and so does a step the call cannot serve (ALiBi's scores, a
+cache on another device): ``StepRunner`` decides per step and per block.
 ``LMCLI_NATIVE_LAYER=0`` turns the one-call step off (the products stay native).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmcli.model.fastpath.packed import PackingLinear
 from lmcli.model.kv_cache import KVCache
 from lmcli.model.native import layer as native_layer
 from lmcli.model.native import ops
@@ -38,8 +45,8 @@ ACTS = {SwiGLU: "silu", GeGLU: "gelu_tanh"}
 
 def _multiplier(norm: nn.Module) -> Tensor | None:
     """The float32 vector an RMSNorm multiplies by (1 + w for Gemma's form), or None."""
-    if type(norm) is RMSNorm and norm.weight.dtype == torch.float32:
-        return norm.weight.detach().contiguous()
+    if type(norm) is RMSNorm and norm.weight.is_floating_point():
+        return norm.weight.detach().float().contiguous()
     if type(norm) is RMSNorm1p:
         return norm.multiplier().detach().contiguous()
     return None
@@ -49,14 +56,29 @@ def _bias(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
 
-def _product(module: nn.Module) -> native_layer.Product | None:
-    if type(module) is not BlockLinear:
+def _float_weight(module: nn.Module) -> Tensor | None:
+    """The weight of a linear layer the kernels multiply as it is (float32, bfloat16 or float16,
+    (out, in) contiguous on the CPU), or None."""
+    if type(module) not in (nn.Linear, PackingLinear):  # (a LoRA layer's product is its own)
         return None
-    return native_layer.Product(module.blocks, module.fmt, module.in_features, _bias(module.bias))
+    w = module.weight
+    if w.dtype not in ops.TORCH_FLOATS or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+        return None
+    return w
+
+
+def _product(module: nn.Module) -> native_layer.Product | None:
+    if type(module) is BlockLinear:
+        return native_layer.Product(module.blocks, module.fmt, module.in_features, _bias(module.bias))
+    w = _float_weight(module)
+    if w is None:
+        return None
+    blocks, fmt = ops.float_blocks(w)
+    return native_layer.Product(blocks, fmt, module.in_features, _bias(module.bias))
 
 
 def _qkv(module: nn.Module) -> tuple[native_layer.Product, ...] | None:
-    """The query/key/value products: one block layer, or a stack of parts (a GGUF file's q, k, v),
+    """The query/key/value products: one layer, or a stack of block parts (a GGUF file's q, k, v),
     the stack's bias cut into the parts' own."""
     single = _product(module)
     if single is not None:
@@ -71,14 +93,15 @@ def _qkv(module: nn.Module) -> tuple[native_layer.Product, ...] | None:
     return tuple(parts)
 
 
-def native_block(block: Block) -> native_layer.NativeLayer | None:
-    """``block``'s step as one native call, or None where the block does not qualify."""
+def native_block(block: Block, window: int = 0) -> native_layer.NativeLayer | None:
+    """``block``'s step as one native call, or None where the block does not qualify; ``window``:
+    its sliding window (0: none)."""
     attn, mlp = block.attn, block.mlp
     if os.environ.get("LMCLI_NATIVE_LAYER", "1") == "0":  # (the per-operation step, for comparisons)
         return None
     if not ops.available() or block.placement not in (PreNorm, SandwichNorm) or type(mlp) not in ACTS:
         return None
-    if attn.softcap or attn.n_head % attn.n_kv_head:
+    if attn.n_head % attn.n_kv_head:
         return None
     norms = [_multiplier(block.ln_1), _multiplier(block.ln_2)]
     post = [_multiplier(n) for n in block.post] if block.post is not None else []
@@ -108,48 +131,129 @@ def native_block(block: Block) -> native_layer.NativeLayer | None:
         post=(post[0], post[1]) if post else None,
         qk_norm=(qk[0], qk[1]) if qk else None,
         qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
+        window=window if attn.local else 0,
+        softcap=float(attn.softcap or 0.0),
     )
     return native_layer.NativeLayer(weights)
 
 
-class NativeHead:
-    """The vocabulary head's product (GGUF blocks) on a native step's threads."""
+def native_blocks(model: Transformer) -> list[native_layer.NativeLayer | None]:
+    """Each block's one-call step (``native_block``), None where it does not qualify."""
+    return [native_block(block, model.config.sliding_window) for block in model.h]
 
-    def __init__(self, head: BlockLinear) -> None:
-        self.product = ops.BoundProduct(head.blocks, head.fmt, head.in_features)
-        self.bias = _bias(head.bias)
+
+def float_weights(natives: list[native_layer.NativeLayer | None]) -> list[Tensor]:
+    """The float weights (float32, bfloat16, float16) the native blocks read as they are: they
+    must keep their plain layout while the blocks step (a scope packs the others)."""
+    found = {p.blocks.data_ptr(): p.blocks for p in _products(natives) if p.fmt in ops.FLOATS}
+    return list(found.values())
+
+
+def _products(natives: list[native_layer.NativeLayer | None]) -> list[native_layer.Product]:
+    """Every product of the native blocks."""
+    return [
+        p
+        for n in natives
+        if n is not None
+        for p in (*n.weights.qkv, n.weights.out, n.weights.gate, n.weights.up, n.weights.down)
+    ]
+
+
+def step_line(model: Transformer) -> str:
+    """One line saying how many blocks decode in one native call each (``--verbose``), e.g.
+    "native step: 18 of 18 layers (15 windowed)", the float weights' formats where the kernels
+    multiply them, and why no block does where none does."""
+    natives = native_blocks(model)
+    n, local = sum(x is not None for x in natives), sum(x is not None and x.window > 0 for x in natives)
+    floats = sorted({p.fmt for p in _products(natives) if p.fmt in ops.FLOATS})
+    notes = [f"{local} windowed"] if local else []
+    notes += [f"{'/'.join(floats)} weights by the kernels, prompts by torch's GEMM"] if floats else []
+    line = f"native step: {n} of {len(natives)} layers" + (f" ({'; '.join(notes)})" if notes else "")
+    if n == 0:
+        why = "off (LMCLI_NATIVE_LAYER=0)" if os.environ.get("LMCLI_NATIVE_LAYER") == "0" else None
+        why = why or (None if ops.available() else "no native kernels")
+        line += f": {why or 'their norms, MLP or products are not the kinds it runs'}"
+    return line
+
+
+class NativeHead:
+    """The vocabulary head's product (GGUF blocks or a float weight) on a native step's threads,
+    after the final norm in float32."""
+
+    def __init__(
+        self, product: ops.BoundProduct, bias: Tensor | None, norm: Callable[[Tensor], Tensor]
+    ) -> None:
+        self.product, self.bias, self.norm = product, bias, norm
 
     def __call__(self, x: Tensor, threads: int) -> Tensor:
-        """x (B, C) -> logits (B, V) float32."""
-        y = self.product(x.to(torch.float32).contiguous(), threads)
+        """x (B, C) float32, the last block's output -> logits (B, V) float32."""
+        y = self.product(self.norm(x).contiguous(), threads)
         return y if self.bias is None else y + self.bias
 
 
-def native_head(head: nn.Module) -> NativeHead | None:
-    """The head of a model whose blocks step natively, when it is GGUF blocks too."""
-    return NativeHead(head) if type(head) is BlockLinear and ops.available() else None
-
-
-def _rotary(model: Transformer, positions: Tensor, local: bool) -> native_layer.RotaryRows | None:
-    """The rotary table of global (or sliding-window) layers and the rows' positions (B,) in it,
-    or None (no rotary table, or one not float32 or too short for the positions: the
-    per-operation step's)."""
-    rotary = model.positions
-    if not isinstance(rotary, Rotary):
+def _final_norm(norm: nn.Module) -> Callable[[Tensor], Tensor] | None:
+    """The final norm of float32 rows in float32 (an RMSNorm's, or none at all), or None."""
+    if isinstance(norm, nn.Identity):
+        return lambda x: x
+    scale = _multiplier(norm)
+    if scale is None:
         return None
-    cos, sin = rotary.table(local)
-    if cos.dtype != torch.float32 or int(positions.max()) >= cos.size(0):
+    return lambda x: F.rms_norm(x, (scale.numel(),), scale, norm.eps)
+
+
+def native_head(model: Transformer) -> NativeHead | None:
+    """The head of a model whose blocks step natively, when it is GGUF blocks or a float weight
+    the kernels multiply as it is (a tied one: the token embedding's table) and its final norm
+    an RMSNorm."""
+    head, norm = model.lm_head, _final_norm(model.ln_f)
+    if not ops.available() or norm is None:
+        return None
+    if type(head) is BlockLinear:
+        return NativeHead(ops.BoundProduct(head.blocks, head.fmt, head.in_features), _bias(head.bias), norm)
+    w = _float_weight(head)
+    if w is None:
+        return None
+    return NativeHead(ops.BoundProduct(*ops.float_blocks(w), head.in_features), _bias(head.bias), norm)
+
+
+Table = tuple[Tensor, Tensor]  # cos, sin (N, D/2) float32
+
+
+def rotary_tables(model: Transformer) -> tuple[Table, Table] | None:
+    """The rotary tables of global and sliding-window layers in float32 (the model's own where
+    they are float32, else a copy: a model cast to bfloat16 whole casts its tables too), or None
+    without rotary positions."""
+    if not isinstance(model.positions, Rotary):
+        return None
+    cos, sin = model.positions.table(False)
+    cos_local, sin_local = model.positions.table(True)
+    return (cos.float().contiguous(), sin.float().contiguous()), (
+        cos_local.float().contiguous(),
+        sin_local.float().contiguous(),
+    )
+
+
+def _rotary(table: Table, positions: Tensor) -> native_layer.RotaryRows | None:
+    """A rotary table and the rows' positions (B,) in it, or None where it is too short for them
+    (the per-operation step's)."""
+    cos, sin = table
+    if int(positions.max()) >= cos.size(0):
         return None
     return native_layer.RotaryRows(cos, sin, positions)
 
 
 def native_step(
-    model: Transformer, x: Tensor, cache: KVCache, first: native_layer.NativeLayer, threads: int | None = None
+    model: Transformer,
+    x: Tensor,
+    cache: KVCache,
+    first: native_layer.NativeLayer,
+    threads: int | None = None,
+    tables: tuple[Table, Table] | None = None,
 ) -> native_layer.StepArgs | None:
     """The step's shared arguments, checked (``StepArgs.checked``), or None where this step cannot
-    be native (ALiBi's scores, a row all padding, rows not float32, a cache laid out otherwise).
-    ``threads``: the products' (default: torch's count)."""
-    if x.dtype != torch.float32 or model.positions.biases_scores:
+    be native (ALiBi's scores, rows or a cache not on the CPU, a cache laid out otherwise).
+    ``threads``: the products' (default: torch's count); ``tables``: ``rotary_tables(model)``."""
+    if not x.is_floating_point() or not x.is_cpu or model.positions.biases_scores:
         return None
     B, column = x.size(0), cache.length
     if column + 1 > cache.max_len:
@@ -157,17 +261,23 @@ def native_step(
     start = None
     if cache.padding.has_padding:
         start = cache.padding.start.to(torch.int64).contiguous()  # (B,)
-        if start.shape != (B,) or int(start.max()) > column:  # (a row with no column of its own yet)
+        if start.shape != (B,):
             return None
     cache.reserve(column + 1)
-    k, v = cache.k, cache.v  # (layers, B, KV, columns, D)
-    if k.dim() != 5 or k.size(0) == 0:
+    k, v = cache.k, cache.v  # (layers, B, KV, columns, row)
+    ring = None if cache.ring is None else (cache.ring.k, cache.ring.v)
+    if k.dim() != 5 or not k.is_cpu:
         return None
-    positions = torch.full((B,), column, dtype=torch.int64) if start is None else column - start  # (B,)
-    turn = _rotary(model, positions, False)
-    turns = (turn, _rotary(model, positions, True) if model.config.sliding_window else turn)
-    if isinstance(model.positions, Rotary) and (turns[0] is None or turns[1] is None):
-        return None
+    positions = torch.full((B,), column, dtype=torch.int64)  # (B,)
+    if start is not None:
+        positions = (column - start).clamp_min(0)  # (a row still all padding: position 0)
+    turns: tuple[native_layer.RotaryRows | None, native_layer.RotaryRows | None] = (None, None)
+    if isinstance(model.positions, Rotary):
+        tables = tables or rotary_tables(model)
+        assert tables is not None
+        turns = (_rotary(tables[0], positions), _rotary(tables[1], positions))
+        if turns[0] is None or turns[1] is None:
+            return None
     return native_layer.StepArgs.checked(
-        first, B, k, v, column, start, turns, threads or torch.get_num_threads()
+        first, B, k, v, column, start, turns, threads or torch.get_num_threads(), ring, cache.fmt
     )

@@ -21,11 +21,14 @@
   X(ACT_SILU, "silu")  \
   X(ACT_GELU_TANH, "gelu_tanh")
 
-// the key/value cache's element types, by torch's dtype names
+// the key/value cache's element types, by torch's dtype names, and its block formats (a head's row
+// of D values as D / 32 of ggml's q8_0 or q4_0 blocks, --kv-dtype's names)
 #define LM_CACHE_LIST(X)        \
   X(CACHE_F32, "float32")       \
   X(CACHE_BF16, "bfloat16")     \
-  X(CACHE_F16, "float16")
+  X(CACHE_F16, "float16")       \
+  X(CACHE_Q8_0, "q8_0")         \
+  X(CACHE_Q4_0, "q4_0")
 
 namespace lmabi {
 
@@ -58,7 +61,9 @@ struct LmLayer {
   int64_t C, H, KV, D, F;  // width, query heads, key/value heads, head size, MLP width
   int64_t act;             // lmabi::Act
   int64_t nqkv;            // parts of the query/key/value product (1-3): outputs side by side
+  int64_t window;          // a sliding window's columns (a query sees the last `window`), or 0: all
   double eps, qk_eps, scale;
+  double softcap;          // the scores capped softly, softcap tanh(s / softcap), or 0: not capped
   const float* norm1;
   const float* norm2;
   const float* post1;  // sandwich placement's norms of the sublayers' outputs, or null
@@ -76,7 +81,8 @@ struct LmLayer {
 #define LM_ABI_FIELDS(X)                                                                              \
   X(LmLinear, wtype) X(LmLinear, w) X(LmLinear, n) X(LmLinear, k) X(LmLinear, bias)                   \
   X(LmLayer, C) X(LmLayer, H) X(LmLayer, KV) X(LmLayer, D) X(LmLayer, F) X(LmLayer, act)              \
-  X(LmLayer, nqkv) X(LmLayer, eps) X(LmLayer, qk_eps) X(LmLayer, scale) X(LmLayer, norm1)             \
+  X(LmLayer, nqkv) X(LmLayer, window) X(LmLayer, eps) X(LmLayer, qk_eps) X(LmLayer, scale)            \
+  X(LmLayer, softcap) X(LmLayer, norm1)                                                               \
   X(LmLayer, norm2) X(LmLayer, post1) X(LmLayer, post2) X(LmLayer, q_norm) X(LmLayer, k_norm)         \
   X(LmLayer, qkv) X(LmLayer, o) X(LmLayer, gate) X(LmLayer, up) X(LmLayer, down)
 #define LM_ABI_STRUCTS(X) X(LmLinear) X(LmLayer)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from lmcli.errors import LmcliError
 
-VERSION = 2  # lmcli_native_version() of the library this module binds
+VERSION = 3  # lmcli_native_version() of the library this module binds
 i64, i32, f64, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 NAME_LISTS = ("isas", "acts", "cache_types")  # lmabi::NameList, in order
 
@@ -27,8 +27,8 @@ class LmLinear(ctypes.Structure):
 
 class LmLayer(ctypes.Structure):
     _fields_ = [
-        *((name, i64) for name in ("C", "H", "KV", "D", "F", "act", "nqkv")),
-        *((name, f64) for name in ("eps", "qk_eps", "scale")),
+        *((name, i64) for name in ("C", "H", "KV", "D", "F", "act", "nqkv", "window")),
+        *((name, f64) for name in ("eps", "qk_eps", "scale", "softcap")),
         *((name, ptr) for name in ("norm1", "norm2", "post1", "post2", "q_norm", "k_norm")),
         ("qkv", LmLinear * 3),
         *((name, LmLinear) for name in ("o", "gate", "up", "down")),
@@ -54,6 +54,8 @@ SIGNATURES = {
     "lmcli_native_matmul": ([i32, ptr, i64, i64, ptr, i64, ptr, i32, i32], i32),
     # (type, blocks, n, k, out, threads, instruction set)
     "lmcli_native_dequantize": ([i32, ptr, i64, i64, ptr, i32, i32], i32),
+    # (type, blocks, rows, k, ids, n, out)
+    "lmcli_native_weight_rows": ([i32, ptr, i64, i64, ptr, i64, ptr], i32),
     # (layer, x, rows, cos rows, sin rows, start, k, v, cache type, columns, column, threads, instruction set)
     "lmcli_native_layer_step": (
         [ctypes.POINTER(LmLayer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32],

@@ -52,30 +52,44 @@ using namespace lmabi;
 
 #include "scalar.inc"
 #include "dequant.inc"
+#include "float_rows.inc"
 
 // one weight row . R activation rows -> out[R]
 using DotFn = void (*)(const uint8_t*, const ActRow*, int64_t, float*);
 using QuantFn = void (*)(const float*, int64_t, int, int, int8_t*, float*, int32_t*);
 // `count` consecutive blocks -> block * count bfloat16 values
 using DequantFn = void (*)(const uint8_t*, int64_t, uint16_t*);
+// a float format's weight row of k values . R float32 activation rows -> out[R]
+using FloatDotFn = void (*)(const uint8_t*, const float* const*, int64_t, float*);
 
 // the activation copies a product reads beyond q, d, s (ActRow), flags: the pair or quad layout of
 // its 32-value groups or the halves layout of its 256-value blocks (scalar.inc), the sums over 32 values
 enum Layout { PLAIN = 0, PAIRS = 1, QUADS = 2, SUMS32 = 4, HALVES = 8 };
 
-// one instruction set's kernels for one format (all null: none; a float format has none yet)
+// one instruction set's kernels for one format (all null: none). A block format has the first
+// four (its activations rounded to int8 first); a float format (f32, f16, bf16) the last two.
 struct Kernels {
   DotFn dot1 = nullptr, dot4 = nullptr;  // one activation row, four
   QuantFn quantize = nullptr;
   DequantFn dequantize = nullptr;
   int layout = PLAIN;
+  FloatDotFn fdot1 = nullptr, fdot4 = nullptr;  // a float weight row . one float32 row, four
+
+  bool multiplies() const { return dot1 != nullptr || fdot1 != nullptr; }
 };
+
+// a float format's kernels: its products of one and four activation rows
+constexpr Kernels float_kernels(FloatDotFn one, FloatDotFn four) {
+  Kernels k;
+  k.fdot1 = one, k.fdot4 = four;
+  return k;
+}
 
 namespace scalar {  // the portable kernels (scalar.inc, dequant.inc): the scalar instruction set's
 template <int T>
 constexpr Kernels kernels_of() {
   if constexpr (block_values(T) == 1)
-    return Kernels{};  // a float format: no product of its own yet
+    return float_kernels(float_dot<T, 1>, float_dot<T, 4>);
   else
     return Kernels{rows<scalar::dot1<T>, 1>, rows<scalar::dot1<T>, 4>, quantize_act, scalar::dequant<T>, PLAIN};
 }
@@ -207,12 +221,52 @@ void quantize_rows(const Kernels& kern, const float* x, int64_t m, int64_t k, in
   }
 }
 
+// y (m, n) = x (m, k) . w (n, k)^T for a float format's rows of `row_bytes`: each thread's weight
+// rows in turn, four activation rows at a time (a weight row loaded once for the four), so a
+// batched product equals its rows' one at a time exactly
+int float_matmul(const Kernels& kern, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t k, const float* x,
+                 int64_t m, float* y, int threads) {
+  run_parts(threads, n, [&](int t, int parts) {
+    const int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
+    for (int64_t j = lo; j < hi; ++j) {
+      const uint8_t* wr = w + j * row_bytes;
+      for (int64_t i = 0; i < m;) {
+        const int r = m - i >= 4 ? 4 : 1;
+        const float* rows[4] = {x + i * k, x + std::min(i + 1, m - 1) * k, x + std::min(i + 2, m - 1) * k,
+                                x + std::min(i + 3, m - 1) * k};
+        float out[4];
+        (r == 4 ? kern.fdot4 : kern.fdot1)(wr, rows, k, out);
+        for (int s = 0; s < r; ++s) y[(i + s) * n + j] = out[s];
+        i += r;
+      }
+    }
+  });
+  return 0;
+}
+
+// rows ids[0..n-1] of a weight of format T (rows of row_bytes, k values) -> out (n, k) float32:
+// gguf's values, float32 operation for operation (dequant.inc)
+template <int T>
+void rows_f32(const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* ids, int64_t n, float* out) {
+  constexpr int B = block_values(T);
+  if constexpr (B > 1)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t b = 0; b < k / B; ++b)
+        scalar::dequant_block<T>(w + ids[i] * row_bytes + b * block_bytes(T), out + i * k + b * B);
+}
+using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const int64_t*, int64_t, float*);
+const RowsFn kRowsF32[] = {
+#define LM_ROWS_ROW(e, t, n, s, b) block_values(t) > 1 ? rows_f32<t> : nullptr,
+    LM_FORMAT_LIST(LM_ROWS_ROW)
+#undef LM_ROWS_ROW
+};
+
 }  // namespace
 
 extern "C" {
 
 // bumped whenever the ABI (abi.h, the functions below) changes; Python checks it (abi.VERSION)
-int lmcli_native_version() { return 2; }
+int lmcli_native_version() { return 3; }
 
 int lmcli_native_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
 
@@ -266,7 +320,7 @@ int lmcli_native_format(int i, int* ggml_type, const char** name, int* block, in
   if (i < 0 || i >= kFormatCount) return -1;
   const Traits& t = kTraits[i];
   *ggml_type = t.wtype, *name = t.name, *block = t.block, *bytes = t.bytes, *align = t.align;
-  *products = scalar::kTable[i].dot1 != nullptr;
+  *products = scalar::kTable[i].multiplies();
   return 0;
 }
 
@@ -284,6 +338,8 @@ int lmcli_native_matmul(int wtype, const uint8_t* w, int64_t n, int64_t k, const
                         int threads, int isa) {
   const Kernels* kern = pick(wtype, isa);
   const int block = block_values(wtype);
+  if (kern != nullptr && kern->fdot1 != nullptr && n >= 0 && m >= 0 && k > 0)
+    return float_matmul(*kern, w, n, k * block_bytes(wtype), k, x, m, y, threads);
   if (kern == nullptr || kern->dot1 == nullptr || n < 0 || m < 0 || k <= 0 || k % block != 0) return -1;
   const int64_t nb = k / block, row_bytes = nb * block_bytes(wtype);
   const ActCopies acts = act_copies(m, k, block, kern->layout);
@@ -324,6 +380,20 @@ int lmcli_native_dequantize(int wtype, const uint8_t* w, int64_t n, int64_t k, u
     const int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
     kern->dequantize(w + lo * nb * bb, (hi - lo) * nb, out + lo * k);
   });
+  return 0;
+}
+
+// rows ids[0..n-1] of w (rows rows of k values in GGUF block layout `wtype`) -> out (n, k) float32,
+// each value as gguf's dequantize gives it (a token embedding's lookups). Returns 0, or -1 for an
+// unknown type or size or an id outside 0..rows-1.
+int lmcli_native_weight_rows(int wtype, const uint8_t* w, int64_t rows, int64_t k, const int64_t* ids, int64_t n,
+                             float* out) {
+  const int i = format_index(wtype);
+  const int block = block_values(wtype);
+  if (i < 0 || kRowsF32[i] == nullptr || rows < 0 || n < 0 || k <= 0 || k % block != 0) return -1;
+  for (int64_t j = 0; j < n; ++j)
+    if (ids[j] < 0 || ids[j] >= rows) return -1;
+  kRowsF32[i](w, k / block * block_bytes(wtype), k, ids, n, out);
   return 0;
 }
 

@@ -1,9 +1,10 @@
 """One decoding step of a whole Transformer block in one native call (``layer.inc``).
 
 A ``NativeLayer`` holds one block's weights, checked once when it is made: the products' GGUF
-blocks (``ops.check_blocks``), the norms' float32 weights and every size against every other.
-``StepArgs.checked`` checks, once a decoding step for every layer, what changes from step to step
-(the rows' count, the cache's buffers, the new column, the rows' left padding, their rotary rows);
+blocks or float weights (``ops.check_blocks``), the norms' float32 weights and every size against
+every other. ``StepArgs.checked`` checks, once a decoding step for every layer, what changes from
+step to step (the rows' count, the cache's buffers, a sliding window's ring of them, the new
+column, the rows' left padding, their rotary rows);
 ``StepArgs.run`` then calls the library for one layer (its rows checked against the layer), which
 trusts all of it. The model-side glue, which decides which blocks and steps qualify and reads
 their weights, is ``lmcli.model.fastpath.native_step``. The structures are ``abi.py``'s mirrors of
@@ -25,8 +26,9 @@ from lmcli.model.native.abi import LmLayer, LmLinear
 
 @dataclass(frozen=True)
 class Product:
-    """A product's weight as GGUF blocks (out, row bytes) in ``fmt`` over ``k`` inputs, and its
-    float32 bias (out,) or None."""
+    """A product's weight as GGUF blocks (out, row bytes) in ``fmt`` over ``k`` inputs (a float
+    weight's bytes in "f32", "f16" or "bf16": ``ops.float_blocks``), and its float32 bias (out,)
+    or None."""
 
     blocks: Tensor
     fmt: str
@@ -54,6 +56,8 @@ class LayerWeights:
     post: tuple[Tensor, Tensor] | None = None  # sandwich norms of the sublayers' outputs
     qk_norm: tuple[Tensor, Tensor] | None = None  # (D,) multipliers of the per-head q and k norms
     qk_eps: float = 0.0
+    window: int = 0  # a sliding window's columns (a query sees the last ``window``), 0: all
+    softcap: float = 0.0  # the scores capped softly, softcap tanh(s / softcap); 0: not capped
 
 
 def _vector(t: Tensor, n: int, what: str) -> int:
@@ -85,14 +89,17 @@ class NativeLayer:
         acts = lib.report.acts
         if KV < 1 or H % KV or D % 2 or w.act not in acts or not 1 <= len(w.qkv) <= 3:
             raise LmcliError(f"native layer: {H} heads over {KV} KV heads of {D}, {w.act!r}: unsupported")
+        if w.window < 0 or not w.softcap >= 0:
+            raise LmcliError(f"native layer: window {w.window}, soft cap {w.softcap}: unsupported")
         if sum(p.blocks.size(0) for p in w.qkv) != (H + 2 * KV) * D:
             raise LmcliError(f"native layer: the query/key/value products give {(H + 2 * KV) * D} outputs")
         self.weights = w  # (keeps every buffer the structure points at alive)
         self.fn, self.isa, self.lib = lib.lib.lmcli_native_layer_step, lib.best_index, lib
-        self.width, self.kv_heads, self.head_dim = C, KV, D
+        self.width, self.kv_heads, self.head_dim, self.window = C, KV, D, w.window
         post = w.post or (None, None)
         qk = w.qk_norm or (None, None)
-        s = LmLayer(C, H, KV, D, F, acts.index(w.act), len(w.qkv), w.eps, w.qk_eps, w.scale)
+        s = LmLayer(C, H, KV, D, F, acts.index(w.act), len(w.qkv), w.window)
+        s.eps, s.qk_eps, s.scale, s.softcap = w.eps, w.qk_eps, w.scale, w.softcap
         s.norm1, s.norm2 = _vector(w.norm_1, C, "norm 1"), _vector(w.norm_2, C, "norm 2")
         s.post1 = None if post[0] is None else _vector(post[0], C, "post norm 1")
         s.post2 = None if post[1] is None else _vector(post[1], C, "post norm 2")
@@ -117,8 +124,9 @@ class NativeLayer:
         threads: int,
     ) -> None:
         """The library's call for addresses ``StepArgs`` checked: ``turns``, the addresses (B,)
-        int64 of each row's cos and sin; ``cache``: (keys, values, the library's dtype number,
-        columns)."""
+        int64 of each row's cos and sin; ``cache``: (keys, values, the library's cache type,
+        columns); ``column``: the new token's column in the sequence (in the cache's row
+        column % columns)."""
         cos, sin = (None, None) if turns is None else (turns[0].data_ptr(), turns[1].data_ptr())
         k, v, dtype, columns = cache
         if self.fn(self.ref, x, rows, cos, sin, start, k, v, dtype, columns, column, threads, self.isa) != 0:
@@ -135,18 +143,40 @@ class RotaryRows:
     positions: Tensor
 
 
-def _cache(layer: NativeLayer, rows: int, k: Tensor, v: Tensor) -> int:
-    """The library's number for the cache's dtype, after checking that k and v are (layers, rows,
-    kv heads, columns, head size) contiguous CPU buffers of one dtype."""
-    names = layer.lib.report.cache_types
-    shape = (k.size(0) if k.dim() == 5 else -1, rows, layer.kv_heads, k.size(3) if k.dim() == 5 else -1)
-    shape += (layer.head_dim,)
-    name = str(k.dtype).removeprefix("torch.")
-    if k.shape != shape or v.shape != shape or k.dtype != v.dtype or name not in names:
-        raise LmcliError(f"native layer: a cache of {k.dtype} {tuple(k.shape)} does not fit {shape}")
+@dataclass(frozen=True)
+class Buffers:
+    """One pair of the cache's buffers, keys and values (layers, B, KV, columns, row), by address:
+    the plain cache's, or a sliding window's ring (column c of the sequence in column c % columns)."""
+
+    k: int
+    v: int
+    layers: int
+    layer_bytes: int  # from one layer's keys to the next's
+    columns: int
+
+
+def cache_row(fmt: str, head_dim: int) -> tuple[int, torch.dtype]:
+    """The length and dtype of a cached head row in ``fmt`` (a float dtype's name: D values of it;
+    "q8_0" or "q4_0": D / 32 blocks of that many bytes, uint8)."""
+    if fmt in CACHE_BLOCKS:
+        return head_dim // 32 * CACHE_BLOCKS[fmt], torch.uint8
+    return head_dim, getattr(torch, fmt)
+
+
+CACHE_BLOCKS = {"q8_0": 34, "q4_0": 18}  # bytes of a 32-value block of a quantized cache
+
+
+def _buffers(layer: NativeLayer, rows: int, k: Tensor, v: Tensor, fmt: str) -> Buffers:
+    """``Buffers`` of k and v after checking that they are (layers, rows, kv heads, columns, row)
+    contiguous CPU buffers of ``fmt``'s rows (``cache_row``)."""
+    width, dtype = cache_row(fmt, layer.head_dim)
+    layers, columns = (k.size(0), k.size(3)) if k.dim() == 5 else (-1, -1)
+    shape = (layers, rows, layer.kv_heads, columns, width)
+    if k.shape != shape or v.shape != shape or k.dtype != dtype or v.dtype != dtype:
+        raise LmcliError(f"native layer: a cache of {k.dtype} {tuple(k.shape)} does not fit {shape} {fmt}")
     if not (k.is_contiguous() and v.is_contiguous() and k.is_cpu and v.is_cpu):
         raise LmcliError("native layer: the cache must be contiguous CPU buffers")
-    return names.index(name)
+    return Buffers(k.data_ptr(), v.data_ptr(), layers, k.stride(0) * k.element_size(), columns)
 
 
 def _turns(layer: NativeLayer, rows: int, rotary: RotaryRows | None) -> tuple[Tensor, Tensor] | None:
@@ -176,18 +206,14 @@ def _turns(layer: NativeLayer, rows: int, rotary: RotaryRows | None) -> tuple[Te
 @dataclass(frozen=True)
 class StepArgs:
     """What one decoding step's native calls share, checked once for every layer (``checked``):
-    the rows, their left padding, the cache's buffers and new column, the rows' rotary turns
-    (global and sliding-window layers')."""
+    the rows, their left padding, the cache's buffers (a sliding window's ring among them) and
+    new column, the rows' rotary turns (global and sliding-window layers')."""
 
     rows: int
     width: int
     start: Tensor | None  # (B,) int64: each row's first column (left padding), or None
-    k: int
-    v: int
-    layers: int
-    layer_bytes: int  # from one layer's keys to the next's
+    buffers: tuple[Buffers, Buffers | None]  # the plain cache's, the ring's (or None)
     cache_type: int
-    columns: int
     column: int
     turns: tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]  # (B,) addresses of cos, sin
     threads: int
@@ -204,15 +230,25 @@ class StepArgs:
         start: Tensor | None = None,
         rotary: tuple[RotaryRows | None, RotaryRows | None] = (None, None),
         threads: int = 1,
+        ring: tuple[Tensor, Tensor] | None = None,
+        fmt: str | None = None,
     ) -> StepArgs:
         """The arguments of a step of ``rows`` rows through layers like ``layer``: the new key
-        and value go to ``column`` of the cache k, v (layers, B, KV, columns, D), row b attends to
-        columns start[b]..column (``start`` (B,) int64; None: no padding), and turns by its
-        ``rotary`` rows (a global and a sliding-window layer's; None: no rotary). Raises
+        and value go to ``column`` of the cache k, v (layers, B, KV, columns, row) or, for a
+        layer in the sliding window's ``ring`` (its k, v of the same form), to its column
+        ``column`` % its columns; row b attends to columns start[b]..column (``start`` (B,) int64;
+        None: no padding; a row that starts after ``column`` sees that column alone), and turns
+        by its ``rotary`` rows (a global and a sliding-window layer's; None: no rotary). ``fmt``:
+        the cache's rows, "q8_0" or "q4_0" (uint8 blocks), else (None) k's float dtype. Raises
         LmcliError for anything the library could not take."""
-        cache_type = _cache(layer, rows, k, v)
-        if type(column) is not int or not 0 <= column < k.size(3):
-            raise LmcliError(f"native layer: column {column} is outside the cache's {k.size(3)}")
+        names = layer.lib.report.cache_types
+        fmt = fmt or str(k.dtype).removeprefix("torch.")
+        if fmt not in names:
+            raise LmcliError(f"native layer: a cache of {fmt} does not fit ({', '.join(names)})")
+        plain = _buffers(layer, rows, k, v, fmt)
+        rung = None if ring is None else _buffers(layer, rows, ring[0], ring[1], fmt)
+        if type(column) is not int or column < 0 or (plain.layers > 0 and column >= plain.columns):
+            raise LmcliError(f"native layer: column {column} is outside the cache's {plain.columns}")
         if start is not None:
             if (
                 start.dtype != torch.int64
@@ -222,45 +258,42 @@ class StepArgs:
                 raise LmcliError(
                     f"native layer: start must be int64 ({rows},), not {start.dtype} {tuple(start.shape)}"
                 )
-            if not 0 <= int(start.min()) <= int(start.max()) <= column:
-                raise LmcliError(f"native layer: a row starts outside columns 0..{column}")
+            if int(start.min()) < 0:
+                raise LmcliError("native layer: a row starts before column 0")
         if type(threads) is not int or threads < 1:
             raise LmcliError(f"native layer: threads must be a positive integer, not {threads!r}")
         turns = (_turns(layer, rows, rotary[0]), _turns(layer, rows, rotary[1]))
-        layer_bytes = k.stride(0) * k.element_size()
-        return cls(
-            rows,
-            layer.width,
-            start,
-            k.data_ptr(),
-            v.data_ptr(),
-            k.size(0),
-            layer_bytes,
-            cache_type,
-            k.size(3),
-            column,
-            turns,
-            threads,
-            (k, v, rotary),
-        )
+        held = (k, v, ring, rotary)
+        return cls(rows, layer.width, start, (plain, rung), names.index(fmt), column, turns, threads, held)
 
-    def run(self, layer: NativeLayer, x: Tensor, row: int, local: int, rotary: bool) -> Tensor:
-        """x (B, C) through ``layer``, whose keys and values are the cache's row ``row`` (its
-        ``local`` turns, or none where ``rotary`` is False): x itself, changed in place, where
-        it is float32 and contiguous, else its float32 copy."""
-        if x.shape != (self.rows, self.width) or layer.width != self.width or not 0 <= row < self.layers:
+    def run(
+        self, layer: NativeLayer, x: Tensor, row: int, local: int, rotary: bool, ringed: bool = False
+    ) -> Tensor:
+        """x (B, C) through ``layer``, whose keys and values are row ``row`` of the cache's
+        buffers (of its sliding window's ring where ``ringed``), turned by its ``local`` turns
+        (none where ``rotary`` is False): x itself, changed in place, where it is float32 and
+        contiguous, else its float32 copy."""
+        buffers = self.buffers[1] if ringed else self.buffers[0]
+        if (
+            x.shape != (self.rows, self.width)
+            or layer.width != self.width
+            or buffers is None
+            or not 0 <= row < buffers.layers
+        ):
             raise LmcliError(
                 f"native layer: rows {tuple(x.shape)} of layer {row} do not fit ({self.rows}, {self.width})"
             )
+        if ringed and not 0 < layer.window <= buffers.columns:
+            raise LmcliError(f"native layer: window {layer.window} does not fit a ring of {buffers.columns}")
         if not x.is_contiguous() or x.dtype != torch.float32 or not x.is_cpu:
             x = x.to("cpu", torch.float32).contiguous()
-        at = row * self.layer_bytes
+        at = row * buffers.layer_bytes
         layer.call(
             x.data_ptr(),
             self.rows,
             self.turns[local] if rotary else None,
             None if self.start is None else self.start.data_ptr(),
-            (self.k + at, self.v + at, self.cache_type, self.columns),
+            (buffers.k + at, buffers.v + at, self.cache_type, buffers.columns),
             self.column,
             self.threads,
         )

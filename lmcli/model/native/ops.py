@@ -60,6 +60,11 @@ def _format(name: str) -> BlockFormat:
 NATIVE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K")
 NATIVE += ("iq4_nl", "iq4_xs", "mxfp4")
 FORMATS = {name: _format(name) for name in NATIVE}
+# float weights (a float32, float16 or bfloat16 tensor's bytes, "blocks" of one value): the
+# kernels multiply them too (a decoding step's products; a prompt's are torch's GEMM)
+FLOATS = {name: _format(name) for name in ("f32", "f16", "bf16")}
+PRODUCTS = {**FORMATS, **FLOATS}
+TORCH_FLOATS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 @dataclass
@@ -104,10 +109,10 @@ class Library:
 
 
 def _check_formats(report: abi.Report) -> None:
-    """Raises LmcliError unless the library multiplies exactly ``FORMATS``, with gguf's sizes."""
+    """Raises LmcliError unless the library multiplies exactly ``PRODUCTS``, with gguf's sizes."""
     runs = {name for name, f in report.formats.items() if f.products}
-    if runs != set(FORMATS):
-        raise LmcliError(f"it runs {', '.join(sorted(runs ^ set(FORMATS)))} otherwise than lmcli expects")
+    if runs != set(PRODUCTS):
+        raise LmcliError(f"it runs {', '.join(sorted(runs ^ set(PRODUCTS)))} otherwise than lmcli expects")
     for name, f in report.formats.items():
         kind = getattr(gguf.GGMLQuantizationType, name.upper(), None)
         sizes = gguf.GGML_QUANT_SIZES.get(kind) if kind is not None else None
@@ -168,10 +173,11 @@ def _loaded() -> Library:
 
 
 def check_blocks(blocks: Tensor, fmt: str, k: int) -> BlockFormat:
-    """The format of ``blocks`` after checking it holds whole rows of ``k`` values in ``fmt``."""
-    if fmt not in FORMATS:
-        raise LmcliError(f"block format {fmt!r} has no native kernel (have: {', '.join(FORMATS)})")
-    f = FORMATS[fmt]
+    """The format of ``blocks`` after checking it holds whole rows of ``k`` values in ``fmt`` (a
+    block format, or a float one: ``float_blocks``)."""
+    if fmt not in PRODUCTS:
+        raise LmcliError(f"block format {fmt!r} has no native kernel (have: {', '.join(PRODUCTS)})")
+    f = PRODUCTS[fmt]
     if not isinstance(k, int) or k <= 0 or k % f.block:
         raise LmcliError(f"{fmt} rows of {k} values: the width must be a positive multiple of {f.block}")
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu":
@@ -188,6 +194,18 @@ def check_blocks(blocks: Tensor, fmt: str, k: int) -> BlockFormat:
     if storage < blocks.numel():
         raise LmcliError(f"{fmt} blocks: {blocks.numel()} bytes expected, the buffer holds {storage}")
     return f
+
+
+def float_blocks(weight: Tensor) -> tuple[Tensor, str]:
+    """A float weight (n, k) as the kernels read it: its bytes (n, k * itemsize) uint8, a view
+    (no copy), and its format ("f32", "f16", "bf16")."""
+    fmt = TORCH_FLOATS.get(weight.dtype)
+    if fmt is None or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise LmcliError(
+            f"a float product needs a contiguous (n, k) float32, float16 or bfloat16 CPU weight, not "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
+    return weight.detach().view(torch.uint8), fmt
 
 
 def _check_threads(threads: int) -> None:
@@ -251,6 +269,20 @@ class BoundProduct:
         w = self.ptr + first * self.format.row_bytes(self.k)
         if self.dequant(self.format.ggml_type, w, rows, self.k, out.data_ptr(), threads, self.isa) != 0:
             raise LmcliError(f"native {self.format.name} dequantize refused its sizes (n={rows}, k={self.k})")
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (n,) of the weight as float32 (n, k): gguf's dequantized values, exactly
+        (a token embedding's lookups in a table of blocks)."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.dim() != 1 or not ids.is_cpu:
+            raise LmcliError(f"weight rows: ids must be a 1-D CPU tensor, not {tuple(ids.shape)}")
+        out = torch.empty(ids.numel(), self.k)  # (n, k)
+        rc = self.lib.lib.lmcli_native_weight_rows(
+            self.format.ggml_type, self.ptr, self.n, self.k, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        if rc != 0:
+            raise LmcliError(f"weight rows: ids outside the {self.n} rows of this {self.format.name} weight")
+        return out
 
     def weight(self, threads: int = 1) -> Tensor:
         """The (n, k) weight in bfloat16 as a prompt's GEMM reads it: bit for bit

@@ -23,7 +23,7 @@ from lmcli.data.preferences import PromptData, PromptRow
 from lmcli.data.train_data import TrainData
 from lmcli.device import autocast
 from lmcli.formats.checkpoint import Checkpoint
-from lmcli.model.kv_cache import cache_dtype, kv_bytes
+from lmcli.model.kv_cache import cache_dtype, kv_bytes, value_bytes
 from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer
 from lmcli.train.post.base import PostMethod
@@ -229,7 +229,7 @@ class GRPO(PostMethod[Group]):
         step = estimated_memory(
             run.model, self.cfg, run.amp, run.device, shards, self.context(run), self.settings.group
         )
-        itemsize = torch.empty((), dtype=cache_dtype(run.model)).element_size()
+        itemsize = value_bytes(cache_dtype(run.model))
         decoding = rows * (kv_bytes(c, self.context(run), itemsize) + 4 * c.padded_vocab_size * 4)
         return step + self.reference.nbytes + decoding
 
