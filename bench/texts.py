@@ -114,3 +114,25 @@ def spm_pieces(size: int, seed: int = 0) -> tuple[list[str], list[float], list[i
     types += [normal] * (len(tokens) - len(types))
     scores = [0.0] * first + [-float(i) for i in range(len(tokens) - first)]
     return tokens, scores, types
+
+
+def spm_tokenizer(size: int) -> Tokenizer:
+    """lmcli's Tokenizer of ``spm_pieces(size)``, read as a GGUF ``llama`` vocabulary is (a
+    SentencePiece-style tokenizer: the file lmcli exports of it holds the same vocabulary)."""
+    from lmcli.formats.families.gguf_schema import GgufSchema
+    from lmcli.formats.families.hf_config import HFConfig
+    from lmcli.formats.gguf.vocab import tokenizer_from_gguf
+
+    tokens, scores, types = spm_pieces(size)
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.add_space_prefix": False,  # (Gemma's)
+        "tokenizer.ggml.bos_token_id": tokens.index("<bos>"),
+        "tokenizer.ggml.eos_token_id": tokens.index("<eos>"),
+        "tokenizer.ggml.padding_token_id": tokens.index("<pad>"),
+        "tokenizer.ggml.unknown_token_id": tokens.index("<unk>"),
+    }
+    return tokenizer_from_gguf(HFConfig(meta, "spm_pieces", GgufSchema()))

@@ -131,5 +131,7 @@ def load_gguf_as_stored(
         return model, tok, {**meta, "products": ops.backend_line()}
     tell(header)
     model = load_as_stored(header, dtype or default_dtype(header))
-    release_freed_memory()  # what building the tokenizer and the checks left in the heap
-    return model, header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}
+    tok, meta = header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}
+    del header  # the bytes read of the rows copied (a fused q/k/v), the checks' tables
+    release_freed_memory()  # and their pages, not left in the heap
+    return model, tok, meta
