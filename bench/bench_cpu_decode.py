@@ -8,9 +8,10 @@ five sliding-window layers of 512 tokens then a global one, a 32k context, a 262
 SentencePiece-style vocabulary: ``bench.texts.spm_pieces``, tied). A child process writes each
 as an lmcli checkpoint and, through lmcli's GGUF exporter (the ``gguf`` package's own writer and
 quantizers), as f32, f16, q8_0 and q4_0 GGUF files of the same weights (Gemma 3's: its f32,
-q8_0 and q4_0 files alone, and its rows are the GGUF pairs: the file as stored on both sides). Then, for each precision pair (lmcli fp32 / llama.cpp f32, bf16 / f16, int8 / q8_0,
-int4 / q4_0) and thread count, lmcli and llama.cpp run in turn, each in a fresh process (A, B,
-A, B; the best of each): one prompt of ``PROMPT`` tokens (prefill tokens/s), then ``NEW``
+q8_0 and q4_0 files alone, and its rows are the GGUF pairs: the file as stored on both sides).
+Then, for each precision pair (lmcli fp32 / llama.cpp f32, bf16 / f16, int8 / q8_0, int4 /
+q4_0) and thread count, lmcli and llama.cpp run in turn, each in a fresh process (A, B, A, B;
+the best of each): one prompt of ``PROMPT`` tokens (prefill tokens/s), then ``NEW``
 greedy tokens one at a time (decode tokens/s). lmcli's figures are the ones ``lmcli sample
 --json`` reports (``Generated.speed``); llama.cpp's are timed around ``Llama.eval`` in
 llama-cpp-python (``make check-gguf`` builds it in ~/.cache/lmcli/llama-venv; ``LLAMA_PYTHON``
@@ -74,7 +75,7 @@ MEMORY_MODES = ("fp32", "bf16", "int8", "gguf q4_0", "gguf q4_K_M")
 # the shapes with memory rows, and their modes (Gemma 3's: its GGUF files as stored, the goal's measure)
 MEMORY = {MEMORY_SHAPE: MEMORY_MODES, "gemma3": ("gguf q8_0", "gguf q4_K_M")}
 # the memory rows' sources (else bfloat16)
-STORED = {"fp32": "float32", "gguf q4_0": "GGUF q4_0", "gguf q4_K_M": "GGUF Q4_K_M"}
+STORED = {"fp32": "float32", "gguf q8_0": "GGUF q8_0", "gguf q4_0": "GGUF q4_0", "gguf q4_K_M": "GGUF Q4_K_M"}
 GROUP_SIZE = 64
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(
