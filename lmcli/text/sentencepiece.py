@@ -123,6 +123,7 @@ class SentencePiece:
                 while self.table[h & mask] >= 0:
                     h += 1
                 self.table[h & mask], self.first[i] = i, 1
+        self.size = sum(self.first)  # the unique texts: the vocabulary's size as tokenizers counts it
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("table", "_full_tokenizer")}
@@ -166,7 +167,7 @@ class SentencePiece:
         return {self.piece(i): i for i in range(len(self.first)) if self.first[i]}
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
-        return sum(self.first)
+        return self.size
 
     def get_added_tokens_decoder(self) -> dict[int, Any]:
         from tokenizers import AddedToken
