@@ -1,13 +1,17 @@
 """CPU decoding against llama.cpp at each precision, and the memory of load + generation.
 
-Two model shapes with random weights (nothing is downloaded): SmolLM2-135M's (30 layers, 576
-wide, 9 heads, 3 key/value heads, MLP 1536, vocabulary 49152, tied) and Qwen2.5-0.5B's (24 x
-896, 14 heads, 2 key/value heads, MLP 4864, vocabulary 151936, query/key/value biases, tied).
-A child process writes each as an lmcli checkpoint and, through lmcli's GGUF exporter (the
-``gguf`` package's own writer and quantizers), as f32, f16, q8_0 and q4_0 GGUF files of the same
-weights. Then, for each precision pair (lmcli fp32 / llama.cpp f32, bf16 / f16, int8 / q8_0,
-int4 / q4_0) and thread count, lmcli and llama.cpp run in turn, each in a fresh process (A, B,
-A, B; the best of each): one prompt of ``PROMPT`` tokens (prefill tokens/s), then ``NEW``
+Three model shapes with random weights (nothing is downloaded): SmolLM2-135M's (30 layers, 576
+wide, 9 heads, 3 key/value heads, MLP 1536, vocabulary 49152, tied), Qwen2.5-0.5B's (24 x 896,
+14 heads, 2 key/value heads, MLP 4864, vocabulary 151936, query/key/value biases, tied) and
+Gemma 3 270M's (18 x 640, 4 heads, 1 key/value head of 256, GeGLU MLP 2048, sandwich norms,
+five sliding-window layers of 512 tokens then a global one, a 32k context, a 262,144-token
+SentencePiece-style vocabulary: ``bench.texts.spm_pieces``, tied). A child process writes each
+as an lmcli checkpoint and, through lmcli's GGUF exporter (the ``gguf`` package's own writer and
+quantizers), as f32, f16, q8_0 and q4_0 GGUF files of the same weights (Gemma 3's: its f32,
+q8_0 and q4_0 files alone, and its rows are the GGUF pairs: the file as stored on both sides).
+Then, for each precision pair (lmcli fp32 / llama.cpp f32, bf16 / f16, int8 / q8_0, int4 /
+q4_0) and thread count, lmcli and llama.cpp run in turn, each in a fresh process (A, B, A, B;
+the best of each): one prompt of ``PROMPT`` tokens (prefill tokens/s), then ``NEW``
 greedy tokens one at a time (decode tokens/s). lmcli's figures are the ones ``lmcli sample
 --json`` reports (``Generated.speed``); llama.cpp's are timed around ``Llama.eval`` in
 llama-cpp-python (``make check-gguf`` builds it in ~/.cache/lmcli/llama-venv; ``LLAMA_PYTHON``
@@ -21,20 +25,24 @@ in a llama.cpp child) makes from the f32 file, as a user's download is made: q4_
 matrices where the widths are multiples of 256, q5_0/q8_0 (llama.cpp's fallbacks) where not;
 lmcli and llama.cpp both run that one file (no llama.cpp: no file, no rows).
 
-Each decode figure is also given as a fraction of the bandwidth limit: the bytes of weights a
-token reads (every matrix once, the tied vocabulary table as the head) over the machine's
-memory-copy bandwidth, measured here (bytes read + written per second by a 256 MiB copy, on
-the same threads).
+Each decode figure is also given as a fraction of the bandwidth limit, for both sides
+(``bandwidth_fraction`` in a row's JSON): the bytes of weights a token reads (every matrix once,
+the tied vocabulary table as the head: lmcli's weights as held, llama.cpp's file's tensors) over
+the machine's memory-copy bandwidth, measured here (bytes read + written per second by a 256 MiB
+copy, on the same threads).
 
 The memory rows (lmcli alone): a fresh process loads the Qwen2.5-shaped model (the lmcli
 checkpoint, float32, for fp32; a Hugging Face folder of it in bfloat16, as the hub's are, for
 bf16 and int8; the q4_0 and Q4_K_M GGUF files as stored for gguf q4_0 and gguf q4_K_M) and
 generates ``NEW`` tokens; peak RSS minus the RSS before loading, over the bytes of the weights
-as held, and for a GGUF file over the file's size (issue 38's measure; goal <= 1.3x).
+as held, and for a GGUF file over the file's size (issue 38's measure; goal <= 1.3x). The
+Gemma-3-shaped model has memory rows too: its q8_0 and Q4_K_M files as stored (issue 46's
+measure: a large vocabulary, a long context).
 
     python -m bench.bench_cpu_decode              # 1 thread
     BENCH_THREADS=1,2 python -m bench.bench_cpu_decode
     BENCH_SHAPES=smollm2 python -m bench.bench_cpu_decode
+    BENCH_SHAPES=gemma3 BENCH_THREADS=1,2 python -m bench.bench_cpu_decode
     BENCH_PAIRS=gguf-q4_K_M,int8 python -m bench.bench_cpu_decode   # some pairs (and memory rows)
 
 ``BENCH_PAIRS`` names lmcli's side of each pair, spaces as dashes (fp32, bf16, int8, int4,
@@ -64,8 +72,10 @@ PAIRS = (("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
 LLAMA_QUANTIZED = {"q4_K_M": "Q4_K_M"}
 GGUF_PAIRS = (("gguf q8_0", "q8_0"), ("gguf q4_0", "q4_0"), ("gguf q4_K_M", "q4_K_M"))
 MEMORY_MODES = ("fp32", "bf16", "int8", "gguf q4_0", "gguf q4_K_M")
+# the shapes with memory rows, and their modes (Gemma 3's: its GGUF files as stored, the goal's measure)
+MEMORY = {MEMORY_SHAPE: MEMORY_MODES, "gemma3": ("gguf q8_0", "gguf q4_K_M")}
 # the memory rows' sources (else bfloat16)
-STORED = {"fp32": "float32", "gguf q4_0": "GGUF q4_0", "gguf q4_K_M": "GGUF Q4_K_M"}
+STORED = {"fp32": "float32", "gguf q8_0": "GGUF q8_0", "gguf q4_0": "GGUF q4_0", "gguf q4_K_M": "GGUF Q4_K_M"}
 GROUP_SIZE = 64
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(
@@ -87,7 +97,37 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         qkv_bias=True,
     ),
+    "gemma3": dict(
+        label="Gemma-3-270M shape",
+        n_layer=18,
+        n_embd=640,
+        n_head=4,
+        n_kv_head=1,
+        head_size=256,
+        d_ff=2048,
+        vocab_size=262144,
+    ),
 }
+# Gemma 3 270M's block, context and layer pattern: five sliding-window layers (512 tokens) then a
+# global one, its own rotary base on each; a SentencePiece-style vocabulary (bench.texts.spm_pieces)
+GEMMA3 = dict(
+    block_size=32768,
+    position="rope",
+    norm="rmsnorm1p",
+    norm_placement="sandwich",
+    mlp="geglu",
+    bias=False,
+    qk_norm=True,
+    norm_eps=1e-6,
+    rope_base=1e6,
+    rope_local_base=1e4,
+    sliding_window=512,
+    layer_pattern="LLLLLG",
+    scale_embeddings=True,
+    attn_scalar=256.0,
+)
+GGUF_ONLY = ("gemma3",)  # shapes written as GGUF files alone: their rows are the GGUF pairs'
+GGUF_ONLY_TYPES = ("f32", "q8_0", "q4_0")  # (f32: what llama.cpp's quantizer makes Q4_K_M from)
 
 
 def llama_python() -> str | None:
@@ -115,11 +155,11 @@ def prompt_ids(vocab: int) -> list[int]:
 
 def write(folder: Path, shape: str) -> dict[str, Any]:
     """The lmcli checkpoint (float32), a Hugging Face folder of it in bfloat16 and the GGUF
-    files of one shape."""
+    files of one shape (a ``GGUF_ONLY`` shape: its GGUF files alone)."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    from bench.texts import wide_tokenizer
+    from bench.texts import spm_tokenizer, wide_tokenizer
     from lmcli.config.model import ModelConfig
     from lmcli.config.train import TrainConfig
     from lmcli.formats.checkpoint import save_checkpoint
@@ -128,12 +168,15 @@ def write(folder: Path, shape: str) -> dict[str, Any]:
     from lmcli.model.transformer import Transformer
 
     spec = {k: v for k, v in SHAPES[shape].items() if k != "label"}
-    cfg = ModelConfig(
-        block_size=2048, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, rope_base=1e5, **spec
-    )
+    if shape == "gemma3":
+        cfg, tok = ModelConfig(**GEMMA3, **spec), spm_tokenizer(spec["vocab_size"])
+    else:
+        base = dict(block_size=2048, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, rope_base=1e5)
+        cfg, tok = ModelConfig(**base, **spec), wide_tokenizer(spec["vocab_size"])
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
-    tok = wide_tokenizer(cfg.vocab_size)
+    if shape in GGUF_ONLY:
+        return {"gguf": {t: str(write_gguf(model, tok, folder / f"{t}.gguf", t)) for t in GGUF_ONLY_TYPES}}
     save_checkpoint(folder / "fp32", model, TrainConfig(), tok, meta={"step": 0})
     files = {t: str(write_gguf(model, tok, folder / f"{t}.gguf", t)) for _, t in PAIRS}
     hf = export_hf(folder / "fp32", folder / "bf16")  # then in bfloat16, as the hub's folders are
@@ -280,6 +323,13 @@ def copy_bandwidth(threads: int) -> float:
     return 2 * a.numel() * a.element_size() / best
 
 
+def tensor_bytes(gguf: str) -> int:
+    """Bytes of a GGUF file's tensors (the file less its header: a 262k vocabulary's is 6 MB)."""
+    from lmcli.formats.gguf.check import scan
+
+    return sum(t.n_bytes for t in scan(gguf).tensors.values())
+
+
 def child(python: str, *args: str) -> dict[str, Any]:
     done = subprocess.run(
         [python, "-m", "bench.bench_cpu_decode", *args], cwd=ROOT, capture_output=True, text=True
@@ -308,7 +358,11 @@ def pair_rows(
 
     label = f"{SHAPES[shape]['label']}, {mode} vs {gguf_type}, {threads} thread{'s' * (threads > 1)}"
     limit_ours = bandwidth / ours["bytes_per_token"]
+    fractions = {"lmcli": ours["decode"] / limit_ours}
+    if theirs is not None:
+        fractions["llama.cpp"] = theirs["decode"] * theirs["tensor_bytes"] / bandwidth
     extra = {"lmcli": ours, "llama.cpp": theirs, "copy_bandwidth": bandwidth, "threads": threads}
+    extra["bandwidth_fraction"] = fractions
     if theirs is None:
         note = f"skipped: llama_cpp absent; lmcli at {ours['decode'] / limit_ours:.2f} of its bandwidth limit"
         return [
@@ -323,11 +377,11 @@ def pair_rows(
             ),
             Row(f"prefill tok/s, {label}", "tokens/s", ours["prefill"], float("nan"), "llama.cpp", None),
         ]
-    limit_theirs = bandwidth / theirs["file_bytes"]
+    limit_theirs = bandwidth / theirs["tensor_bytes"]
     note = (
-        f"bandwidth limit {bandwidth / 1e9:.1f} GB/s copy: lmcli {ours['decode'] / limit_ours:.2f} of "
+        f"bandwidth limit {bandwidth / 1e9:.1f} GB/s copy: lmcli {fractions['lmcli']:.2f} of "
         f"{limit_ours:.0f} tok/s ({ours['bytes_per_token'] / 1e6:.0f} MB/token), llama.cpp "
-        f"{theirs['decode'] / limit_theirs:.2f} of {limit_theirs:.0f} ({theirs['file_bytes'] / 1e6:.0f} MB)"
+        f"{fractions['llama.cpp']:.2f} of {limit_theirs:.0f} ({theirs['tensor_bytes'] / 1e6:.0f} MB tensors)"
     )
     return [
         Row(
@@ -361,7 +415,8 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
     rows = []
     prompt = json.dumps(prompt_ids(SHAPES[shape]["vocab_size"]))
     for mode, gguf_type in PAIRS + GGUF_PAIRS:
-        if not selected(mode) or gguf_type not in files:
+        stored = mode.startswith("gguf")
+        if not selected(mode) or gguf_type not in files or (shape in GGUF_ONLY and not stored):
             continue
         run = (
             files[gguf_type]
@@ -374,14 +429,19 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
             if llama is not None:
                 theirs_runs.append(child(llama, "llama", files[gguf_type], str(threads), prompt))
         ours, theirs = best_of(ours_runs), best_of(theirs_runs) if theirs_runs else None
+        if theirs is not None:  # the bytes a token reads: the file's tensors (the tied table as the head)
+            theirs["tensor_bytes"] = tensor_bytes(files[gguf_type])
         if ours["format_bytes"]:
             mix = ", ".join(f"{f} {b / 1e6:.0f} MB" for f, b in sorted(ours["format_bytes"].items()))
             log(f"{mode}: blocks {mix}")
+        made = pair_rows(shape, mode, gguf_type, threads, ours, theirs, bandwidth)
+        fractions = ", ".join(f"{k} {v:.2f}" for k, v in made[0].extra.get("bandwidth_fraction", {}).items())
         log(
             f"{mode}/{gguf_type}: lmcli {ours['decode']:.1f} tok/s decode, {ours['prefill']:.0f} prefill; "
             + (f"llama.cpp {theirs['decode']:.1f}, {theirs['prefill']:.0f}" if theirs else "llama.cpp absent")
+            + (f"; bandwidth fraction {fractions}" if fractions else "")
         )
-        rows += pair_rows(shape, mode, gguf_type, threads, ours, theirs, bandwidth)
+        rows += made
     return rows
 
 
@@ -391,7 +451,7 @@ def memory_rows(folder: Path, shape: str, files: dict[str, str]) -> list:
     from bench.common import Row, log
 
     rows = []
-    for mode in MEMORY_MODES:
+    for mode in MEMORY.get(shape, MEMORY_MODES):
         gguf_type = mode.split()[-1]
         if not selected(mode) or (mode.startswith("gguf") and gguf_type not in files):
             continue
@@ -443,7 +503,7 @@ def run() -> list:
                     out = str(folder / f"{gguf_type}.gguf")
                     files[gguf_type] = child(llama, "quantize", files["f32"], out, ftype)["file"]
             log(f"wrote {shape}: {', '.join(Path(f).name for f in files.values())}")
-            if shape == MEMORY_SHAPE or len(shapes) == 1:
+            if shape in MEMORY or len(shapes) == 1:
                 rows += memory_rows(folder, shape, files)
             for n in threads:
                 rows += decode_rows(folder, shape, files, n, llama)

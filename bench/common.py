@@ -90,14 +90,24 @@ def machine() -> dict[str, Any]:
     }
 
 
+# the instruction sets that decide the CPU rows (the products' kernels, torch's GEMMs), as
+# /proc/cpuinfo names them: a table is named by its CPU and these
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
+
+
 def cpu_name() -> str:
+    """The CPU's model name and which of ``ISA_FLAGS`` it advertises ("AMD EPYC (avx2, ...)")."""
+    name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    has = [f for f in ISA_FLAGS if f in flags]
+    return f"{name} ({', '.join(has)})" if has else name
 
 
 def table(rows: list[Row]) -> str:

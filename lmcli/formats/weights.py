@@ -125,7 +125,9 @@ def expected_weights(cfg: ModelConfig) -> tuple[dict[str, tuple[str, tuple[int, 
         for k, v in clean_state_dict(model.state_dict()).items()
         if not (cfg.tie_embeddings and k == "lm_head.weight")
     }
-    computed = sum(b.numel() * b.element_size() for b in model.buffers())
+    # the position tables as a forward over the whole context grows them (4 bytes a value)
+    shapes = model.positions.table_shapes(cfg, cfg.block_size).values()
+    computed = sum(4 * math.prod(shape) for shape in shapes)
     mask, _ = model.attention_mask(cfg.block_size, None, None, torch.float32, torch.device("meta"))
     if mask is not None:
         computed += mask.numel() * mask.element_size()

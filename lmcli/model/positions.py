@@ -8,6 +8,14 @@ Every scheme answers the same three questions, most of them with "nothing to do"
 - ``bias(allowed, n_cached, dtype)``: what to add to the attention scores (ALiBi).
 
 ``pos`` holds position ids (B or 1, T): a row's column minus its left padding.
+
+A scheme's fixed tables (rotary cos and sin, sinusoidal embeddings) cover the first
+``TABLE_START`` positions when the model is built, and grow as a forward reaches past them
+(``reach``, doubling, up to the context): a model of a 32k or 128k context that generates a few
+hundred tokens holds tables of a thousand positions, not of its whole context (Gemma 3 270M's four
+rotary tables of 32,768 positions: 67 MB, a quarter of its 253 MB Q4_K_M file). Each grown
+table is computed whole again, on the CPU in float32 as at construction, then put where the old
+one was (device, dtype): its rows are the values a table of the full context holds.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from torch import Tensor, nn
 
 from lmcli.config.model import ModelConfig
 
+TABLE_START = 1024  # positions the tables cover until a forward reaches past them
+
 
 class Positions(nn.Module):
     """The default answers: no embedding, no rotation, no score bias, the context as limit."""
@@ -28,26 +38,49 @@ class Positions(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.max_len: int | None = cfg.block_size  # longest sequence; None = no limit
+        self.cfg = cfg
+        self.n_pos = 0  # positions the tables cover
         self.make_tables(cfg)
 
-    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
-        """The fixed tables this scheme computes from the config (never stored in a checkpoint)."""
+    def tables(self, cfg: ModelConfig, n_pos: int) -> dict[str, Tensor]:
+        """The fixed tables this scheme computes from the config for positions 0..n_pos-1 (never
+        stored in a checkpoint)."""
         return {}
 
-    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def table_shapes(self, cfg: ModelConfig, n_pos: int) -> dict[str, tuple[int, ...]]:
         """The shape of each of ``tables`` (float32), for a model on the meta device."""
         return {}
 
-    def make_tables(self, cfg: ModelConfig) -> None:
-        """(Re)compute the tables as non-persistent buffers, on the current default device: at
-        construction, and after a loader built the model on the meta device. On the meta device
-        they are their shapes alone (torch's meta arithmetic is Python that imports its compiler)."""
+    def make_tables(self, cfg: ModelConfig, n_pos: int | None = None) -> None:
+        """(Re)compute the tables for ``n_pos`` positions (default: the first ``TABLE_START`` of the
+        context) as non-persistent buffers, on the current default device: at construction, and
+        after a loader built the model on the meta device. On the meta device they are their
+        shapes alone (torch's meta arithmetic is Python that imports its compiler)."""
+        n_pos = n_pos or min(cfg.block_size, TABLE_START)
         if torch.get_default_device().type == "meta":
-            tables = {name: torch.empty(shape) for name, shape in self.table_shapes(cfg).items()}
+            tables = {name: torch.empty(shape) for name, shape in self.table_shapes(cfg, n_pos).items()}
         else:
-            tables = self.tables(cfg)
+            tables = self.tables(cfg, n_pos)
         for name, table in tables.items():
             self.register_buffer(name, table, persistent=False)
+        self.n_pos = n_pos
+
+    def reach(self, n: int) -> None:
+        """Make the tables cover positions 0..n-1 (a forward's last position is below its cached
+        columns plus its new ones): grown to twice their positions or to ``n``, at most the
+        context, computed on the CPU in float32 and put where the old ones are (device, dtype).
+        Nothing to do when they do already, or when the scheme has none."""
+        if n <= self.n_pos or not self.table_shapes(self.cfg, 1):
+            return
+        old = {name: getattr(self, name) for name in self.table_shapes(self.cfg, 1)}
+        if any(t.is_meta for t in old.values()):
+            return  # a skeleton: its tables are shapes, computed when it is materialized
+        n_pos = max(n, min(2 * self.n_pos, self.max_len or 2 * self.n_pos))
+        with torch.device("cpu"):
+            tables = self.tables(self.cfg, n_pos)
+        for name, table in tables.items():
+            self.register_buffer(name, table.to(old[name].device, old[name].dtype), persistent=False)
+        self.n_pos = n_pos
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         return x
@@ -83,11 +116,11 @@ def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
 class Sinusoidal(Positions):
     """Fixed sin/cos embeddings added to the tokens."""
 
-    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
-        return {"table": sinusoidal_table(cfg.block_size, cfg.n_embd)}
+    def tables(self, cfg: ModelConfig, n_pos: int) -> dict[str, Tensor]:
+        return {"table": sinusoidal_table(n_pos, cfg.n_embd)}
 
-    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return {"table": (cfg.block_size, cfg.n_embd)}
+    def table_shapes(self, cfg: ModelConfig, n_pos: int) -> dict[str, tuple[int, ...]]:
+        return {"table": (n_pos, cfg.n_embd)}
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         return x + self.table[pos].to(x.dtype)
@@ -141,18 +174,18 @@ class Rotary(Positions):
     """Rotary position embedding (rotate-half layout, as in Llama), applied to queries and keys.
     With ``rope_local_base`` the sliding-window layers turn by that base's own table, unscaled."""
 
-    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
-        cos, sin = rotary_tables(cfg.block_size, *rope_frequencies(cfg))
+    def tables(self, cfg: ModelConfig, n_pos: int) -> dict[str, Tensor]:
+        cos, sin = rotary_tables(n_pos, *rope_frequencies(cfg))
         if not cfg.rope_local_base:
             return {"cos": cos, "sin": sin}
         D = cfg.head_dim
         inv = 1.0 / (cfg.rope_local_base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-        cos_local, sin_local = rotary_tables(cfg.block_size, inv, 1.0)
+        cos_local, sin_local = rotary_tables(n_pos, inv, 1.0)
         return {"cos": cos, "sin": sin, "cos_local": cos_local, "sin_local": sin_local}
 
-    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def table_shapes(self, cfg: ModelConfig, n_pos: int) -> dict[str, tuple[int, ...]]:
         names = ("cos", "sin", "cos_local", "sin_local") if cfg.rope_local_base else ("cos", "sin")
-        return dict.fromkeys(names, (cfg.block_size, cfg.head_dim // 2))
+        return dict.fromkeys(names, (n_pos, cfg.head_dim // 2))
 
     def table(self, local: bool) -> tuple[Tensor, Tensor]:
         """cos and sin (n_pos, D/2) of a local or a global layer."""
@@ -198,11 +231,14 @@ class ALiBi(Positions):
         super().__init__(cfg)
         self.max_len = None
 
-    def tables(self, cfg: ModelConfig) -> dict[str, Tensor]:
+    def tables(self, cfg: ModelConfig, n_pos: int) -> dict[str, Tensor]:
         return {"slopes": alibi_slopes(cfg.n_head)}
 
-    def table_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def table_shapes(self, cfg: ModelConfig, n_pos: int) -> dict[str, tuple[int, ...]]:
         return {"slopes": (cfg.n_head,)}
+
+    def reach(self, n: int) -> None:
+        """Its slopes serve any position."""
 
     def bias(self, allowed: Tensor, n_cached: int, dtype: torch.dtype) -> Tensor:
         """Float mask (B or 1, H, T, S) from a boolean one: -slope * |distance|, -inf where not allowed."""

@@ -4,9 +4,10 @@ before reading it or for weights put in later.
 torch's meta-device kernels for random initialization, ``torch.cat`` and arithmetic are
 written in Python, and the first of them to run imports ``torch._dynamo`` (~70 MB resident, a
 fifth of a 350 MB GGUF file's budget) in a process that never compiles. None of them runs for a
-skeleton: within ``shapes_only`` initializers leave its values (never read) as they are and
-meta tensors are joined by shape; position tables on the meta device are their shapes alone
-(``Positions.table_shapes``).
+skeleton: within ``shapes_only`` initializers leave its values (never read) as they are, meta
+tensors are joined by shape and a meta tensor plus, minus or times a number (Gemma 3's norms
+shifted by 1) is a meta tensor of its shape; position tables on the meta device are their shapes
+alone (``Positions.table_shapes``).
 """
 
 from __future__ import annotations
@@ -35,9 +36,25 @@ def _joined(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     return torch.empty(shape, dtype=first.dtype, device="meta")
 
 
+# a tensor and a number: the result has the tensor's shape (and the two's promoted dtype)
+_WITH_A_NUMBER = {
+    *(getattr(Tensor, f"__{op}__") for op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv")),
+    *(Tensor.add, Tensor.sub, Tensor.mul, Tensor.div, torch.add, torch.sub, torch.mul, torch.div),
+}
+
+
+def _with_a_number(args: Sequence[Any]) -> Tensor | None:
+    """The meta result of a meta tensor and a number (``args`` of a ``_WITH_A_NUMBER``), else None."""
+    if len(args) != 2 or not isinstance(args[0], Tensor) or not args[0].is_meta:
+        return None
+    if isinstance(args[1], bool) or not isinstance(args[1], int | float):
+        return None
+    return torch.empty(args[0].shape, dtype=torch.result_type(*args), device="meta")
+
+
 class shapes_only(TorchFunctionMode):  # noqa: N801 (used as a context manager, like torch.device)
-    """Within it, ``torch.nn.init`` leaves tensors as they are and ``torch.cat`` of meta tensors
-    is computed from their shapes."""
+    """Within it, ``torch.nn.init`` leaves tensors as they are, and ``torch.cat`` of meta tensors
+    and arithmetic of a meta tensor with a number are computed from their shapes."""
 
     def __torch_function__(
         self, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None
@@ -49,6 +66,8 @@ class shapes_only(TorchFunctionMode):  # noqa: N801 (used as a context manager, 
             tensors = args[0] if args else kwargs["tensors"]
             if tensors and all(isinstance(t, Tensor) and t.is_meta for t in tensors):
                 return _joined(tensors, *args[1:2], **{k: v for k, v in kwargs.items() if k == "dim"})
+        if func in _WITH_A_NUMBER and not kwargs and (out := _with_a_number(args)) is not None:
+            return out
         return func(*args, **kwargs)
 
 

@@ -445,6 +445,7 @@ class Transformer(nn.Module):
         limit = self.positions.max_len
         if limit is not None and n_cached + T > limit:
             raise ValueError(f"sequence of {n_cached + T} tokens exceeds the context {limit}")
+        self.positions.reach(n_cached + T)  # the position tables as far as this forward goes
         if self.fast_step is not None and cache is not None and T == 1 and not self.training:
             if prefix_len is None and output_index is None:
                 return self.fast_step(idx, cache)  # lmcli.model.fastpath: the same arithmetic, fewer calls

@@ -38,6 +38,7 @@ from typing import Any
 
 from lmcli.errors import LmcliError
 from lmcli.safe_io import check_text
+from lmcli.text.sentencepiece import SentencePiece
 from lmcli.text.template_render import (
     TEMPLATE_LIMIT,
     Renderer,
@@ -303,6 +304,9 @@ def special_parser(tokenizer: Tokenizer) -> Any:
     """A copy of the tokenizer that reads special-token strings as special tokens."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    parser = HFTokenizer.from_str(tokenizer.to_json())
+    if isinstance(tokenizer.hf, SentencePiece):  # its tables shared, not built again
+        parser = tokenizer.hf.copy()
+    else:
+        parser = HFTokenizer.from_str(tokenizer.to_json())
     parser.encode_special_tokens = False
     return parser

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from lmcli.config.train import TOKENIZER_KINDS
 from lmcli.errors import LmcliError
 from lmcli.safe_io import check_text, read_input, read_json_object
+from lmcli.text.sentencepiece import SentencePiece
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>", "<sep>")
 PIECE_CHARS = 1 << 12  # the longest piece BPE trains on or encode_batch encodes (2-4 KiB: ~30% faster)
@@ -145,14 +146,14 @@ class Tokenizer:
         self.specials = {role: text for role, text in (specials or {}).items() if text is not None}
         self.chat_template = chat_template
         self.origin: str | None = None  # the folder it was read from (messages name it)
-        vocab = tok.get_vocab(with_added_tokens=True)
+        # (looked up one by one: the vocabulary as a dict is 30 MB of Python for 262k tokens)
         for role, text in self.specials.items():
-            if text not in vocab:
+            if tok.token_to_id(text) is None:
                 raise LmcliError(f"tokenizer's {role} token {text!r} is not in its vocabulary")
         ids = {
-            role: vocab[self.specials[role]]
+            role: tok.token_to_id(self.specials[role])
             if role in self.specials
-            else next((vocab[n] for n in names if n in vocab), None)
+            else next((i for i in map(tok.token_to_id, names) if i is not None), None)
             for role, names in _ROLE_NAMES.items()
         }
         if ids["eos"] is None:
@@ -275,6 +276,8 @@ class Tokenizer:
     def longest_token(self) -> int:
         """Characters of the longest token: a text of ``n * longest_token`` characters or more
         holds at least ``n`` tokens (a bound found without tokenizing it)."""
+        if isinstance(self.hf, SentencePiece):  # (without a dict of its vocabulary)
+            return self.hf.longest_token
         return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
 
     def token_bytes(self) -> tuple[list[bytes], list[int]]:
@@ -285,8 +288,10 @@ class Tokenizer:
         vocab = self.hf.get_vocab(with_added_tokens=True)
         added = self.hf.get_added_tokens_decoder()
         specials = sorted(i for i, t in added.items() if t.special)
-        decoder = json.dumps(json.loads(self.to_json()).get("decoder"))
-        alphabet = {c: b for b, c in enumerate(_byte_alphabet())} if '"ByteLevel"' in decoder else None
+        byte_level = isinstance(self.hf, HFTokenizer) and '"ByteLevel"' in json.dumps(
+            json.loads(self.to_json()).get("decoder")
+        )  # (a SentencePiece is not, and its JSON is not built for the question)
+        alphabet = {c: b for b, c in enumerate(_byte_alphabet())} if byte_level else None
         out = [b""] * self.vocab_size
         for text, i in vocab.items():
             if i in added or alphabet is None:

@@ -118,6 +118,7 @@ class Single:
             materialize(average.module, self.device, None)
             average.start_from(model)
         checkpoint_blocks(model, self.cfg.parallelism.activation_checkpointing)
+        model.positions.reach(model.config.block_size)  # whole now: no table grows in a compiled forward
         trained = self.parallel_wrapper(model)
         return torch.compile(trained) if self.cfg.compile else trained
 

@@ -282,3 +282,40 @@ def test_rotary_tables_hold_one_angle_a_pair_and_turn_each_pair_by_it() -> None:
         pairs = torch.complex(q[..., : D // 2].double(), q[..., D // 2 :].double()) * turn
         expected = torch.cat([pairs.real, pairs.imag], dim=-1)
         torch.testing.assert_close(turned.double(), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("position", ["rope", "sinusoidal"])
+def test_position_tables_grow_as_far_as_a_forward_reaches_with_the_values_of_whole_ones(
+    position: str, fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's position tables cover the first ``TABLE_START`` positions (a 32k context's
+    rotary tables are not held whole for a short generation) and grow, doubling, as a forward
+    reaches past them: cached decoding gives the logits, bit for bit, of a model whose tables
+    cover its whole context (the per-operation forward and the fast path's step alike)."""
+    import copy
+
+    from lmcli.generate.decoding import prefill, step
+    from lmcli.model import fastpath, positions
+
+    monkeypatch.setattr(positions, "TABLE_START", 4)
+    extra = dict(rope_local_base=10_000.0, sliding_window=6, layer_pattern="LG") if position == "rope" else {}
+    model = tiny_model(vocab_size=13, block_size=48, position=position, **extra)
+    tables = dict(model.positions.named_buffers())
+    assert tables and all(t.size(0) == 4 for t in tables.values())
+    whole = copy.deepcopy(model)
+    whole.positions.make_tables(whole.config, 48)
+    ids = torch.randint(13, (2, 30), generator=torch.Generator().manual_seed(0))
+    got = []
+    for m in (model, whole):
+        scope = fastpath.inference(m) if fast else contextlib.nullcontext()
+        with torch.inference_mode(), scope:
+            cache, logits = prefill(m, [ids[0, :5].tolist(), ids[1, :3].tolist()], 0)
+            out = [logits] + [step(m, cache, ids[:, t]) for t in range(5, 30)]
+        got.append(torch.stack(out))
+    assert torch.equal(got[0], got[1])
+    assert model.positions.n_pos == 32  # 4 -> 8 (the prompt) -> 16 -> 32
+    for name, table in model.positions.named_buffers():
+        assert torch.equal(table, dict(whole.positions.named_buffers())[name][:32])
+    model.positions.reach(40)
+    assert model.positions.n_pos == 48  # doubled, at most the context

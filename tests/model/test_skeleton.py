@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model, tiny_tokenizer
+from helpers import GEMMA3_BLOCK, tiny_model, tiny_tokenizer
 
 from lmcli.config.train import TrainConfig
 from lmcli.formats.checkpoint import save_checkpoint
@@ -52,6 +52,10 @@ def test_shapes_only_joins_meta_tensors_by_shape_and_refuses_what_torch_refuses(
             torch.cat([a, torch.empty(4, 6, device="meta")])
         w = torch.ones(2, 3)
         torch.nn.init.normal_(w)  # an initializer leaves the tensor as it is
+        for shifted in (a + 1.0, 1.0 - a, a * 2, torch.add(a, 1), a.half() - 1.0):  # Gemma 3's norms
+            assert shifted.is_meta and shifted.shape == a.shape
+        assert (a.half() + 1.0).dtype == torch.float16 and (a.long() + 0.5).dtype == torch.float32
+        assert torch.equal(torch.ones(2) + 1.0, torch.full((2,), 2.0))  # real tensors: real arithmetic
     assert torch.equal(w, torch.ones(2, 3))
     with pytest.raises(RuntimeError):  # torch itself refuses the same join
         torch.cat([a, torch.empty(4, 6, device="meta")])
@@ -66,12 +70,18 @@ print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
 """
 
 
+GEMMA3 = GEMMA3_BLOCK | dict(n_embd=64, n_head=4, n_kv_head=1, head_size=16, sliding_window=8)
+GEMMA3 |= dict(layer_pattern="L", rope_local_base=10_000.0, scale_embeddings=True, attn_scalar=16.0)
+
+
 def test_loading_a_gguf_file_or_a_folder_never_imports_torch_dynamo(tmp_path: Path) -> None:
     tok = tiny_tokenizer(kind="byte")
     model = tiny_model(vocab_size=tok.vocab_size, n_layer=2, **LLAMA)
     save_checkpoint(tmp_path / "run", model, TrainConfig(), tok, meta={"step": 0})
+    gemma = tiny_model(vocab_size=tok.vocab_size, n_layer=2, **GEMMA3)  # its norms are stored shifted by 1
     sources = [
         (str(write_gguf(model, tok, tmp_path / "m.gguf", "q8_0")), "none"),
+        (str(write_gguf(gemma, tok, tmp_path / "gemma3.gguf", "q8_0")), "none"),
         (str(export_hf(tmp_path / "run", tmp_path / "hf")), "int8"),
         (str(tmp_path / "run"), "none"),
     ]

@@ -49,28 +49,47 @@ def keeps_blocks(t: GgufTensor) -> bool:
 
 
 def _parts(ids: Tensor, sources: list[GgufTensor], starts: Tensor, dtype: torch.dtype) -> list[BlockLinear]:
-    """The BlockLinear parts holding file rows ``ids`` (global row ids), in order."""
+    """The BlockLinear parts holding file rows ``ids`` (global row ids), in order: a run of one
+    format is a view of the bytes read where it is one tensor's rows in file order, else one
+    copy, its pieces written into it (no copy of a copy: a reordered q and k stacked with v)."""
     which = torch.searchsorted(starts, ids, right=True) - 1  # (n,) index of each row's tensor
-    runs: list[tuple[str, Tensor]] = []  # (format, rows)
+    runs: list[tuple[str, list[Tensor | tuple[Tensor, Tensor]]]] = []  # (format, pieces)
     edges = [0, *((which[1:] != which[:-1]).nonzero().flatten() + 1).tolist(), len(ids)]
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         src = sources[int(which[lo])]
         local = ids[lo:hi] - starts[which[lo]]
         rows = src.rows()  # (rows, row bytes), a view of the bytes read
-        if torch.equal(local, torch.arange(int(local[0]), int(local[0]) + len(local))):
-            rows = rows[int(local[0]) : int(local[0]) + len(local)]  # file order: still a view
-        else:
-            rows = rows[local]  # reordered: a copy of these rows
+        first = int(local[0])
+        ordered = torch.equal(local, torch.arange(first, first + len(local)))
+        piece = rows[first : first + len(local)] if ordered else (rows, local)  # a view, or rows to gather
         fmt = KINDS[src.kind]
         if runs and runs[-1][0] == fmt:  # same format as the run before: one part
-            runs[-1] = (fmt, torch.cat([runs[-1][1], rows]))
+            runs[-1][1].append(piece)
         else:
-            runs.append((fmt, rows))
+            runs.append((fmt, [piece]))
     k = {sources[int(i)].shape[1] for i in which.unique()}
     if len(k) != 1:  # the adapter only stacks rows of one width: a bug, not bad input
         raise RuntimeError(f"rows of widths {sorted(k)} stacked into one matrix")
     width = k.pop()
-    return [BlockLinear(rows, fmt, width, dtype=dtype) for fmt, rows in runs]
+    return [BlockLinear(_joined(pieces), fmt, width, dtype=dtype) for fmt, pieces in runs]
+
+
+def _joined(pieces: list[Tensor | tuple[Tensor, Tensor]]) -> Tensor:
+    """One run's rows: its one view as it is, else every piece (a view, or (rows, ids) to
+    gather) written into one new tensor."""
+    if len(pieces) == 1 and isinstance(pieces[0], Tensor):
+        return pieces[0]
+    sizes = [len(p) if isinstance(p, Tensor) else len(p[1]) for p in pieces]
+    first = pieces[0] if isinstance(pieces[0], Tensor) else pieces[0][0]
+    out = torch.empty(sum(sizes), first.size(1), dtype=first.dtype)
+    at = 0
+    for piece, n in zip(pieces, sizes, strict=True):
+        if isinstance(piece, Tensor):
+            out[at : at + n] = piece
+        else:
+            torch.index_select(piece[0], 0, piece[1], out=out[at : at + n])
+        at += n
+    return out
 
 
 def _layer(parts: list[BlockLinear], bias: Tensor | None) -> nn.Module:
@@ -134,5 +153,7 @@ def load_gguf_as_stored(
         return model, tok, {**meta, "products": ops.backend_line()}
     tell(header)
     model = load_as_stored(header, dtype or default_dtype(header))
-    release_freed_memory()  # what building the tokenizer and the checks left in the heap
-    return model, header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}
+    tok, meta = header.tokenizer, {**gguf_meta(header), "products": ops.backend_line()}
+    del header  # the bytes read of the rows copied (a fused q/k/v), the checks' tables
+    release_freed_memory()  # and their pages, not left in the heap
+    return model, tok, meta

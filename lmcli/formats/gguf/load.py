@@ -15,7 +15,9 @@ header is checked against its config:
   kernel runs as stored (``DEQUANTIZED``) one notice (``GgufHeader.notices``, printed as the
   model loads);
 - the tokenizer is rebuilt from the metadata (``vocab.tokenizer_from_gguf``) and must fit
-  the vocabulary.
+  the vocabulary; it is built before the tensors are read, and the arrays it is built from are
+  not kept (``GgufHeader.meta`` holds the scalars and texts), so the Python objects of a large
+  vocabulary never sit beside the weights.
 
 ``load_gguf`` then converts each tensor (``GgufTensor.dequantized``: F32, F16 and BF16 values
 are views of the bytes read until converted; the quantized types go through ``gguf``'s
@@ -45,6 +47,7 @@ import torch
 from torch import Tensor
 
 from lmcli.config.model import ModelConfig
+from lmcli.device import release_freed_memory
 from lmcli.errors import LmcliError
 from lmcli.formats.families import FamilyAdapter, HFConfig
 from lmcli.formats.families.gguf_schema import GgufSchema
@@ -116,7 +119,7 @@ class GgufHeader:
     """A GGUF file after ``read_gguf_header``: every check passed, nothing built."""
 
     path: Path
-    meta: HFConfig  # the metadata, keys as the file names them
+    meta: HFConfig  # the scalar and text metadata, keys as the file names them (the arrays: ``tokenizer``)
     tensors: dict[str, GgufTensor]  # by GGUF name
     family: FamilyAdapter
     config: ModelConfig
@@ -205,11 +208,15 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
     # it first: gguf's reader trusts the file's counts
     scanned, family, cfg, notices = check_gguf(path)
     where = str(path)
-    meta = _metadata(scanned)
-    tensors = _tensors(scanned)
-    tok = tokenizer_from_gguf(meta)
+    # the tokenizer first, from the arrays decoded for it alone: its texts, scores and merges
+    # (a 262k vocabulary's: 200 MB of Python objects) are gone before the weights are read
+    tok = tokenizer_from_gguf(_metadata(scanned))
     if tok.vocab_size > cfg.vocab_size:
         raise LmcliError(f"{where}: its tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    meta = HFConfig(dict(scanned.metadata), where, GgufSchema())  # scalars and text
+    scanned.raw = b""  # the header's bytes: every array lmcli reads is decoded
+    release_freed_memory()
+    tensors = _tensors(scanned)
     return GgufHeader(
         path, meta, tensors, family, cfg, tok, scanned.tensors, [*notices, *_dequantized(tensors)]
     )

@@ -33,6 +33,7 @@ and is refused. A ``Metaspace`` pre-tokenizer (Hugging Face's newer Llama tokeni
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -42,6 +43,7 @@ from typing import Any
 
 from lmcli.errors import LmcliError
 from lmcli.formats.families.hf_config import HFConfig
+from lmcli.text.sentencepiece import SentencePiece
 from lmcli.text.tokenizer import Tokenizer
 
 SPACE = "\u2581"  # SentencePiece's ▁: a space inside a token
@@ -129,12 +131,8 @@ def spm_merges(
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)
-    nan = next((i for i in ids.values() if math.isnan(scores[i])), None)
-    if nan is not None:
-        raise LmcliError(f"{where}: the score of token {nan} is NaN (scores rank the merges)")
     # the tokens in the order their merges rank: the merges of one token are consecutive
-    order = sorted(ids, key=lambda t: (-scores[ids[t]], ids[t]))
-    return list(token_splits(ids, order, where))
+    return list(token_splits(ids, _merge_order(ids, scores, where), where))
 
 
 def _list(value: Any, what: str, where: str, kinds: tuple[type, ...]) -> list:
@@ -145,12 +143,12 @@ def _list(value: Any, what: str, where: str, kinds: tuple[type, ...]) -> list:
     return value
 
 
-def spm_tokenizer(meta: HFConfig) -> Any:
-    """The ``tokenizers`` Tokenizer of a GGUF ``llama`` (SentencePiece-style) vocabulary; one
-    line for metadata of the wrong kind or a vocabulary ``tokenizers`` cannot build."""
-    from tokenizers import AddedToken, decoders, models, normalizers
-    from tokenizers import Tokenizer as HFTokenizer
-
+def spm_tokenizer(meta: HFConfig) -> SentencePiece:
+    """The tokenizer of a GGUF ``llama`` (SentencePiece-style) vocabulary, held compactly
+    (``lmcli.text.sentencepiece``: it encodes as ``spm_hf``'s ``tokenizers`` object, which it
+    builds only when asked for its JSON); one line for metadata of the wrong kind or a vocabulary
+    whose merges pass ``token_splits``' bounds (checked here, though none is stored: a file
+    lmcli runs is one it can export)."""
     get, where = meta.get, meta.where
     tokens = _list(meta.require("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", where, (str,))
     n = len(tokens)
@@ -165,18 +163,48 @@ def spm_tokenizer(meta: HFConfig) -> Any:
     ids: dict[str, int] = {}
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)  # a repeated text keeps its first id
-    unk = next((t for t, k in zip(tokens, types, strict=True) if k == UNKNOWN), None)
+    order = _merge_order(ids, scores, where)
+    for _ in token_splits(ids, order, where):  # (bounded: one line past a real vocabulary's)
+        pass
+    ranks = [0] * n
+    for rank, t in enumerate(order):
+        ranks[ids[t]] = rank
+    del ids, order
     space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
-    merges = spm_merges(tokens, scores, where)
+    return SentencePiece(tokens, ranks, types, space_prefix, functools.partial(spm_hf, where=where))
+
+
+def _merge_order(ids: dict[str, int], scores: list[float], where: str) -> list[str]:
+    """The tokens (unique texts) in the order their merges rank: highest score first, ties by
+    id; one line for a NaN score (it has no rank)."""
+    nan = next((i for i in ids.values() if math.isnan(scores[i])), None)
+    if nan is not None:
+        raise LmcliError(f"{where}: the score of token {nan} is NaN (scores rank the merges)")
+    return sorted(ids, key=lambda t: (-scores[ids[t]], ids[t]))
+
+
+def spm_hf(vocab: SentencePiece, where: str = "the vocabulary") -> Any:
+    """The ``tokenizers`` Tokenizer of a vocabulary (a ``SentencePiece``'s tokens, ranks and
+    types): a BPE with byte fallback whose merges are every split of every token
+    (``spm_merges``, ranked as the vocabulary ranks its tokens), the space prefix as a
+    normalizer, control/unknown tokens special and user-defined ones added."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tokens, types = vocab.tokens(), list(vocab.types)
+    ids: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        ids.setdefault(t, i)
+    unk = next((t for t, k in zip(tokens, types, strict=True) if k == UNKNOWN), None)
+    merges = spm_merges(tokens, [-float(r) for r in vocab.ranks], where)
     try:
         model = models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
         hf = HFTokenizer(model)
         replace = normalizers.Replace(" ", SPACE)
-        hf.normalizer = (
-            normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if space_prefix else replace
-        )
+        prefix = vocab.add_space_prefix
+        hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if prefix else replace
         steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-        hf.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+        hf.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
         added = [
             AddedToken(tokens[i], special=k != USER_DEFINED, normalized=False)
             for i, k in enumerate(types)
