@@ -50,8 +50,10 @@ def test_verbose_prints_one_line_naming_the_products_path(
         stdin = CHAT if command == "chat" else None
         code, _, err = run_cli(argv + extra, capsys, stdin=stdin, monkeypatch=monkeypatch)
         assert code == 0, err
-        lines = [line for line in err.splitlines() if "products" in line]
+        lines = [line for line in err.splitlines() if line.startswith(("products:", "quantized products:"))]
         assert lines == ([expected] if expected else []), err
+        # the native step's own line comes with it (this GPT-2-shaped model's blocks: none native)
+        assert sum(line.startswith("native step:") for line in err.splitlines()) == (expected is not None), err
     assert len(served) == len(cases) * (command == "serve")
 
 
