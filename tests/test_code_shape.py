@@ -43,3 +43,14 @@ def test_no_cxx_source_over_650_lines() -> None:
         if p.suffix in CXX_SUFFIXES and (n := len(p.read_text().splitlines())) > MAX_CXX_FILE_LINES
     ]
     assert not big, "split these by job:\n" + "\n".join(big)
+
+
+def test_test_modules_have_unique_names() -> None:
+    """pytest imports test modules by their base name (the test folders are no packages): two
+    files of one name stop the whole suite at collection, so every name is taken once."""
+    seen: dict[str, list[str]] = {}
+    tests = ROOT.parent / "tests"
+    for path in sorted(tests.rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"rename one of each: {twice}"
