@@ -17,6 +17,7 @@ from families import VARIANTS, hf_folder  # noqa: E402
 from gguf_files import KINDS, TEXTS, field, reference_logits, source_tokenizer, write_gguf_model  # noqa: E402
 from helpers import TINY_TEXT, assert_one_line_error, make_run, run_cli  # noqa: E402
 
+from lmcli.formats.export import presets  # noqa: E402
 from lmcli.formats.gguf.load import read_gguf_header  # noqa: E402
 from lmcli.formats.gguf.vocab import gguf_vocab  # noqa: E402
 from lmcli.formats.sources import load_model  # noqa: E402
@@ -60,12 +61,16 @@ def test_weights_as_stored_memory_mapped_where_the_type_allows(tmp_path: Path) -
     assert q8["blk.0.ffn_up.weight"].quantized and q8["blk.0.ffn_up.weight"].rows().shape == (512, 8 * 34)
 
 
-def test_a_learned_position_table_in_blocks_runs_as_stored(tmp_path: Path, capsys) -> None:
-    """lmcli's own q8_0 export of a GPT-2-shaped model quantizes the position table too: run as
-    stored it stays a table, looked up (it became a linear layer: "missing positions.wpe.weight",
-    then a shape error), and the logits are those of the dequantized file's."""
+def test_a_learned_position_table_in_blocks_runs_as_stored(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A GPT-2-shaped q8_0 file whose position table is in blocks too (lmcli's exports before it
+    followed llama-quantize, which keeps the table as it is, wrote such files): run as stored it
+    stays a table, looked up (it became a linear layer: "missing positions.wpe.weight", then a
+    shape error), and the logits are those of the dequantized file's."""
     make_run(tmp_path / "run", kind="byte", n_layer=2)
     gguf = tmp_path / "m.gguf"
+    monkeypatch.setattr(
+        presets, "quantizable", lambda name, shape: len(shape) >= 2 and name.endswith("weight")
+    )
     code, _, err = run_cli(
         ["export", str(tmp_path / "run"), "--format", "gguf", "--dtype", "q8_0", "-o", str(gguf)], capsys
     )
