@@ -123,6 +123,8 @@ class Task:
     reads_pair_files: ClassVar[bool] = False  # lmcli eval --source/--target apply
     own_split: ClassVar[bool] = True  # lmcli eval RUN alone scores the run's validation examples
     post_options: ClassVar[tuple[str, ...]] = ()  # the TrainConfig.post options it reads
+    # TrainConfig values it takes unless a config file or an option gives them
+    defaults: ClassVar[dict[str, Any]] = {}
     metrics: ClassVar[tuple[str, ...]] = ()  # the --select values only it computes
     whole: ClassVar[str] = ""  # what needs whole weights on every rank (--parallel fsdp refused)
 
@@ -220,6 +222,7 @@ class Translation(Task):
     examples = "pairs"
     example_noun = "pair(s)"
     val_hint = "--val-source/--val-target"
+    defaults = {"tokenizer": "bpe"}  # a joint subword vocabulary over both languages
     scored = "target"
     reads_pair_files = True
 

@@ -92,3 +92,17 @@ def test_post_training_tasks_read_their_own_options_only() -> None:
     assert (dpo.sequences(), grpo.sequences(), make_task(train_config()).sequences()) == (2, 8, 1)
     assert (dpo.default_metric(), grpo.default_metric()) == ("val_loss", "val_reward")
     assert dpo.chat and grpo.chat and not dpo.own_split and type(grpo.prompt) is TextPrompt
+
+
+def test_a_task_gives_its_defaults_unless_told_otherwise() -> None:
+    """--task translation takes a BPE vocabulary over both languages unless a tokenizer is given;
+    the language model keeps the config's default."""
+    from lmcli.train.run_folder import resolve_configs
+
+    def tokenizer(file: dict, cli: dict) -> str:
+        return resolve_configs(file, cli)[1].data.tokenizer
+
+    assert tokenizer({}, {"task": "translation"}) == "bpe"
+    assert tokenizer({}, {"task": "translation", "tokenizer": "char"}) == "char"
+    assert tokenizer({"tokenizer": "char"}, {"task": "translation"}) == "char"
+    assert tokenizer({}, {}) == train_config().data.tokenizer != "bpe"

@@ -30,6 +30,7 @@ from lmcli.config.train import TOKENIZER_KINDS, TrainConfig
 from lmcli.errors import LmcliError
 from lmcli.formats.checkpoint import META, last_checkpoint, read_json, recover_checkpoints
 from lmcli.safe_io import atomic_write, pid_alive, refuse_symlinks, remove_stale_temps
+from lmcli.tasks import TASKS
 
 LOCK = ".lock"
 # temporary names of lmcli 0.2 (before lmcli.safe_io): removed at start when their writer is gone
@@ -315,8 +316,9 @@ def resolve_configs(
         m, t = split_options(options, source=source)
         model.update(m)
         train.update(t)
-    if train.get("task") == "translation" and "tokenizer" not in train:
-        train["tokenizer"] = "bpe"  # a joint subword vocabulary over both languages
+    task = TASKS.get(train.get("task", TrainConfig.task))
+    for name, value in (task.defaults if task else {}).items():
+        train.setdefault(name, value)
     init = train.get("init_from")
     if init and resume is None and "block_size" not in model and Path(init).exists():
         from lmcli.formats.sources import read_model_config
