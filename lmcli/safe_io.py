@@ -17,6 +17,8 @@ import resource
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,25 @@ def atomic_write(dest: Path, data: bytes | str) -> None:
         os.replace(name, dest)
     except BaseException:
         Path(name).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def published(out: Path) -> Iterator[Path]:
+    """A temporary file beside ``out`` to write a file to share into (a GGUF file, an importance
+    matrix): renamed over ``out`` with ``open()``'s mode when the block ends, removed when it
+    fails; a write that fails (a full disk, the file-size limit) is one line naming ``out``."""
+    tmp = temp_file(out)
+    try:
+        yield tmp
+        os.chmod(tmp, file_mode())  # a file to share, not the private temporary it was written as
+        os.replace(tmp, out)
+    except OSError as exc:
+        reason = write_error(exc, tmp)
+        tmp.unlink(missing_ok=True)
+        raise LmcliError(f"cannot write {out}: {reason}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from lmcli.data.corpus import batched
 from lmcli.data.windows import IGNORE
 from lmcli.errors import LmcliError
-from lmcli.eval.perplexity import stream_windows
+from lmcli.eval.perplexity import stream_windows, window_batch
 from lmcli.model import fastpath
 from lmcli.model.transformer import Transformer
 from lmcli.text.tokenizer import Tokenizer, split_pieces
@@ -99,14 +99,7 @@ def divergence(
     ref_device = next(reference.parameters()).device
     out = Divergence()
     for chunk in batched(stream_windows(chunks, context, stride), batch_size):
-        width = max(end - begin - 1 for begin, end, _, _ in chunk)
-        x = torch.zeros(len(chunk), width, dtype=torch.long)
-        y = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
-        for row, (begin, end, scored, ids) in enumerate(chunk):
-            n = end - begin - 1
-            data = torch.tensor(ids, dtype=torch.long)
-            x[row, :n] = data[:-1]
-            y[row, n - scored : n] = data[n + 1 - scored :]
+        x, y = window_batch(chunk)
         scored = (y != IGNORE).reshape(-1)
         logits = model(x.to(device)).float()  # (B, T, V): the logical vocabulary
         logits = logits.reshape(-1, logits.size(-1))

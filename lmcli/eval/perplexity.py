@@ -125,6 +125,20 @@ def stream_windows(
             base = begin
 
 
+def window_batch(chunk: list[tuple[int, int, int, list[int]]]) -> tuple[Tensor, Tensor]:
+    """A batch of ``stream_windows``' windows: inputs (B, T) right-padded with 0 (harmless: the
+    attention is causal) and targets (B, T), ``IGNORE`` but at each window's scored positions."""
+    width = max(end - begin - 1 for begin, end, _, _ in chunk)
+    x = torch.zeros(len(chunk), width, dtype=torch.long)
+    y = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
+    for row, (begin, end, scored, ids) in enumerate(chunk):
+        n = end - begin - 1
+        data = torch.tensor(ids, dtype=torch.long)
+        x[row, :n] = data[:-1]
+        y[row, n - scored : n] = data[n + 1 - scored :]
+    return x, y
+
+
 def score_ids(
     model: Transformer, ids: list[int], context: int, stride: int, batch_size: int = 8, progress: bool = False
 ) -> tuple[int, float]:
@@ -151,14 +165,7 @@ def score_stream(
     count = 0
     bar = _bar(progress)
     for chunk in batched(stream_windows(chunks, context, stride), batch_size):
-        width = max(end - begin - 1 for begin, end, _, _ in chunk)
-        x = torch.zeros(len(chunk), width, dtype=torch.long)
-        y = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
-        for row, (begin, end, scored, ids) in enumerate(chunk):
-            n = end - begin - 1
-            data = torch.tensor(ids, dtype=torch.long)
-            x[row, :n] = data[:-1]
-            y[row, n - scored : n] = data[n + 1 - scored :]  # right padding is harmless: causal
+        x, y = window_batch(chunk)
         logits = model(x.to(device))
         nll = F.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1), reduction="sum"

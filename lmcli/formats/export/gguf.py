@@ -40,7 +40,6 @@ tensors plus one tensor's blocks, whatever the model's size.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,7 @@ from lmcli.formats.gguf.vocab import gguf_vocab, write_vocab
 from lmcli.formats.weights import DISK_NAMES
 from lmcli.model.native.blocks import block_shape, check_writable, quantize_blocks
 from lmcli.model.skeleton import skeleton
-from lmcli.safe_io import temp_file, write_error
+from lmcli.safe_io import published
 from lmcli.text.tokenizer import Tokenizer
 
 
@@ -167,8 +166,7 @@ def write_source(
     if out.exists() or out.is_symlink():
         raise LmcliError(f"{out} already exists: choose a new file name")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_file(out)
-    try:
+    with published(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), family.gguf_arch)
         _metadata(w, family, cfg, source.name, p, imatrix)
         write_vocab(w, vocab, source.tokenizer.chat_template)
@@ -179,24 +177,14 @@ def write_source(
         w.write_ti_data_to_file()
         for name, t in source_tensors(source, family, shapes):
             if isinstance(t, GgufTensor) and t.quantized and t.kind.lower() == (types[name] or "").lower():
-                w.write_tensor_data(
-                    t.data
-                )  # the type it has: its blocks as they are, as llama.cpp copies them
+                # the type it has: its blocks as they are, as llama.cpp copies them
+                w.write_tensor_data(t.data)
                 continue
             t = stored_values(t) if isinstance(t, GgufTensor) else t
             weights = imatrix.weights(name) if imatrix is not None and types[name] else None
             w.write_tensor_data(encode_tensor(t, types[name], p, weights, threads)[0])
             del t  # (before the next group is read)
         w.close()
-        os.chmod(tmp, 0o644)  # a file to share, not the private temporary it was written as
-        os.replace(tmp, out)
-    except OSError as exc:  # a full disk: named by OUT and its cause, no partial file left
-        reason = write_error(exc, tmp)
-        tmp.unlink(missing_ok=True)
-        raise LmcliError(f"cannot write {out}: {reason}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from lmcli.errors import LmcliError
 from lmcli.formats.gguf.check import MAGIC, scan
-from lmcli.safe_io import open_input, temp_file, write_error
+from lmcli.safe_io import open_input, published
 
 SUMS, COUNTS = ".in_sum2", ".counts"
 NAME_LIMIT = 4096  # bytes of a tensor's name in a .dat file
@@ -157,8 +157,7 @@ def write_imatrix(matrix: ImportanceMatrix, out: str | Path) -> Path:
     if out.exists() or out.is_symlink():
         raise LmcliError(f"{out} already exists: choose a new file name")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_file(out)
-    try:
+    with published(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "imatrix")
         w.kv_data[0].pop("general.architecture", None)  # (llama.cpp's imatrix files have none)
         w.add_string("general.type", "imatrix")
@@ -172,15 +171,6 @@ def write_imatrix(matrix: ImportanceMatrix, out: str | Path) -> Path:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        tmp.chmod(0o644)
-        tmp.replace(out)
-    except OSError as exc:
-        reason = write_error(exc, tmp)
-        tmp.unlink(missing_ok=True)
-        raise LmcliError(f"cannot write {out}: {reason}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 
