@@ -1,4 +1,4 @@
-"""``make check-gpu``: lmcli's CUDA paths, run for real on this machine's GPU, in under 10 minutes.
+"""``make check-gpu``: lmcli's CUDA paths, run for real on this machine's GPU, in about 10 minutes.
 
 1. ``train``: a GPT-2-small-shaped model (12 layers, 12 heads, 768 wide, context 1024, byte
    tokenizer) for a few hundred steps with ``--compile``, bf16 autocast: tokens/s, MFU, peak

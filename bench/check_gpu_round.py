@@ -93,7 +93,7 @@ GPU_ROUND = RoundPlan(
     ),
     rows=4,
     steps=40,
-    post_lr=5e-5,
+    post_lr=1e-4,
     student_shape=dict(n_layer=4, n_head=4, n_embd=256, block_size=256),
     distill_lr=3e-3,
     distill_chars=400_000,
