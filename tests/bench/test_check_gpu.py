@@ -93,7 +93,7 @@ def test_a_cpu_dry_run_fills_every_figure(tmp_path: Path, capsys) -> None:
     )
 
 
-def test_the_window_check_compares_every_attention_path(tmp_path: Path) -> None:
+def test_the_window_check_compares_every_attention_path() -> None:
     out = check_gpu_round.check_window("cpu", check_gpu_round.TINY_ROUND)
     assert out["ok"] and out["documents_mask"] == "Tensor"  # (a BlockMask: FlexAttention, on CUDA)
     paths = ("window", "window_documents", "documents")
