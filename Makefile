@@ -72,9 +72,10 @@ check-gguf: llama-venv
 	$(BIN)/python tests/formats/check_gguf.py --llama-python $(LLAMA_VENV)/bin/python
 	$(BIN)/python tests/formats/check_quant.py --llama-python $(LLAMA_VENV)/bin/python
 
-# lmcli's CUDA paths on this machine's GPU (< 10 min): GPT-2-small training with --compile (tokens/s,
+# lmcli's CUDA paths on this machine's GPU (~10 min): GPT-2-small training with --compile (tokens/s,
 # MFU, peak memory vs the pre-flight estimate), NCCL torchrun + resume, eval/sample/beam in bf16
-# against transformers; one JSON in bench/results/check_gpu.json. Without a GPU: says so, exit 0.
+# against transformers, sliding windows (SDPA, FlexAttention), 16-bit and block KV caches, DPO,
+# GRPO, distillation; one JSON in bench/results/check_gpu.json. Without a GPU: says so, exit 0.
 check-gpu:
 	$(BIN)/python -m bench.check_gpu
 

@@ -1,4 +1,4 @@
-"""``make check-gpu``: lmcli's CUDA paths, run for real on this machine's GPU, in under 10 minutes.
+"""``make check-gpu``: lmcli's CUDA paths, run for real on this machine's GPU, in about 10 minutes.
 
 1. ``train``: a GPT-2-small-shaped model (12 layers, 12 heads, 768 wide, context 1024, byte
    tokenizer) for a few hundred steps with ``--compile``, bf16 autocast: tokens/s, MFU, peak
@@ -9,7 +9,10 @@
    gradient reduction, sharded DCP checkpoints) and ``--activation-checkpointing selective``;
 3. ``eval``, ``sample``, ``beam`` in bf16 (the commands' precision policy) with the trained
    weights: tokens/s against Hugging Face transformers' GPT-2 holding the same weights under the
-   same autocast, and whether both agree (perplexity, greedy tokens).
+   same autocast, and whether both agree (perplexity, greedy tokens);
+4. ``window``, ``kv_cache``, ``dpo``, ``grpo``, ``distill``: the paths added since
+   (``bench/check_gpu_round.py``): sliding-window attention (SDPA, FlexAttention), 16-bit and
+   block KV caches, and the post-training tasks, from the trained run.
 
 Every figure goes into one JSON file (``bench/results/check_gpu.json`` by default). Without a
 CUDA GPU it says so and exits 0. ``--device cpu --tiny`` runs the same plan on the CPU with a
@@ -21,6 +24,7 @@ tiny model and no torchrun (the test suite uses it to check the script itself).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -36,15 +40,17 @@ from typing import Any
 
 import torch
 
+from bench.check_gpu_round import GPU_ROUND, ROUND_CHECKS, TINY_ROUND, RoundPlan, guarded, round_checks
 from bench.texts import doc_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
-TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
+TINY = {"n_layer": 1, "n_head": 1, "n_embd": 32, "block_size": 32}  # heads of 32: q8_0/q4_0 caches
 TORCHRUN_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256}
-CHECKS = ("train", "torchrun", "resume", "fsdp", "fsdp_resume", "eval", "sample", "beam")
+CHECKS = ("train", "torchrun", "resume", "fsdp", "fsdp_resume", "eval", "sample", "beam", *ROUND_CHECKS)
 GPU_ONLY = ("torchrun", "resume", "fsdp", "fsdp_resume")  # NCCL
+FIGURES = ("tokens_per_s", "mfu", "ratio", "step", "exit_code", "worst", "wall_s", "error")  # printed
 FSDP = ("--parallel", "fsdp", "--activation-checkpointing", "selective")
 
 
@@ -63,6 +69,7 @@ class Plan:
     torchrun_steps: int
     new_tokens: int  # sampled per row (sample), generated at most (beam)
     eval_windows: int
+    round: RoundPlan  # window, kv_cache, dpo, grpo, distill (bench/check_gpu_round.py)
     checks: list[str] = field(default_factory=lambda: list(CHECKS))
 
 
@@ -90,6 +97,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         torchrun_steps=4 if tiny else 40,
         new_tokens=8 if tiny else 128,
         eval_windows=2 if tiny else 32,
+        round=TINY_ROUND if tiny else GPU_ROUND,
         checks=[c for c in CHECKS if args.device == "cuda" or c not in GPU_ONLY],
     )
 
@@ -349,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             "check-gpu: no CUDA GPU on this machine: nothing to check (run it where `nvidia-smi` shows a GPU)"
         )
         return 0
-    report: dict[str, Any] = {"plan": {**plan.__dict__, "out": str(plan.out)}, "environment": environment()}
+    shown = {**plan.__dict__, "round": dataclasses.asdict(plan.round), "out": str(plan.out)}
+    report: dict[str, Any] = {"plan": shown, "environment": environment()}
     with tempfile.TemporaryDirectory(prefix="lmcli-check-gpu-") as tmp:
         work = Path(tmp)
         corpus = corpus_file(work, 40_000 if args.tiny else 4_000_000)
@@ -361,12 +370,17 @@ def main(argv: list[str] | None = None) -> int:
             report["fsdp"] = check_torchrun(plan, corpus, work / "fsdp", resume=False, extra=FSDP)
             report["fsdp_resume"] = check_torchrun(plan, corpus, work / "fsdp", resume=True, extra=FSDP)
             write_report(plan.out, report)
-        report.update(check_inference(plan, Path(report["train"]["run"]), corpus))
+        run = Path(report["train"]["run"])
+        report.update(check_inference(plan, run, corpus))
+        write_report(plan.out, report)
+        for name, check in round_checks(plan.device, plan.round, work, corpus, run, plan.new_tokens).items():
+            report[name] = guarded(check)  # an error is the check's entry: the others still run
+            write_report(plan.out, report)
     report["ok"] = all(report[c]["ok"] for c in plan.checks)
     write_report(plan.out, report)
     for name in plan.checks:
         r = report[name]
-        figures = {k: v for k, v in r.items() if k in ("tokens_per_s", "mfu", "ratio", "step", "exit_code")}
+        figures = {k: v for k, v in r.items() if k in FIGURES}
         print(f"{name:9} {'ok ' if r['ok'] else 'FAIL'} {json.dumps(figures)}")
     print(f"check-gpu: {'PASS' if report['ok'] else 'FAIL'}; every figure in {plan.out}")
     return 0 if report["ok"] else 1
