@@ -19,7 +19,6 @@ from lmcli.train.post.divergence import (
     forward_kl,
     jsd,
     renormalized,
-    rest_estimate,
     reverse_kl,
     top_k,
 )
@@ -153,27 +152,3 @@ def test_stored_sixteen_bit_buckets_are_renormalized() -> None:
     _, theirs = stored.compared(student.float())
     assert theirs.exp().sum(-1).tolist() == pytest.approx([1.0] * 4, abs=1e-6)
     torch.testing.assert_close(theirs.double(), exact, rtol=0, atol=2e-3)  # float16's step at these values
-
-
-def test_the_data_estimate_of_the_rest_has_the_gap_s_gradient_in_expectation() -> None:
-    """Offline, the forward KL's gap (the rest's within-bucket KL) is unknown; its estimate from
-    the data's next token (``-log q(next | rest)`` where the next token is outside the teacher's
-    K), averaged over next tokens drawn from the teacher, has the gap's gradient exactly; a next
-    token inside the K adds nothing."""
-    teacher, student, ids = full_and_topk(4, V=10)
-    teacher, student, ids = teacher[:1], student[:1], ids[:1]  # one position
-    ids_k, values, rest = top_k(teacher, ids.size(-1))
-    stored = Targets(values, ids_k, rest)
-    theirs = student.clone().requires_grad_(True)
-    gap = forward_kl(theirs, teacher) - forward_kl(coarse(theirs, ids_k), coarse(teacher, ids_k))
-    gap.sum().backward()
-    expected = torch.zeros_like(student)
-    for token, p in enumerate(teacher.exp()[0].tolist()):
-        mine = student.clone().requires_grad_(True)
-        term = rest_estimate(mine, coarse(mine, ids_k), stored, torch.tensor([token]))
-        term.backward()
-        if token in ids_k[0].tolist():
-            assert term.item() == 0 and not mine.grad.any()
-        expected += p * mine.grad
-    torch.testing.assert_close(expected, theirs.grad, rtol=1e-9, atol=1e-12)
-    assert rest_estimate(student, coarse(student, ids_k), Targets(teacher), torch.tensor([0])) is None

@@ -119,23 +119,6 @@ class Targets:
         return coarse(student, self.ids), teacher
 
 
-def rest_estimate(student: Tensor, buckets: Tensor, teacher: Targets, targets: Tensor) -> Tensor | None:
-    """The forward KL's part inside the rest bucket, estimated from the data: with logits read
-    from shards the teacher's spread over its other tokens is unknown, but the data's next token,
-    where it lies outside the teacher's K, is a sample of it. So ``-log q(next | rest)`` at
-    those positions (0 elsewhere), meaned over every position, is an unbiased estimate of the
-    gradient of ``p(rest) KL(p(. | rest) || q(. | rest))`` when the data follow the teacher
-    (exactly so at temperature 1): the bucket loss plus it estimates the full forward KL's
-    gradient, where the bucket loss alone leaves the student nothing to learn of the rest.
-    ``student``: log-probs (N, V); ``buckets``: its (N, K+1) over the teacher's buckets; None
-    for a teacher run beside the student (the full distribution is there)."""
-    if teacher.ids is None or teacher.ids.size(-1) == student.size(-1):
-        return None
-    outside = (teacher.ids != targets.unsqueeze(-1)).all(dim=-1)  # (N,)
-    within = student.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - buckets[:, -1]  # log q(next | rest)
-    return torch.where(outside, -within, torch.zeros_like(within)).mean()
-
-
 @dataclass
 class DistillOut:
     """A micro-batch's distillation loss and its parts (means over their positions)."""
@@ -175,11 +158,9 @@ def distill_loss(
     if n_data:
         assert teacher is not None
         student = torch.log_softmax(data / temperature, dim=-1)
-        buckets, teacher_buckets = teacher.compared(student)
-        kl = divergence(kind, buckets, teacher_buckets, beta).mean()
-        rest = rest_estimate(student, buckets, teacher, targets) if kind == "forward_kl" else None
+        kl = divergence(kind, *teacher.compared(student), beta).mean()
         ce = torch.nn.functional.cross_entropy(data, targets)
-        loss = alpha * scale * (kl if rest is None else kl + rest) + (1 - alpha) * ce
+        loss = alpha * scale * kl + (1 - alpha) * ce
     on_policy = None
     if sampled is not None:
         on_policy = reverse_kl(torch.log_softmax(own / temperature, dim=-1), sampled.logp).mean()
