@@ -33,6 +33,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -65,13 +66,21 @@ from lmcli.text.tokenizer import Tokenizer
 REQUIRED = (WEIGHTS, CONFIG, TOKENIZER)
 CHUNK_VALUES = 1 << 22  # values (or quantized blocks) of a GGUF tensor read at a time by the NaN scan
 # GGML's quantized blocks: (bytes, where its float16 scales are), as ggml-common.h lays them out
+# where each block holds its half-precision scales (byte offsets; a block's size is the gguf
+# package's, GGML_QUANT_SIZES): these alone can make a block's values NaN or infinite
 BLOCK_SCALES = {
-    "Q8_0": (34, (0,)),  # d, 32 int8
-    "Q4_0": (18, (0,)),  # d, 16 bytes of 4-bit values
-    "Q4_1": (20, (0, 2)),  # d, m, 16 bytes
-    "Q4_K": (144, (0, 2)),  # d, dmin, 12 bytes of 6-bit scales, 128 bytes of 4-bit values
-    "Q5_K": (176, (0, 2)),  # d, dmin, 12 bytes of scales, 32 of high bits, 128 of low bits
-    "Q6_K": (210, (208,)),  # 128 bytes low bits, 64 high bits, 16 int8 scales, then d
+    "Q8_0": (0,),  # d, 32 int8
+    "Q4_0": (0,),  # d, 16 bytes of 4-bit values
+    "Q4_1": (0, 2),  # d, m, 16 bytes
+    "Q5_0": (0,),  # d, 4 bytes of fifth bits, 16 bytes
+    "Q5_1": (0, 2),  # d, m, 4 bytes, 16 bytes
+    "Q2_K": (80, 82),  # 16 bytes of 4-bit scales and mins, 64 bytes of 2-bit values, then d, dmin
+    "Q3_K": (108,),  # 32 bytes high bits, 64 low bits, 12 bytes of scales, then d
+    "Q4_K": (0, 2),  # d, dmin, 12 bytes of 6-bit scales, 128 bytes of 4-bit values
+    "Q5_K": (0, 2),  # d, dmin, 12 bytes of scales, 32 of high bits, 128 of low bits
+    "Q6_K": (208,),  # 128 bytes low bits, 64 high bits, 16 int8 scales, then d
+    "IQ4_NL": (0,),  # d, 16 bytes of 4-bit indices
+    "IQ4_XS": (0,),  # d, 2 + 4 bytes of 6-bit scales, 128 bytes of indices
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes scanned for NaN
 REQUIRED_LORA = (ADAPTERS, BASE, CONFIG, TOKENIZER)  # a LoRA run's checkpoint: adapters and a base
@@ -191,7 +200,7 @@ def nonfinite_tensor(tensors: dict[str, GgufTensor], chunk: int = CHUNK_VALUES) 
     values at a time (memory stays small however large the file)."""
     for name, t in tensors.items():
         if t.kind in BLOCK_SCALES:
-            size, offsets = BLOCK_SCALES[t.kind]
+            offsets, size = BLOCK_SCALES[t.kind], gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t.kind]][1]
             blocks = t.data.view(np.uint8).reshape(-1, size)  # (blocks, bytes of a block)
             for i in range(0, len(blocks), chunk):
                 part = blocks[i : i + chunk]
