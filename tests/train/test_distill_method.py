@@ -223,6 +223,29 @@ def test_sampled_logits_are_draws_from_the_teacher_and_its_log_probs_of_them(tmp
     assert (freq[p < 1e-7] == 0).all() and (p.max(-1).values < 0.9).sum() > 16  # spread: draws vary
 
 
+def test_the_sampled_estimate_on_a_runs_windows_is_the_online_forward_kl(tmp_path: Path) -> None:
+    """On the windows an offline run reads, the loss from 400 draws a position is the loss against
+    the teacher run beside the student, within five standard errors of the mean of its terms."""
+    teacher, folder, logits = logits_of(tmp_path, k=400, kind="sampled", scale=3)
+    stream = folder.stream()
+    sampler = WindowSampler(stream, 16, seed=3, grid=logits.context)
+    starts, batch = sampler.window_starts(0, 6), sampler.batch(0, 6)
+    ids, logp, rest = gather(logits.pieces(), stream, starts, 16)
+    assert rest is None
+    K = ids.shape[-1]
+    offline = Targets(torch.from_numpy(logp).view(-1, K), torch.from_numpy(ids).view(-1, K), drawn=True)
+    online = Targets(teacher.logprobs(batch.x).view(-1, teacher.vocab))
+    torch.manual_seed(0)
+    student = torch.randn(6 * 16, teacher.vocab)
+    targets = batch.y.reshape(-1)
+    a = distill_loss(student, targets, offline).loss.item()
+    b = distill_loss(student, targets, online).loss.item()
+    terms = offline.logp - torch.log_softmax(student, -1).gather(-1, offline.ids)  # (96, 400)
+    assert abs(a - b) <= 5 * terms.std().item() / terms.numel() ** 0.5, (a, b)
+    with pytest.raises(ValueError, match="reverse_kl cannot be estimated"):
+        distill_loss(student, targets, offline, kind="reverse_kl")
+
+
 def test_the_sampled_logits_writer_resumes_to_the_same_bytes(tmp_path: Path) -> None:
     run = peaked_run(tmp_path / "teacher")
     corpus = tmp_path / "corpus.txt"
