@@ -16,7 +16,10 @@ written: sliding windows, 16-bit and block KV caches, DPO, GRPO and distillation
    falling, and a run stopped half-way then resumed equals the uninterrupted one;
 4. ``grpo``: ``lmcli train --task grpo`` from the trained run: every loss and reward finite;
 5. ``distill``: ``lmcli train --task distill --teacher`` (the trained run), then ``lmcli tokenize
-   --teacher --top-k 8`` and a student trained from those offline logits: both KLs fall.
+   --teacher --top-k 8`` and a student trained from those offline logits: both KLs fall; and
+   ``--logits sampled`` (8 tokens drawn on the device) and a student from them: its estimated KL
+   finite (a token drawn without mass would make it infinite; a student this close to a barely
+   trained teacher sits at the estimate's noise, so it is not asked to fall).
 
 Each check returns its figures, what it compared with which tolerance, and ``ok``; an exception
 is recorded as the check's ``error`` (one failing path does not hide the others).
@@ -481,20 +484,33 @@ def check_distill(device: str, plan: RoundPlan, work: Path, teacher: Path, corpu
             work,
         ),
     }
-    runs["offline"] = lmcli(
+    runs["tokenize_sampled"] = lmcli(
         [
-            *("train", "--task", "distill", str(work / "tok"), "--teacher", str(teacher)),
-            *("--out", str(work / "distill_offline"), *train),
+            *("tokenize", str(text), "--teacher", str(teacher), "--top-k", "8", "--logits", "sampled"),
+            *("--block-size", block, "--device", device, "-o", str(work / "tok_sampled"), "-q"),
         ],
         work,
     )
+    for name, tokens in (("offline", "tok"), ("offline_sampled", "tok_sampled")):
+        runs[name] = lmcli(
+            [
+                *("train", "--task", "distill", str(work / tokens), "--teacher", str(teacher)),
+                *("--out", str(work / f"distill_{name}"), *train),
+            ],
+            work,
+        )
     online, offline = records(work / "distill", "kl"), records(work / "distill_offline", "kl")
+    sampled = records(work / "distill_offline_sampled", "kl")
     return {
         "compares": "the student's KL to the teacher finite and falling (mean of the last third below "
-        "the first third's), online and from offline top-8 logits",
+        "the first third's), online and from offline top-8 logits; from 8 tokens drawn a position "
+        "(sampled logits), the estimated KL finite",
         "runs": runs,
         "online_kl": online,
         "offline_kl": offline,
+        "sampled_kl": sampled,
         "ok": all(r["exit_code"] == 0 for r in runs.values())
-        and all(len(k) == plan.steps and finite(k) and falls(k) for k in (online, offline)),
+        and all(len(k) == plan.steps and finite(k) and falls(k) for k in (online, offline))
+        and len(sampled) == plan.steps
+        and finite(sampled),
     }

@@ -1,6 +1,7 @@
 """Distillation on a CPU: a small student trained on a corpus alone, against the same student taught
-by a bigger teacher (run beside it; from offline top-64 logits), and a student cut from half the
-teacher's blocks against a random student of its shape, all on the same tokens.
+by a bigger teacher (run beside it; from its offline top-64 logits; from 64 tokens drawn from it
+at each position), and a student cut from half the teacher's blocks against a random student of
+its shape, all on the same tokens.
 
     python -m bench.distill [--teacher RUN] [--work DIR] [--threads N] [--epochs E] [--teacher-time 45m]
 
@@ -13,11 +14,13 @@ the end). ``--teacher RUN`` takes a teacher trained before (the same command).
 Then, each a fresh ``lmcli`` process on the same tokens (``--epochs`` passes over the 85%):
 
 - ``tokenize --teacher --top-k 64``: the corpus in the teacher's tokenizer and its top-64 logits
-  (timed: the offline students' wall time counts it);
+  (timed: the offline students' wall time counts it); the same with ``--logits sampled`` (64
+  tokens drawn from the teacher at each position) into ``tokens-sampled``;
 - ``scratch``: the student (``STUDENT``: 4 blocks 192 wide, 2.6M parameters) with ``--task lm``;
 - ``online``: ``--task distill`` with the teacher run beside the student;
 - ``offline``: ``--task distill`` reading the logits (no teacher in memory); ``offline-mix``:
   the same with ``--distill-alpha 0.5`` (half the loss the text's cross-entropy);
+  ``offline-sampled``: reading the sampled logits (the forward KL estimated from the draws);
 - ``cut``: ``--student-layers 3`` (blocks 0, 3, 5 of the teacher, its embedding and head), from
   the logits, against ``cut-random``: the same shape from random weights, the same training.
 
@@ -95,6 +98,18 @@ def lmcli(args: list[str], threads: int | None) -> float:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def teacher_logits(
+    teacher: Path, train: Path, out: Path, seconds: Path, threads: int | None, *more: str
+) -> float:
+    """The corpus's token folder ``out`` with the teacher's logits (kept when finished before);
+    the seconds it took (recorded in ``seconds``)."""
+    if not (out / "teacher.json").exists():
+        spent = lmcli(["tokenize", str(train), "--teacher", str(teacher), "--top-k", str(TOP_K), *more,
+                       "--block-size", str(BLOCK), "-o", str(out), "-q"], threads)  # fmt: skip
+        seconds.write_text(json.dumps(spent))
+    return json.loads(seconds.read_text())
 
 
 def train_run(name: str, args: list[str], work: Path, threads: int | None) -> dict[str, Any]:
@@ -237,7 +252,8 @@ def table(results: dict[str, Any]) -> str:
     runs, scratch = results["runs"], results["runs"]["scratch"]["held_out_ppl"]
     lines = ["| student | held-out ppl | vs scratch | wall time (train + logits) |", "|---|---|---|---|"]
     for name, run in runs.items():
-        logits = f" + {results['logits_s'] / 60:.1f} min" if run.get("offline") else ""
+        spent = results["sampled_logits_s"] if name == "offline-sampled" else results["logits_s"]
+        logits = f" + {spent / 60:.1f} min" if run.get("offline") else ""
         wall = f"{run['train_s'] / 60:.1f} min{logits}"
         lines.append(f"| {name} | {run['held_out_ppl']:.1f} | {run['held_out_ppl'] / scratch:.3f} | {wall} |")
     start = results["start_ppl"]
@@ -248,7 +264,8 @@ def table(results: dict[str, Any]) -> str:
         f"offline step / plain step: {results['step']['ratio']:.2f} (goal <= {GOAL_STEP}); logits "
         f"{results['bytes_per_token']} bytes a token ({results['logit_bytes'] / 1e6:.1f} MB for "
         f"{results['tokens']:,} tokens); the teacher's mass outside its top {TOP_K}: "
-        f"{results['rest_mass']:.3f} on average",
+        f"{results['rest_mass']:.3f} on average; sampled logits {TOP_K} draws, "
+        f"{results['sampled_logit_bytes'] / 1e6:.1f} MB",
     ]
     return "\n".join(lines)
 
@@ -271,13 +288,11 @@ def main() -> None:
         split_args = [str(data["train"]), "--val", str(data["val"])]
         what = [*TEACHER, "--max-time", args.teacher_time, *cache, "--out", str(teacher), "-q"]
         lmcli(["train", *split_args, *what], args.threads)
-    tokens = work / "tokens"
-    logits_s = 0.0
-    if not (tokens / "teacher.json").exists():
-        logits_s = lmcli(["tokenize", str(data["train"]), "--teacher", str(teacher), "--top-k", str(TOP_K),
-                          "--block-size", str(BLOCK), "-o", str(tokens), "-q"], args.threads)  # fmt: skip
-        (work / "logits_s.json").write_text(json.dumps(logits_s))
-    logits_s = json.loads((work / "logits_s.json").read_text())
+    tokens, sampled = work / "tokens", work / "tokens-sampled"
+    logits_s = teacher_logits(teacher, data["train"], tokens, work / "logits_s.json", args.threads)
+    sampled_s = teacher_logits(
+        teacher, data["train"], sampled, work / "sampled_logits_s.json", args.threads, "--logits", "sampled"
+    )
     n_tokens = json.loads((tokens / "index.json").read_text())["n_tokens"]
     steps = max(1, round(args.epochs * n_tokens / (BATCH * BLOCK)))
     common = [*STUDENT, "--val", str(data["val"]), "--batch-size", str(BATCH), "--max-steps", str(steps),
@@ -289,6 +304,7 @@ def main() -> None:
         "online": [str(data["train"]), *common, *distill],
         "offline": [str(tokens), *common, *distill],
         "offline-mix": [str(tokens), *common, *distill, "--distill-alpha", "0.5"],
+        "offline-sampled": [str(sampled), *common, *distill],
         "cut": [str(tokens), *common, *distill, "--student-layers", str(CUT)],
         "cut-random": [str(tokens), *common, *distill, *CUT_SHAPE],
     }
@@ -296,16 +312,17 @@ def main() -> None:
     for name, plan in plans.items():
         run = train_run(name, plan, work, args.threads)
         run["held_out_ppl"] = held_out(work / name, data["test"], args.threads)
-        run["offline"] = name in ("offline", "offline-mix", "cut", "cut-random")
+        run["offline"] = name in ("offline", "offline-mix", "offline-sampled", "cut", "cut-random")
         results["runs"][name] = run
         print(f"  {name}: held-out ppl {run['held_out_ppl']:.2f} in {run['train_s']:.0f} s", flush=True)
     results["teacher_held_out_ppl"] = held_out(teacher, data["test"], args.threads)
-    results["logits_s"] = logits_s
+    results["logits_s"], results["sampled_logits_s"] = logits_s, sampled_s
     results["start_ppl"] = starting_perplexity(teacher, tokens, data["test"])
     results["step"] = step_cost(tokens, args.threads)
     record = json.loads((tokens / "teacher.json").read_text())
     results["bytes_per_token"] = TOP_K * 2 * 2 + 2 if record["dtype"] == "uint16" else TOP_K * 6 + 2
     results["logit_bytes"] = sum(p.stat().st_size for p in tokens.glob("shard-*.top-*"))
+    results["sampled_logit_bytes"] = sum(p.stat().st_size for p in sampled.glob("shard-*.drawn-*"))
     results["rest_mass"] = rest_mass(tokens)
     results["elapsed_s"] = time.perf_counter() - t_all
     results["load"] = os.getloadavg()
@@ -313,10 +330,15 @@ def main() -> None:
     (RESULTS / "distill.json").write_text(json.dumps(results, indent=2))
     plot(results, RESULTS / "distill.png")
     scratch = results["runs"]["scratch"]["held_out_ppl"]
-    best = min(results["runs"][n]["held_out_ppl"] for n in ("online", "offline", "offline-mix"))
+    best = min(
+        results["runs"][n]["held_out_ppl"] for n in ("online", "offline", "offline-mix", "offline-sampled")
+    )
     print(table(results))
     teacher_ppl, minutes = results["teacher_held_out_ppl"], results["elapsed_s"] / 60
     ratio = f"distilled/scratch {best / scratch:.3f} (goal <= {GOAL_PPL})"
+    online = results["runs"]["online"]["held_out_ppl"]
+    ratio += f"; offline/online {results['runs']['offline']['held_out_ppl'] / online:.3f}, "
+    ratio += f"offline-sampled/online {results['runs']['offline-sampled']['held_out_ppl'] / online:.3f}"
     print(f"teacher held-out ppl {teacher_ppl:.1f}; {ratio}; {minutes:.0f} min in all")
 
 

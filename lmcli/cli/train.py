@@ -95,7 +95,7 @@ def tokenize(
     )
     if logits is not None:
         print(
-            f"teacher logits: top-{logits.top_k} of every position in chunks of {logits.context} tokens, "
+            f"teacher logits: {logits.label} of every position in chunks of {logits.context} tokens, "
             f"{logits.bytes_per_token} bytes a token ({time.perf_counter() - t0:.1f} s in all)",
             file=sys.stderr,
         )

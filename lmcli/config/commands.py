@@ -52,6 +52,7 @@ def parse_quantize(value: str) -> str:
         raise LmcliError(f"invalid quantize {value!r}: choose one of {listed}") from None
 
 
+TeacherLogits = Literal["top", "sampled"]  # lmcli tokenize --teacher: data.logit_shards.LAYOUTS
 KvDtype = Literal["auto", "float32", "bfloat16", "float16", "q8_0", "q4_0"]
 
 
@@ -405,9 +406,16 @@ class TokenizeConfig:
     shard_tokens: int = option(100_000_000, "Tokens per shard (about: a shard ends with a whole job).", gt=0)
     top_k: int = option(
         64,
-        "With --teacher: keep each position's K most likely next tokens (their log-probs after the "
-        "softmax over the whole vocabulary) and the mass left to the others.",
+        "With --teacher: keep K next tokens a position: its K most likely (their log-probs after "
+        "the softmax over the whole vocabulary) and the mass left to the others, or K drawn from "
+        "the teacher (--logits sampled).",
         gt=0,
+    )
+    logits: TeacherLogits = option(
+        "top",
+        "With --teacher: top (each position's K most likely tokens and the mass left: the loss on "
+        "them a lower bound) or sampled (K tokens drawn from the teacher's distribution: an unbiased "
+        "estimate of the forward KL, the only loss they train; docs/distillation.md).",
     )
     block_size: int = option(
         128,
@@ -427,7 +435,7 @@ class TokenizeConfig:
             raise LmcliError("give --out DIR: the folder the token shards go to")
         defaults = {f.name: f.default for f in fields(self)}
         if not self.distill.teacher:
-            for name in ("top_k", "block_size", "batch_size", "device"):
+            for name in ("top_k", "logits", "block_size", "batch_size", "device"):
                 if getattr(self, name) != defaults[name]:
                     raise LmcliError(f"--{name.replace('_', '-')} needs --teacher")
             if self.distill.distill_temperature != DistillConfig().distill_temperature:

@@ -1,6 +1,7 @@
 """A teacher's next-token distributions beside a folder of token shards: what ``lmcli tokenize
 CORPUS --teacher MODEL --top-k K`` writes and ``lmcli train --task distill`` reads instead of
-running the teacher.
+running the teacher. Two kinds (``--logits``, the record's ``logits``; a record without it is
+of top-K logits): ``top``, each position's K most likely tokens and the mass left,
 
     shard-00000.top-ids    (n_tokens, K) the ids of the K most likely next tokens at each
                            position of the shard: uint16 (uint32 for vocabularies over 65,536)
@@ -12,10 +13,18 @@ running the teacher.
                            sha256 and tokenizer), K, the temperature, the context, the identity
                            of the tokens, every shard's record
 
+or ``sampled``, K tokens drawn (with replacement, as drawn) from the teacher's distribution at
+each position and their log-probabilities:
+
+    shard-00000.drawn-ids  (n_tokens, K) the ids drawn, uint16 (uint32 over 65,536 tokens)
+    shard-00000.drawn-logp (n_tokens, K) float16: the teacher's log-probability of each
+    shard-00000.drawn.json the shard's record
+
 Row ``i`` of a shard is the teacher's distribution of the token after position ``i``, read in
 the shard's chunks of ``context`` tokens from the chunk's start (position ``c * context``): a
 training window that starts where a chunk does sees exactly the context the teacher saw
-(``grid``). A position costs ``4 K + 2`` bytes (``6 K + 2`` with uint32 ids).
+(``grid``). A position costs ``4 K + 2`` bytes top-K (``6 K + 2`` with uint32 ids), ``4 K``
+sampled (``6 K``).
 
 Files appear whole (a temporary name, then a rename); a shard counts once its record is there,
 so a killed writer leaves finished shards and the next writer keeps them. Every file's size and
@@ -39,11 +48,39 @@ from lmcli.errors import LmcliError
 from lmcli.safe_io import atomic_write, file_mode, temp_file
 
 FORMAT = "lmcli-teacher-logits"
-VERSION = 1
 RECORD = "teacher.json"
-PARTS = ("top-ids", "top-logp", "top-rest")  # each shard's files, by extension
 LOGP_DTYPE = np.dtype("<f2")
 ID_CHECK_ROWS = 1 << 18  # rows of ids checked against the vocabulary at a time
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a kind of logits is stored: its version (sampled logits are 2: an lmcli that reads
+    only top-K ones refuses them), each shard's files by extension (ids, log-probs, and the
+    rest for top-K) and its record's extension."""
+
+    version: int
+    parts: tuple[str, ...]
+    record: str
+
+
+LAYOUTS = {
+    "top": Layout(1, ("top-ids", "top-logp", "top-rest"), "top.json"),
+    "sampled": Layout(2, ("drawn-ids", "drawn-logp"), "drawn.json"),
+}
+
+
+def kind_of(record: dict[str, Any]) -> str:
+    """The kind of the logits a record describes (``top`` when it does not say: written before
+    sampled logits were)."""
+    return str(record.get("logits", "top"))
+
+
+def label(record: dict[str, Any]) -> str:
+    """What a position of the logits a record describes holds, in words: ``top-64`` or ``64
+    draws``."""
+    k = record.get("top_k")
+    return f"top-{k}" if kind_of(record) == "top" else f"{k} draws"
 
 
 def tokens_identity(folder: TokenFolder) -> str:
@@ -55,18 +92,21 @@ def tokens_identity(folder: TokenFolder) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def bytes_per_token(k: int, vocab_size: int) -> int:
-    """What a position costs on disk: K ids and K float16 log-probs, and the float16 remainder."""
-    return k * (np.dtype(token_dtype(vocab_size)).itemsize + LOGP_DTYPE.itemsize) + LOGP_DTYPE.itemsize
+def bytes_per_token(k: int, vocab_size: int, kind: str = "top") -> int:
+    """What a position costs on disk: K ids and K float16 log-probs, and (top-K) the float16
+    remainder."""
+    rest = LOGP_DTYPE.itemsize if kind == "top" else 0
+    return k * (np.dtype(token_dtype(vocab_size)).itemsize + LOGP_DTYPE.itemsize) + rest
 
 
 @dataclass
 class LogitPiece:
-    """One shard's logits, memory-mapped: ids (n, K), log-probs (n, K), remainders (n,)."""
+    """One shard's logits, memory-mapped: ids (n, K), log-probs (n, K), remainders (n,) (None:
+    sampled logits)."""
 
     ids: np.ndarray
     logp: np.ndarray
-    rest: np.ndarray
+    rest: np.ndarray | None
 
 
 @dataclass
@@ -78,7 +118,16 @@ class LogitFolder:
 
     @property
     def top_k(self) -> int:
+        """K: the tokens stored a position (the most likely, or the draws)."""
         return int(self.record["top_k"])
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.record)
+
+    @property
+    def label(self) -> str:
+        return label(self.record)
 
     @property
     def context(self) -> int:
@@ -94,16 +143,19 @@ class LogitFolder:
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_token(self.top_k, int(self.record["vocab_size"]))
+        return bytes_per_token(self.top_k, int(self.record["vocab_size"]), self.kind)
 
     def pieces(self) -> list[LogitPiece]:
         """Every shard's logits, memory-mapped."""
         k, dtype, out = self.top_k, self.record["dtype"], []
+        parts = LAYOUTS[self.kind].parts
         for shard in self.record["shards"]:
             base, n = self.path / shard["name"], shard["n_tokens"]
-            ids = np.memmap(f"{base}.top-ids", dtype=dtype, mode="r", shape=(n, k))
-            logp = np.memmap(f"{base}.top-logp", dtype=LOGP_DTYPE, mode="r", shape=(n, k))
-            rest = np.memmap(f"{base}.top-rest", dtype=LOGP_DTYPE, mode="r", shape=(n,))
+            ids = np.memmap(f"{base}.{parts[0]}", dtype=dtype, mode="r", shape=(n, k))
+            logp = np.memmap(f"{base}.{parts[1]}", dtype=LOGP_DTYPE, mode="r", shape=(n, k))
+            rest = None
+            if len(parts) > 2:
+                rest = np.memmap(f"{base}.{parts[2]}", dtype=LOGP_DTYPE, mode="r", shape=(n,))
             out.append(LogitPiece(ids, logp, rest))
         return out
 
@@ -122,18 +174,19 @@ class LogitFolder:
 
 def gather(
     pieces: list[LogitPiece], stream: TokenStream, starts: list[int], length: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The logits of the windows of ``stream`` (whose pieces are the shards, or their first
     parts) at ``starts``, ``length`` positions each: ids (B, T, K) int64, log-probs (B, T, K)
-    and remainders (B, T), float32."""
+    and remainders (B, T) (None: sampled logits), float32."""
     ids, logp, rest = [], [], []
     for start in starts:
         index, offset = stream.locate(start)
         piece = pieces[index]
         ids.append(np.asarray(piece.ids[offset : offset + length], dtype=np.int64))
         logp.append(np.asarray(piece.logp[offset : offset + length], dtype=np.float32))
-        rest.append(np.asarray(piece.rest[offset : offset + length], dtype=np.float32))
-    return np.stack(ids), np.stack(logp), np.stack(rest)
+        if piece.rest is not None:
+            rest.append(np.asarray(piece.rest[offset : offset + length], dtype=np.float32))
+    return np.stack(ids), np.stack(logp), np.stack(rest) if rest else None
 
 
 def open_logit_folder(folder: TokenFolder) -> LogitFolder | None:
@@ -141,7 +194,7 @@ def open_logit_folder(folder: TokenFolder) -> LogitFolder | None:
     line naming what is wrong (unfinished, damaged, of other tokens)."""
     path = folder.path / RECORD
     if not os.path.lexists(path):
-        if any(folder.path.glob("*.top.json")):
+        if any(any(folder.path.glob(f"*.{layout.record}")) for layout in LAYOUTS.values()):
             raise LmcliError(
                 f"the teacher logits in {folder.path} are unfinished: run the same lmcli tokenize "
                 "--teacher again to finish them"
@@ -152,9 +205,12 @@ def open_logit_folder(folder: TokenFolder) -> LogitFolder | None:
         raise LmcliError(
             f"{path} does not describe teacher logits: compute them again (lmcli tokenize --teacher)"
         )
-    if record.get("version") != VERSION:
+    layout = LAYOUTS.get(kind_of(record))
+    if layout is None or record.get("version") != layout.version:
+        known = ", ".join(f"{kind} logits of version {layout.version}" for kind, layout in LAYOUTS.items())
         raise LmcliError(
-            f"{path}: teacher logits of version {record.get('version')}, this lmcli reads {VERSION}"
+            f"{path}: {kind_of(record)} teacher logits of version {record.get('version')}, this lmcli "
+            f"reads {known}"
         )
     if record.get("tokens") != tokens_identity(folder):
         raise LmcliError(
@@ -166,7 +222,8 @@ def open_logit_folder(folder: TokenFolder) -> LogitFolder | None:
         raise LmcliError(f"{path} does not list the folder's shards: compute the logits again")
     logits = LogitFolder(folder.path, record)
     for shard, tokens in zip(record["shards"], folder.index["shards"], strict=True):
-        reason = shard_problem(folder.path, shard, logits.top_k, record["dtype"], tokens["n_tokens"])
+        n = tokens["n_tokens"]
+        reason = shard_problem(folder.path, shard, logits.top_k, record["dtype"], n, logits.kind)
         if reason is not None:
             raise LmcliError(
                 f"the teacher logits in {folder.path} are damaged ({reason}): compute them again"
@@ -174,16 +231,16 @@ def open_logit_folder(folder: TokenFolder) -> LogitFolder | None:
     return logits
 
 
-def shard_problem(folder: Path, shard: dict[str, Any], k: int, dtype: str, n_tokens: int) -> str | None:
-    """Why a shard's logit files do not match its record (sizes and checksums), or None."""
+def shard_problem(
+    folder: Path, shard: dict[str, Any], k: int, dtype: str, n_tokens: int, kind: str
+) -> str | None:
+    """Why a shard's logit files (of the ``kind``'s layout) do not match its record (sizes and
+    checksums), or None."""
     if shard.get("n_tokens") != n_tokens or not isinstance(shard.get("check"), dict):
         return f"{shard.get('name')}: its record does not describe its shard"
-    sizes = {
-        "top-ids": n_tokens * k * np.dtype(dtype).itemsize,
-        "top-logp": n_tokens * k * LOGP_DTYPE.itemsize,
-        "top-rest": n_tokens * LOGP_DTYPE.itemsize,
-    }
-    for part, size in sizes.items():
+    itemsizes = (k * np.dtype(dtype).itemsize, k * LOGP_DTYPE.itemsize, LOGP_DTYPE.itemsize)
+    for part, itemsize in zip(LAYOUTS[kind].parts, itemsizes, strict=False):  # ids, log-probs[, rest]
+        size = n_tokens * itemsize
         check = shard["check"].get(part)
         file = folder / f"{shard['name']}.{part}"
         if not isinstance(check, dict) or check.get("size") != size:
@@ -196,29 +253,32 @@ def shard_problem(folder: Path, shard: dict[str, Any], k: int, dtype: str, n_tok
 
 class LogitSink:
     """One shard's logits written in order, rows at a time (``add``), then committed whole
-    (``commit``: its three files renamed into place, its record last)."""
+    (``commit``: its files renamed into place, its record last)."""
 
-    def __init__(self, folder: Path, name: str, n_tokens: int, plan: str) -> None:
+    def __init__(self, folder: Path, name: str, n_tokens: int, plan: str, kind: str) -> None:
         self.folder, self.name, self.n_tokens, self.rows, self.plan = folder, name, n_tokens, 0, plan
+        self.layout = LAYOUTS[kind]
         self.temps: dict[str, Path] = {}
         self.files: dict[str, BinaryIO] = {}
-        for part in PARTS:
+        for part in self.layout.parts:
             self.temps[part] = temp_file(folder / f"{name}.{part}")
             os.chmod(self.temps[part], file_mode())
             self.files[part] = open(self.temps[part], "wb")  # noqa: SIM115 - closed by commit or abort
 
-    def add(self, ids: np.ndarray, logp: np.ndarray, rest: np.ndarray, dtype: str) -> None:
-        """The next rows: ids (n, K), log-probs (n, K), remainders (n,)."""
-        self.files["top-ids"].write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
-        self.files["top-logp"].write(np.ascontiguousarray(logp, dtype=LOGP_DTYPE).tobytes())
-        self.files["top-rest"].write(np.ascontiguousarray(rest, dtype=LOGP_DTYPE).tobytes())
-        self.rows += len(rest)
+    def add(self, ids: np.ndarray, logp: np.ndarray, rest: np.ndarray | None, dtype: str) -> None:
+        """The next rows: ids (n, K), log-probs (n, K), remainders (n,) (None: sampled logits)."""
+        parts = self.layout.parts
+        self.files[parts[0]].write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
+        self.files[parts[1]].write(np.ascontiguousarray(logp, dtype=LOGP_DTYPE).tobytes())
+        if rest is not None:
+            self.files[parts[2]].write(np.ascontiguousarray(rest, dtype=LOGP_DTYPE).tobytes())
+        self.rows += len(ids)
 
     def commit(self) -> dict[str, Any]:
         """The shard's files under their names, then its record; the record."""
         assert self.rows == self.n_tokens, f"{self.name}: {self.rows} rows for {self.n_tokens} tokens"
         check = {}
-        for part in PARTS:
+        for part in self.layout.parts:
             f = self.files.pop(part)
             f.flush()
             os.fsync(f.fileno())
@@ -227,7 +287,7 @@ class LogitSink:
             os.replace(self.temps.pop(part), final)
             check[part] = file_check(final)
         record = {"name": self.name, "n_tokens": self.n_tokens, "plan": self.plan, "check": check}
-        atomic_write(self.folder / f"{self.name}.top.json", json.dumps(record, indent=2) + "\n")
+        atomic_write(self.folder / f"{self.name}.{self.layout.record}", json.dumps(record, indent=2) + "\n")
         return record
 
     def abort(self) -> None:
@@ -247,10 +307,11 @@ def plan_digest(plan: dict[str, Any]) -> str:
 def kept_shard(folder: Path, name: str, n_tokens: int, plan: dict[str, Any]) -> dict[str, Any] | None:
     """A shard's record that a killed writer of the same ``plan`` finished (its files checked),
     or None."""
-    record = read_cache_json(folder / f"{name}.top.json")
+    kind = kind_of(plan)
+    record = read_cache_json(folder / f"{name}.{LAYOUTS[kind].record}")
     if record is None or record.get("name") != name or record.get("plan") != plan_digest(plan):
         return None
-    problem = shard_problem(folder, record, plan["top_k"], plan["dtype"], n_tokens)
+    problem = shard_problem(folder, record, plan["top_k"], plan["dtype"], n_tokens, kind)
     return record if problem is None else None
 
 

@@ -106,6 +106,33 @@ def test_offline_logits_teach_as_the_teacher_does(setup: Path, tmp_path: Path, c
     assert not any("val_kl" in r for r in read_metrics(tmp_path / "offline"))  # no teacher loaded
 
 
+def test_sampled_logits_teach_and_refuse_the_losses_they_cannot_estimate(
+    setup: Path, tmp_path: Path, capsys
+) -> None:
+    """The student from 8 tokens drawn from the teacher at each position (no teacher in memory):
+    the estimated divergence falls; the reverse KL and the JSD are refused before training."""
+    tokens = tmp_path / "sampled"
+    code, _, err = run_cli(
+        [*("tokenize", str(setup / "corpus.txt"), "--teacher", str(setup / "teacher"), "--top-k", "8"),
+         *("--logits", "sampled", "--block-size", "16", "--threads", "1", "-o", str(tokens))],
+        capsys,
+    )  # fmt: skip
+    assert code == 0 and "teacher logits: 8 draws of every position in chunks of 16 tokens, 32 bytes" in err
+    out = tmp_path / "run"
+    for kind in ("reverse_kl", "jsd"):
+        refused(
+            capsys,
+            [*distill_args(setup, out, corpus=str(tokens)), "--distill-loss", kind],
+            f"--distill-loss {kind}: the teacher logits in {tokens} are tokens drawn from the teacher, "
+            "which estimate only the forward KL",
+            out,
+        )
+    code, _, err = run_cli(distill_args(setup, out, corpus=str(tokens)), capsys)
+    assert code == 0, err
+    trained = kls(out)
+    assert trained[-1] < 0.6 * trained[0], trained
+
+
 class CrashAt:
     """A progress reporter that raises at a given step (after the checkpoint before it)."""
 
@@ -270,6 +297,7 @@ def test_bad_options_are_one_line(setup: Path, tmp_path: Path, capsys) -> None:
     )
     tokenize = ["tokenize", str(setup / "corpus.txt"), "-o", str(out)]
     refused(capsys, [*tokenize, "--top-k", "5"], "--top-k needs --teacher", out)
+    refused(capsys, [*tokenize, "--logits", "sampled"], "--logits needs --teacher", out)
     teacher = ["--teacher", str(setup / "teacher")]
     vocabulary = "--top-k 1000 is more than the teacher's vocabulary (261 tokens)"
     refused(capsys, [*tokenize, *teacher, "--top-k", "1000", "--block-size", "16"], vocabulary, out)

@@ -1,7 +1,11 @@
 """Distillation's divergences equal their formulas computed by hand; the loss over a teacher's
 top-K and the mass left (K + 1 buckets) is a lower bound of the full-vocabulary loss, equal to it
 when the teacher leaves no mass outside its K tokens, and the forward KL's gap is exactly the
-remainder's share of the within-bucket KL; the run's loss mixes its parts as documented."""
+remainder's share of the within-bucket KL; the run's loss mixes its parts as documented. Tokens
+drawn from the teacher (sampled logits) estimate the forward KL and its gradient without bias:
+draws in the teacher's exact proportions give them exactly, 200,000 random draws within five
+standard errors; the estimate is the cross-entropy to the draws' frequencies plus the mean of the
+stored log-probs."""
 
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ from lmcli.train.post.divergence import (
     coarse,
     distill_loss,
     divergence,
+    drawn,
     forward_kl,
     jsd,
     renormalized,
     reverse_kl,
+    sampled_forward_kl,
     top_k,
 )
 
@@ -152,3 +158,81 @@ def test_stored_sixteen_bit_buckets_are_renormalized() -> None:
     _, theirs = stored.compared(student.float())
     assert theirs.exp().sum(-1).tolist() == pytest.approx([1.0] * 4, abs=1e-6)
     torch.testing.assert_close(theirs.double(), exact, rtol=0, atol=2e-3)  # float16's step at these values
+
+
+def test_draws_in_the_teachers_proportions_give_the_forward_kl_and_its_gradient_exactly() -> None:
+    teacher = logs(P)
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 3]])  # the multiset whose frequencies are P (eighths)
+    mine = logs(Q).requires_grad_(True)
+    theirs = logs(Q).requires_grad_(True)
+    estimate = sampled_forward_kl(mine, ids, teacher.gather(-1, ids))
+    full = forward_kl(theirs, teacher)
+    assert estimate.item() == pytest.approx(kl(P, Q), rel=1e-12)
+    estimate.sum().backward()
+    full.sum().backward()
+    torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-15)
+
+
+def test_many_draws_follow_the_teacher_and_estimate_the_forward_kl_and_its_gradient() -> None:
+    g = torch.Generator().manual_seed(0)
+    V, n = 50, 200_000
+    teacher = torch.log_softmax(2 * torch.randn(1, V, generator=g, dtype=torch.float64), -1)
+    teacher[0, [3, 17, 49]] = float("-inf")  # tokens without mass (the last one too)
+    teacher = teacher - teacher.logsumexp(-1, keepdim=True)
+    logits = torch.randn(1, V, generator=g, dtype=torch.float64)
+    ids, logp = drawn(teacher, n, torch.Generator().manual_seed(1))
+    assert ids.shape == (1, n) and torch.equal(logp, teacher.gather(-1, ids))
+    p = teacher.exp()[0]
+    freq = torch.bincount(ids[0], minlength=V).double() / n
+    assert freq[[3, 17, 49]].tolist() == [0.0, 0.0, 0.0]  # never drawn
+    five_errors = 5 * (p * (1 - p) / n).sqrt() + 1e-12  # per token, five standard errors
+    assert ((freq - p).abs() <= five_errors).all()
+    # the estimate: within five standard errors of its mean, the full forward KL
+    mine = logits.clone().requires_grad_(True)
+    theirs = logits.clone().requires_grad_(True)
+    terms = logp - torch.log_softmax(mine, -1).gather(-1, ids)  # (1, n)
+    estimate = terms.mean(-1)
+    full = forward_kl(torch.log_softmax(theirs, -1), teacher)
+    assert abs(estimate.item() - full.item()) <= 5 * terms.std().item() / math.sqrt(n)
+    assert estimate.item() == pytest.approx(
+        sampled_forward_kl(torch.log_softmax(logits, -1), ids, logp).item()
+    )
+    # its gradient in the logits is q - freq, the full one's q - p: within the same bound
+    estimate.sum().backward()
+    full.sum().backward()
+    assert ((mine.grad - theirs.grad)[0].abs() <= five_errors).all()
+
+
+def test_draws_of_several_rows_follow_each_rows_own_distribution() -> None:
+    rows = logs([0, 0, 1.0, 0], [0.5, 0, 0, 0.5], [0, 1.0, 0, 0])
+    ids, logp = drawn(rows, 1000, torch.Generator().manual_seed(2))
+    assert set(ids[0].tolist()) == {2} and set(ids[2].tolist()) == {1} and set(ids[1].tolist()) == {0, 3}
+    assert logp[0].tolist() == [0.0] * 1000 and torch.isfinite(logp).all()
+    again, _ = drawn(rows, 1000, torch.Generator().manual_seed(2))
+    assert torch.equal(ids, again)  # the same generator's seed, the same draws
+
+
+def test_the_sampled_estimate_is_the_cross_entropy_to_the_draws_plus_their_log_probs() -> None:
+    """Through the run's loss, at a temperature: ``kl`` is, row by row, the cross-entropy of the
+    student's softened distribution to the draws' frequencies plus the mean stored log-prob (any
+    values: the student's gradient does not depend on them), scaled by T^2 in the loss."""
+    g = torch.Generator().manual_seed(5)
+    N, V, K, T = 6, 11, 9, 2.0
+    logits = torch.randn(N, V, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (N, K), generator=g)
+    stored = -3 * torch.rand(N, K, generator=g, dtype=torch.float64)
+    out = distill_loss(
+        logits, torch.zeros(N, dtype=torch.long), Targets(stored, ids, drawn=True), temperature=T
+    )
+    q = torch.log_softmax(logits / T, -1)
+    expected = 0.0
+    for i in range(N):
+        freq = torch.bincount(ids[i], minlength=V).double() / K
+        expected += (-(freq * q[i]).sum() + stored[i].mean()).item() / N
+    assert out.kl.item() == pytest.approx(expected, rel=1e-6)
+    assert out.loss.item() == pytest.approx(T * T * expected, rel=1e-6)
+    for kind in ("reverse_kl", "jsd"):  # expectations under the student: draws of the teacher cannot say
+        with pytest.raises(ValueError, match=f"{kind} cannot be estimated from tokens drawn"):
+            distill_loss(
+                logits, torch.zeros(N, dtype=torch.long), Targets(stored, ids, drawn=True), kind=kind
+            )

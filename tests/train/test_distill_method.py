@@ -2,7 +2,9 @@
 (any family: lmcli's own names of a Hugging Face folder's weights), each block keeping its kind;
 the teacher logits ``lmcli tokenize --teacher`` stores are the top-K of the full softmax and the
 mass left, 4 K + 2 bytes a token; with K = the vocabulary, the loss read from them equals the loss
-of the teacher run beside the student (to float16's rounding) on the windows a run reads."""
+of the teacher run beside the student (to float16's rounding) on the windows a run reads; sampled
+logits are K draws from the teacher's distribution and its log-probs of them, 4 K bytes a token,
+the same bytes from a resumed writer as from an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -81,26 +83,25 @@ def test_blocks_the_teacher_does_not_have_are_one_line(tmp_path: Path) -> None:
         open_cut(source, (), 3, quiet, None)
 
 
-def peaked_run(out: Path) -> Path:
-    """A tiny teacher whose (tied) embedding is scaled up: peaked distributions, no near-ties."""
+def peaked_run(out: Path, scale: float = 30) -> Path:
+    """A tiny teacher whose (tied) embedding is scaled up: peaked distributions, no near-ties
+    (``scale`` 30; 3: spread ones)."""
     tok = tiny_tokenizer()
     model = tiny_model(tok.vocab_size, n_layer=2, block_size=32)
     with torch.no_grad():
-        model.wte.weight.mul_(30)
+        model.wte.weight.mul_(scale)
     for name in ("last", "best"):
         save_checkpoint(out / name, model, train_config(), tok, meta={"step": 0})
     return out
 
 
-def logits_of(tmp_path: Path, k: int, block: int = 16):
+def logits_of(tmp_path: Path, k: int, block: int = 16, kind: str = "top", scale: float = 30):
     """A tiny teacher and its logits of a corpus."""
-    run = peaked_run(tmp_path / "teacher")
+    run = peaked_run(tmp_path / "teacher", scale)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TINY_TEXT)
-    cfg = from_dict(
-        TokenizeConfig,
-        dict(corpus=(str(corpus),), out=str(tmp_path / "tok"), teacher=str(run), top_k=k, block_size=block),
-    )
+    options = dict(corpus=(str(corpus),), teacher=str(run), top_k=k, block_size=block, logits=kind)
+    cfg = from_dict(TokenizeConfig, {**options, "out": str(tmp_path / "tok")})
     folder, logits = tokenize_with_teacher(cfg, progress=False, info=quiet)
     return TeacherModel.open(model_source(run), torch.device("cpu")), folder, logits
 
@@ -188,6 +189,102 @@ def test_the_logits_writer_resumes_and_damaged_or_foreign_logits_are_one_line(tm
     logp.write_bytes(logp.read_bytes()[:-2] + b"\x00\x7c")  # the last value now +inf
     with pytest.raises(LmcliError, match=r"are damaged \(shard-00001.top-logp: size or checksum mismatch\)"):
         open_logit_folder(open_token_folder(tmp_path / "tok"))
+
+
+def test_sampled_logits_are_draws_from_the_teacher_and_its_log_probs_of_them(tmp_path: Path) -> None:
+    teacher, folder, logits = logits_of(tmp_path, k=400, kind="sampled", scale=3)
+    V = teacher.vocab
+    assert (
+        logits.kind == "sampled" and logits.bytes_per_token == bytes_per_token(400, V, "sampled") == 4 * 400
+    )
+    record = json.loads((tmp_path / "tok" / "teacher.json").read_text())
+    assert record["logits"] == "sampled" and record["version"] == 2
+    logit_files = {p.name for p in (tmp_path / "tok").glob("shard-00000.*")} - {"shard-00000.bin"}
+    assert {"shard-00000.drawn-ids", "shard-00000.drawn-logp", "shard-00000.drawn.json"} <= logit_files
+    assert not any(".top" in name for name in logit_files)
+    piece = logits.pieces()[0]
+    assert piece.rest is None
+    tokens = folder.stream().pieces[0].tokens
+    x = torch.from_numpy(np.asarray(tokens[16:48], dtype=np.int64)).view(2, 16)  # chunks 1 and 2
+    exact = teacher.logprobs(x).view(32, V)
+    ids = torch.from_numpy(np.asarray(piece.ids[16:48], dtype=np.int64))  # (32, 400)
+    assert int(ids.max()) < V
+    stored = torch.from_numpy(np.asarray(piece.logp[16:48], dtype=np.float32))
+    torch.testing.assert_close(stored, exact.gather(-1, ids), atol=4e-3, rtol=1e-3)
+    p = exact.exp().double()
+    counts = torch.zeros(32, V, dtype=torch.float64).scatter_add_(
+        1, ids, torch.ones_like(ids, dtype=torch.float64)
+    )
+    freq = counts / 400
+    # each token's frequency, summed over the 32 positions, within five standard errors of its mass
+    errors = (p * (1 - p) / 400).sum(0).sqrt()
+    assert ((freq - p).sum(0).abs() <= 5 * errors).all()
+    assert ((freq - p).abs() < 0.1).all()  # and each position's (its standard error about 0.02)
+    assert (freq[p < 1e-7] == 0).all() and (p.max(-1).values < 0.9).sum() > 16  # spread: draws vary
+
+
+def test_the_sampled_estimate_on_a_runs_windows_is_the_online_forward_kl(tmp_path: Path) -> None:
+    """On the windows an offline run reads, the loss from 400 draws a position is the loss against
+    the teacher run beside the student, within five standard errors of the mean of its terms."""
+    teacher, folder, logits = logits_of(tmp_path, k=400, kind="sampled", scale=3)
+    stream = folder.stream()
+    sampler = WindowSampler(stream, 16, seed=3, grid=logits.context)
+    starts, batch = sampler.window_starts(0, 6), sampler.batch(0, 6)
+    ids, logp, rest = gather(logits.pieces(), stream, starts, 16)
+    assert rest is None
+    K = ids.shape[-1]
+    offline = Targets(torch.from_numpy(logp).view(-1, K), torch.from_numpy(ids).view(-1, K), drawn=True)
+    online = Targets(teacher.logprobs(batch.x).view(-1, teacher.vocab))
+    torch.manual_seed(0)
+    student = torch.randn(6 * 16, teacher.vocab)
+    targets = batch.y.reshape(-1)
+    a = distill_loss(student, targets, offline).loss.item()
+    b = distill_loss(student, targets, online).loss.item()
+    terms = offline.logp - torch.log_softmax(student, -1).gather(-1, offline.ids)  # (96, 400)
+    assert abs(a - b) <= 5 * terms.std().item() / terms.numel() ** 0.5, (a, b)
+    with pytest.raises(ValueError, match="reverse_kl cannot be estimated"):
+        distill_loss(student, targets, offline, kind="reverse_kl")
+
+
+def test_the_sampled_logits_writer_resumes_to_the_same_bytes(tmp_path: Path) -> None:
+    run = peaked_run(tmp_path / "teacher")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 10)  # pieces of 4 KiB: a shard each
+    options = dict(corpus=(str(corpus),), teacher=str(run), top_k=4, block_size=16, shard_tokens=1000)
+
+    def write(out: str, **more: str) -> tuple:
+        cfg = from_dict(TokenizeConfig, {**options, **more, "out": str(tmp_path / out)})
+        return tokenize_with_teacher(cfg, progress=False, info=quiet)
+
+    folder, first = write("tok", logits="sampled")
+    assert len(folder.index["shards"]) >= 3
+    written = {p.name: p.read_bytes() for p in (tmp_path / "tok").glob("shard-*.drawn*")}
+    (tmp_path / "tok" / "teacher.json").unlink()  # a writer killed in the third shard
+    for p in (tmp_path / "tok").glob("shard-0000[2-9].drawn*"):
+        p.unlink()
+    with pytest.raises(LmcliError, match="are unfinished: run the same lmcli tokenize --teacher again"):
+        open_logit_folder(open_token_folder(tmp_path / "tok"))
+    said: list[str] = []
+    cfg = from_dict(TokenizeConfig, {**options, "logits": "sampled", "out": str(tmp_path / "tok")})
+    _, again = tokenize_with_teacher(cfg, progress=False, info=said.append)
+    assert said == [f"teacher logits in {tmp_path / 'tok'}: resuming, 2 finished shard(s) kept"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tok").glob("shard-*.drawn*")} == written
+    assert again.record == first.record
+    # one kind a folder: top-K logits where sampled ones are, and sampled where top-K ones are
+    with pytest.raises(
+        LmcliError, match=r"holds the logits of .* \(4 draws, block size 16, temperature 1.0\)"
+    ):
+        write("tok")
+    write("top")
+    with pytest.raises(LmcliError, match=r"holds the logits of .* \(top-4, block size 16, temperature 1.0\)"):
+        write("top", logits="sampled")
+    # a record written before the kinds were (no "logits") is of top-K logits: read, and reused
+    record = json.loads((tmp_path / "top" / "teacher.json").read_text())
+    del record["logits"]
+    (tmp_path / "top" / "teacher.json").write_text(json.dumps(record))
+    old = open_logit_folder(open_token_folder(tmp_path / "top"))
+    assert old is not None and old.kind == "top" and old.pieces()[0].rest is not None
+    assert "logits" not in write("top")[1].record  # the same plan: the folder kept as it is
 
 
 def test_the_progress_bar_shows_the_fields_each_method_declares() -> None:

@@ -256,13 +256,14 @@ class Distill(Method[Micro]):
         return Targets(self.teacher.logprobs(x, self.settings.temperature, index, document))
 
     def offline(self, starts: list[int], length: int, device: torch.device) -> Targets:
-        """The teacher's top-K of the data rows' positions, read from the logit shards."""
+        """The teacher's top-K (or draws) of the data rows' positions, read from the logit shards."""
         ids, logp, rest = gather(self.pieces, self.data.train, starts, length)  # (B, T, K), (B, T, K), (B, T)
         k = ids.shape[-1]
         return Targets(
             torch.from_numpy(logp).view(-1, k).to(device),  # (B, T, K) -> (N, K)
             torch.from_numpy(ids).view(-1, k).to(device),
-            torch.from_numpy(rest).view(-1).to(device),
+            None if rest is None else torch.from_numpy(rest).view(-1).to(device),
+            drawn=rest is None,
         )
 
     def samples(self, run: Run, windows: Tensor, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -362,7 +363,7 @@ class Distill(Method[Micro]):
         if self.logits is not None:
             lf = self.logits
             rows["teacher logits"] = (
-                f"top-{lf.top_k} from {lf.path} ({lf.bytes_per_token} bytes a token), windows on their "
+                f"{lf.label} from {lf.path} ({lf.bytes_per_token} bytes a token), windows on their "
                 f"{lf.context}-token grid"
             )
         return rows
@@ -374,7 +375,7 @@ class Distill(Method[Micro]):
         step = super().memory(run, shards)
         if self.teacher is None:
             k = self.logits.top_k if self.logits is not None else 0
-            return step + size * T * k * 16  # the gathered top-K, as int64 ids and float32 log-probs
+            return step + size * T * k * 16  # the gathered K tokens, as int64 ids and float32 log-probs
         c = self.teacher.model.config
         forward = size * T * (3 * self.vocab + 4 * c.n_embd + c.ffn_dim) * 4
         own = self.settings.own_rows(size)
@@ -479,5 +480,11 @@ def check_run(
         raise LmcliError(
             f"--align-documents and --document-mask: the teacher logits in {where} were computed in "
             "chunks across documents: the windows start on their grid"
+        )
+    if logits.kind == "sampled" and settings.kind != "forward_kl":
+        raise LmcliError(
+            f"--distill-loss {settings.kind}: the teacher logits in {where} are tokens drawn from the "
+            "teacher, which estimate only the forward KL: give --distill-loss forward_kl, or compute "
+            "top-K logits (lmcli tokenize --logits top)"
         )
     logits.check_ids(data.tokenizer.vocab_size)

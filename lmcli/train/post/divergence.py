@@ -3,7 +3,8 @@ distribution is from its teacher's, one number a position.
 
 Each takes the two distributions over the same buckets as log-probs, (N, B): the whole
 vocabulary (B = V, a teacher run beside the student), or the K tokens the teacher found most
-likely plus one bucket for the rest (B = K + 1, logits read from shards: ``coarse``).
+likely plus one bucket for the rest (B = K + 1, logits read from shards: ``coarse``). Sampled
+logits (K tokens drawn from the teacher) estimate the forward KL instead (``sampled_forward_kl``).
 
 - ``forward_kl``: KL(teacher || student) = sum_v p(v) (log p(v) - log q(v)): the student is
   pulled to cover every token the teacher gives mass to (Hinton et al. 2015);
@@ -20,7 +21,14 @@ A bucket where the distribution whose expectation is taken has no mass adds noth
 ``coarse`` explains the offline loss: the divergence of the (K+1)-bucket distributions is a
 lower bound of the full one (every f-divergence shrinks when buckets are merged), and equal to
 it when the teacher's remainder is zero. For the forward KL exactly:
-``KL(p || q) = KL(p_K+1 || q_K+1) + p(rest) KL(p(. | rest) || q(. | rest))``.
+``KL(p || q) = KL(p_K+1 || q_K+1) + p(rest) KL(p(. | rest) || q(. | rest))``: what the teacher
+leaves outside its top K, the student learns nothing of token by token.
+
+``sampled_forward_kl`` has no such gap: the mean over K tokens drawn from the teacher of ``log
+p(v) - log q(v)`` is an unbiased estimate of KL(p || q), and its gradient (``-mean grad log
+q(v)``) of the full one's (Anshumann et al. 2025, "Sparse Logit Sampling"); its noise shrinks as
+1 / K. The reverse KL and the JSD are expectations under the student, not the teacher: draws of
+the teacher do not estimate them.
 """
 
 from __future__ import annotations
@@ -92,6 +100,28 @@ def top_k(logp: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     return ids, values, rest_logprob(logp, ids)
 
 
+def drawn(logp: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``k`` tokens of each row of log-probs (N, V) drawn with replacement from its distribution
+    (in order of drawing): their ids (N, k) and log-probs (N, k). The uniforms come from
+    ``generator`` on the CPU (the same on any device) and are inverted through the cumulative
+    distribution: a token without mass is never drawn."""
+    u = torch.rand(logp.size(0), k, generator=generator).to(logp.device)  # (N, k) in [0, 1)
+    cdf = logp.exp().cumsum(dim=-1)  # (N, V)
+    total = cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u * total, right=True)  # the first token whose cdf passes u * total
+    last = (cdf < total).sum(dim=-1, keepdim=True)  # the last token with mass (where u * total rounds up)
+    ids = torch.minimum(ids, last)
+    return ids, logp.gather(-1, ids)
+
+
+def sampled_forward_kl(student: Tensor, ids: Tensor, logp: Tensor) -> Tensor:
+    """The estimate of KL(teacher || student) of each row (N,) from K tokens ``ids`` (N, K) drawn
+    from the teacher and the teacher's log-probs of them (N, K): the mean over the draws of
+    ``log p(v) - log q(v)``, ``student`` the student's log-probs (N, V). Unbiased, and so is
+    its gradient; a row's estimate may be below 0."""
+    return (logp - student.gather(-1, ids)).mean(dim=-1)
+
+
 def renormalized(buckets: Tensor) -> Tensor:
     """Log-probs (N, B) shifted to sum to one: stored ones rounded to 16 bits sum to one only
     within their rounding."""
@@ -103,11 +133,23 @@ class Targets:
     """The teacher's side of a batch's scored positions (N of them), at the run's temperature:
     log-probs over the vocabulary (N, V) (a teacher run beside the student), or (read from
     logit shards) the ids (N, K) of its K most likely tokens, their log-probs (N, K) and the
-    log of the mass left (N,)."""
+    log of the mass left (N,), or (``drawn``: sampled logits) the ids (N, K) of K tokens drawn
+    from it and their log-probs (N, K)."""
 
     logp: Tensor
     ids: Tensor | None = None
     rest: Tensor | None = None
+    drawn: bool = False
+
+    def divergence(self, kind: str, student: Tensor, beta: float = 0.5) -> Tensor:
+        """The divergence ``kind`` of each row (N,) from the student's log-probs (N, V): over
+        the vocabulary, the K + 1 buckets, or estimated from the draws (the forward KL only)."""
+        if not self.drawn:
+            return divergence(kind, *self.compared(student), beta)
+        if kind != "forward_kl":
+            raise ValueError(f"{kind} cannot be estimated from tokens drawn from the teacher")
+        assert self.ids is not None
+        return sampled_forward_kl(student, self.ids, self.logp)
 
     def compared(self, student: Tensor) -> tuple[Tensor, Tensor]:
         """The student's and the teacher's log-probs over the same buckets, (N, B) each: the
@@ -158,7 +200,7 @@ def distill_loss(
     if n_data:
         assert teacher is not None
         student = torch.log_softmax(data / temperature, dim=-1)
-        kl = divergence(kind, *teacher.compared(student), beta).mean()
+        kl = teacher.divergence(kind, student, beta).mean()
         ce = torch.nn.functional.cross_entropy(data, targets)
         loss = alpha * scale * kl + (1 - alpha) * ce
     on_policy = None
