@@ -69,8 +69,12 @@ MEMORY_SHAPE = "qwen2.5"  # the memory rows' model (1 GB in bf16, as bench_load'
 PAIRS = (("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
 # lmcli running llama.cpp's own file: its q8_0/q4_0 matrices as stored, by the native kernels
 # llama.cpp's quantizer makes these files from the f32 one: (file type, llama_ftype name)
-LLAMA_QUANTIZED = {"q4_K_M": "Q4_K_M"}
+LLAMA_QUANTIZED = {"q4_K_M": "Q4_K_M", "q2_K": "Q2_K", "q3_K_M": "Q3_K_M"}
+LLAMA_QUANTIZED |= {"iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL"}
 GGUF_PAIRS = (("gguf q8_0", "q8_0"), ("gguf q4_0", "q4_0"), ("gguf q4_K_M", "q4_K_M"))
+# the other presets users download, run only when BENCH_PAIRS names them (gguf-q2_K, ...)
+MORE_PAIRS = (("gguf q2_K", "q2_K"), ("gguf q3_K_M", "q3_K_M"))
+MORE_PAIRS += (("gguf iq4_xs", "iq4_xs"), ("gguf iq4_nl", "iq4_nl"))
 MEMORY_MODES = ("fp32", "bf16", "int8", "gguf q4_0", "gguf q4_K_M")
 # the shapes with memory rows, and their modes (Gemma 3's: its GGUF files as stored, the goal's measure)
 MEMORY = {MEMORY_SHAPE: MEMORY_MODES, "gemma3": ("gguf q8_0", "gguf q4_K_M")}
@@ -140,9 +144,12 @@ def llama_python() -> str | None:
 
 
 def selected(mode: str) -> bool:
-    """Whether ``BENCH_PAIRS`` (lmcli's side of each pair, spaces as dashes) includes ``mode``."""
+    """Whether ``BENCH_PAIRS`` (lmcli's side of each pair, spaces as dashes) includes ``mode``
+    (without it: every pair but ``MORE_PAIRS``)."""
     names = os.environ.get("BENCH_PAIRS")
-    return names is None or mode.replace(" ", "-") in names.split(",")
+    if names is None:
+        return mode not in dict(MORE_PAIRS)
+    return mode.replace(" ", "-") in names.split(",")
 
 
 def prompt_ids(vocab: int) -> list[int]:
@@ -414,7 +421,7 @@ def decode_rows(folder: Path, shape: str, files: dict[str, str], threads: int, l
     log(f"{shape}, {threads} thread(s): copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = []
     prompt = json.dumps(prompt_ids(SHAPES[shape]["vocab_size"]))
-    for mode, gguf_type in PAIRS + GGUF_PAIRS:
+    for mode, gguf_type in PAIRS + GGUF_PAIRS + MORE_PAIRS:
         stored = mode.startswith("gguf")
         if not selected(mode) or gguf_type not in files or (shape in GGUF_ONLY and not stored):
             continue
