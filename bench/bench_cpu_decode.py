@@ -46,7 +46,16 @@ measure: a large vocabulary, a long context).
     BENCH_PAIRS=gguf-q4_K_M,int8 python -m bench.bench_cpu_decode   # some pairs (and memory rows)
 
 ``BENCH_PAIRS`` names lmcli's side of each pair, spaces as dashes (fp32, bf16, int8, int4,
-gguf-q8_0, gguf-q4_0, gguf-q4_K_M); the memory rows of the modes named run too.
+gguf-q8_0, gguf-q4_0, gguf-q4_K_M); the memory rows of the modes named run too. The other
+presets users download run only when named: gguf-q2_K, gguf-q3_K_M, gguf-iq4_xs, gguf-iq4_nl
+(files llama.cpp's quantizer makes, as the Q4_K_M one; each row's log names its blocks' mix).
+The three shapes' widths are not whole 256-value blocks, so most of their matrices take
+llama.cpp's fallbacks (q4_0, q5_0, iq4_nl, ...); ``BENCH_SHAPES=llama-256`` adds a Llama shape
+whose widths are (12 x 768, 12 heads, 4 key/value heads, MLP 2048, vocabulary 32000: 100M
+parameters), where those files' own q2_K/q3_K/q4_K/iq4_xs blocks run:
+
+    BENCH_PAIRS=gguf-q2_K,gguf-q3_K_M,gguf-iq4_xs,gguf-iq4_nl python -m bench.bench_cpu_decode
+    BENCH_SHAPES=llama-256 BENCH_PAIRS=gguf-q2_K,gguf-q3_K_M,gguf-iq4_xs python -m bench.bench_cpu_decode
 """
 
 from __future__ import annotations
@@ -112,6 +121,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=262144,
     ),
 }
+# a Llama shape whose widths are whole 256-value blocks: where a K-quant or IQ4_XS file's own
+# blocks run (the shapes above fall back to 32-value blocks on most matrices); run when named
+SHAPES["llama-256"] = dict(
+    label="Llama-100M shape, 256-multiple widths",
+    n_layer=12,
+    n_embd=768,
+    n_head=12,
+    n_kv_head=4,
+    d_ff=2048,
+    vocab_size=32000,
+)
+DEFAULT_SHAPES = ("smollm2", "qwen2.5", "gemma3")
 # Gemma 3 270M's block, context and layer pattern: five sliding-window layers (512 tokens) then a
 # global one, its own rotary base on each; a SentencePiece-style vocabulary (bench.texts.spm_pieces)
 GEMMA3 = dict(
@@ -497,7 +518,7 @@ def run() -> list:
     from bench.common import log
 
     threads = [int(t) for t in os.environ.get("BENCH_THREADS", "1").split(",")]
-    shapes = os.environ.get("BENCH_SHAPES", ",".join(SHAPES)).split(",")
+    shapes = os.environ.get("BENCH_SHAPES", ",".join(DEFAULT_SHAPES)).split(",")
     llama = llama_python()
     log(f"llama.cpp: {llama or 'absent'}")
     rows = []
