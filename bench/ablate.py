@@ -29,7 +29,7 @@ from lmcli.train import Reporter, train
 from lmcli.train.run_folder import resolve_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("LMCLI_DATA", "/work/shared/data"))
+DATA = Path(os.environ.get("LMCLI_DATA", ROOT.parent / "shared" / "data"))  # ../shared beside the project
 CORPUS = DATA / "tinyshakespeare" / "input.txt"
 RESULTS = ROOT / "bench" / "results" / "ablate.jsonl"
 
