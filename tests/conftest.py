@@ -6,6 +6,8 @@ a test in any folder under tests/ can ``from helpers import ...``.
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,18 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep every test's token cache out of ~/.cache."""
     monkeypatch.setenv("LMCLI_CACHE", str(tmp_path_factory.getbasetemp() / "lmcli-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _signals_kept() -> Iterator[None]:
+    """A test leaves SIGINT and SIGTERM as it found them: a handler left behind (or SIGINT left
+    ignored) is inherited by every later test's subprocesses and changes what Ctrl-C does there."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    changed = [sig.name for sig, handler in before.items() if signal.getsignal(sig) != handler]
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    assert not changed, f"the test left the handler of {', '.join(changed)} changed"
 
 
 @pytest.fixture

@@ -174,7 +174,16 @@ def test_a_signal_during_a_render_stops_training_at_once_and_removes_the_run_fol
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     argv = [sys.executable, "-m", "lmcli", *sft_args(tmp_path, LOOPS), "--max-steps", "1", "--out", str(out)]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal gives it: a shell's background job (`make test &`) ignores SIGINT, and
+    # so would the child, as a program started with SIGINT ignored should
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 60
         while not (rendering := workers(proc.pid)) and time.monotonic() < deadline and proc.poll() is None:

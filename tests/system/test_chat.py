@@ -218,9 +218,9 @@ def test_system_prompt_given_twice_and_translation_models_are_refused(
 def as_typed_in_a_terminal() -> None:
     """In the child before exec: the pseudo-terminal becomes its controlling terminal, and
     Ctrl-C, Ctrl-\\ and hang-up get their default dispositions, as for a command a shell starts.
-    An ignored signal survives exec and Python keeps it ignored; the pytest process was seen,
-    late in the full suite, with SIGINT, SIGQUIT and SIGHUP ignored (set by something outside
-    lmcli's tests, not found), and a chat started from it could not be interrupted."""
+    An ignored signal survives exec and Python keeps it ignored: a suite started as a shell's
+    background job (`make test &`, `nohup`) runs with SIGINT and SIGQUIT (and SIGHUP) ignored,
+    and a chat started from it could not be interrupted."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
