@@ -186,6 +186,26 @@ def rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+class CrashAt:
+    """A progress reporter that simulates a crash at a given step (after the checkpoint before it),
+    or sends this process ``sig`` there."""
+
+    def __init__(self, step: int, sig: int | None = None) -> None:
+        self.step, self.sig = step, sig
+
+    def start(self, total, step, max_time=None, shown=()) -> None:
+        pass
+
+    def update(self, step: int, record: dict) -> None:
+        if step == self.step:
+            if self.sig is None:
+                raise RuntimeError("simulated crash")
+            os.kill(os.getpid(), self.sig)
+
+    def stop(self) -> None:
+        pass
+
+
 class ServedProcess:
     """``lmcli serve RUN ARGS`` in its own process on a free loopback port (``nofile``: its
     open-file limit, as ``ulimit -n``), its stderr in a file; stopped (SIGTERM, then SIGKILL)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import (
     TINY_TEXT,
+    CrashAt,
     assert_one_line_error,
     kill_after_checkpoint,
     make_run,
@@ -131,23 +132,6 @@ def test_sampled_logits_teach_and_refuse_the_losses_they_cannot_estimate(
     assert code == 0, err
     trained = kls(out)
     assert trained[-1] < 0.6 * trained[0], trained
-
-
-class CrashAt:
-    """A progress reporter that raises at a given step (after the checkpoint before it)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def start(self, total, step, max_time=None, shown=()) -> None:
-        pass
-
-    def update(self, step: int, record: dict) -> None:
-        if step == self.step:
-            raise RuntimeError("simulated crash")
-
-    def stop(self) -> None:
-        pass
 
 
 RESUMED = {

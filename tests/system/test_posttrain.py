@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
+    CrashAt,
     assert_one_line_error,
     kill_after_checkpoint,
     make_run,
@@ -145,23 +146,6 @@ def test_grpo_raises_the_mean_reward(setup: Path, tmp_path: Path, capsys) -> Non
     assert all(0 <= r["groups_with_spread"] <= 1 and r["reply_tokens"] > 0 for r in records if "reward" in r)
     val = [r["val_reward"] for r in records if "val_reward" in r]
     assert val[-1] > val[0] and (tmp_path / "grpo" / "best").exists()
-
-
-class CrashAt:
-    """A progress reporter that raises at a given step (after the checkpoint before it)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def start(self, total, step, max_time=None, shown=()) -> None:
-        pass
-
-    def update(self, step: int, record: dict) -> None:
-        if step == self.step:
-            raise RuntimeError("simulated crash")
-
-    def stop(self) -> None:
-        pass
 
 
 def saved_tensors(run: Path) -> dict[str, torch.Tensor]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_TEXT, assert_same_weights, tiny_model, tiny_tokenizer, train_config, weights
+from helpers import TINY_TEXT, CrashAt, assert_same_weights, tiny_model, tiny_tokenizer, train_config, weights
 
 from lmcli.config.files import replace_options
 from lmcli.config.model import ModelConfig
@@ -72,25 +71,6 @@ def test_seeded_runs_are_identical_and_seeds_matter(tmp_path: Path) -> None:
     c = train(MODEL, config(tmp_path, "c", max_steps=10, seed=7), reporter=quiet(), progress=False)
     assert_same_weights(weights(a.run_dir), weights(b.run_dir))
     assert not torch.equal(weights(a.run_dir)["wte.weight"], weights(c.run_dir)["wte.weight"])
-
-
-class CrashAt:
-    """A progress reporter that simulates a crash (or sends a signal) at a given step."""
-
-    def __init__(self, step: int, sig: int | None = None) -> None:
-        self.step, self.sig = step, sig
-
-    def start(self, total, step, max_time=None, shown=()) -> None:
-        pass
-
-    def update(self, step: int, record: dict) -> None:
-        if step == self.step:
-            if self.sig is None:
-                raise RuntimeError("simulated crash")
-            os.kill(os.getpid(), self.sig)
-
-    def stop(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
